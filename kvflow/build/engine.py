@@ -1,0 +1,131 @@
+"""``kvflow build-engine``: checkpoint in, engine folder out.
+
+An engine folder holds everything a server needs: ``engine_config.json`` (model shape, backend,
+dtype, limits), the tokenizer and its chat template, and the backend's artifact: ``model.onnx`` +
+``model.onnx.data`` (onnxruntime), ``weights.safetensors`` (torch), or ``model.plan`` (tensorrt).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvflow.build.engine_config import (
+    BACKEND_DTYPES,
+    BACKENDS,
+    BuildLimits,
+    EngineConfig,
+    EngineConfigError,
+)
+
+ProgressFn = Callable[[str], None]
+
+
+def _print_progress(msg: str) -> None:
+    print(f"[build-engine] {msg}", flush=True)
+
+
+def tensorrt_available() -> str | None:
+    """None when TensorRT and an NVIDIA GPU are usable; else the reason they are not."""
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return "TensorRT is not installed (pip install 'kvflow[tensorrt]' on a GPU machine)"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no NVIDIA GPU is visible (torch.cuda.is_available() is False)"
+    except ImportError:
+        return "PyTorch is missing"
+    return None
+
+
+def build_engine(
+    model: str,
+    output: str | Path,
+    backend: str = "onnxruntime",
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    max_num_tokens: int = 2048,
+    max_batch_size: int = 64,
+    block_size: int = 16,
+    overwrite: bool = True,
+    progress: ProgressFn = _print_progress,
+) -> EngineConfig:
+    """Build an engine folder; see ``kvflow build-engine --help`` for the arguments."""
+    if backend not in BACKENDS:
+        raise EngineConfigError(f"--backend must be one of {BACKENDS}, got {backend!r}")
+    dtype = dtype or ("float16" if backend == "tensorrt" else "float32")
+    if dtype not in BACKEND_DTYPES[backend]:
+        raise EngineConfigError(
+            f"--dtype {dtype!r} is not supported by --backend {backend} "
+            f"(supported: {BACKEND_DTYPES[backend]})"
+        )
+    if backend == "tensorrt":
+        reason = tensorrt_available()
+        if reason:
+            raise EngineConfigError(f"--backend tensorrt cannot build here: {reason}")
+    # Validate the cheap arguments before loading gigabytes of weights.
+    BuildLimits(max_model_len or 1 << 30, max_num_tokens, max_batch_size, block_size)
+
+    from kvflow.model.loader import load_checkpoint
+
+    t0 = time.perf_counter()
+    progress(f"[1/4] loading {model}")
+    ckpt = load_checkpoint(model)
+    cfg = ckpt.config
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        limit = min(limit, cfg.sliding_window)  # beyond the window kvflow would not be exact
+    max_model_len = max_model_len or min(limit, 4096)
+    if max_model_len > limit:
+        raise EngineConfigError(
+            f"--max-model-len {max_model_len} exceeds the model's limit of {limit} positions"
+        )
+    limits = BuildLimits(max_model_len, max_num_tokens, max_batch_size, block_size)
+    progress(f"      {cfg.architecture}: {cfg.num_hidden_layers} layers, hidden "
+             f"{cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}, "
+             f"{cfg.num_parameters / 1e6:.1f}M parameters")
+
+    out = Path(output)
+    if out.exists() and overwrite:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    progress("[2/4] writing tokenizer and chat template")
+    ckpt.save_tokenizer(out)
+
+    files: dict[str, str] = {}
+    engine = EngineConfig(cfg, backend, dtype, limits, ckpt.source, files)
+    if backend == "torch":
+        from safetensors.torch import save_file
+
+        progress("[3/4] writing weights.safetensors")
+        state = {k: v.contiguous() for k, v in ckpt.state_dict.items()
+                 if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        save_file(state, str(out / "weights.safetensors"))
+        files["weights"] = "weights.safetensors"
+    else:
+        import torch
+
+        from kvflow.build.export import export_onnx
+        from kvflow.model.llama import LlamaForCausalLM
+
+        progress(f"[3/4] exporting ONNX ({cfg.num_hidden_layers} PagedAttention nodes)")
+        net = LlamaForCausalLM(cfg, block_size, max_model_len)
+        net.load_hf_state_dict(ckpt.state_dict)
+        net = net.to(getattr(torch, dtype)).eval()
+        export_onnx(net, block_size, out / "model.onnx")
+        files["onnx"] = "model.onnx"
+        files["onnx_data"] = "model.onnx.data"
+        if backend == "tensorrt":
+            from kvflow.build.tensorrt_build import build_plan
+
+            progress("      compiling the TensorRT plan")
+            build_plan(out / "model.onnx", out / "model.plan", limits, cfg)
+            files["plan"] = "model.plan"
+    engine.save(out)
+    progress(f"[4/4] engine written to {out} in {time.perf_counter() - t0:.1f}s")
+    return engine

@@ -1,0 +1,53 @@
+"""Host KV pools by address: how a PagedAttention kernel finds the pool it was handed.
+
+The engine graph never holds the KV pool as a tensor: it receives the pool's base addresses
+(``kv_cache_ptrs``, int64 ``[num_layers, 2]``), as TensorRT-LLM passes its pool pointers. A GPU
+kernel dereferences them directly. A host (CPU) implementation cannot safely turn an arbitrary
+integer into memory, so the owner of a host pool registers every K and V array here under its
+address, and the kernels look them up. An address that was never registered is an error, not a
+crash.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+_lock = threading.Lock()
+_arrays: dict[int, np.ndarray] = {}
+
+
+def address_of(array: np.ndarray) -> int:
+    """Base address of an array's data, as written into ``kv_cache_ptrs``."""
+    return int(array.__array_interface__["data"][0])
+
+
+def register(array: np.ndarray) -> int:
+    """Register a contiguous cache array; returns its address."""
+    if not array.flags.c_contiguous:
+        raise ValueError("a KV cache array must be C-contiguous")
+    addr = address_of(array)
+    with _lock:
+        _arrays[addr] = array
+    return addr
+
+
+def unregister(array: np.ndarray) -> None:
+    with _lock:
+        _arrays.pop(address_of(array), None)
+
+
+def lookup(addr: int) -> np.ndarray:
+    """The array registered at ``addr``."""
+    try:
+        return _arrays[int(addr)]
+    except KeyError:
+        raise KeyError(
+            f"kv_cache_ptrs holds address {int(addr):#x}, which is no registered KV pool "
+            "(was the pool freed, or built by another process?)"
+        ) from None
+
+
+def num_registered() -> int:
+    return len(_arrays)

@@ -1,0 +1,94 @@
+"""PagedAttention on the host in NumPy: the implementation the ONNX Runtime runner executes.
+
+Same semantics as :mod:`kvflow.plugins.paged_attention_ref` (the PyTorch reference), same
+arguments as the ONNX node ``kvflow::PagedAttention``: the pool is reached through
+``kv_cache_ptrs`` and :mod:`kvflow.plugins.kv_registry`, never passed as a tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvflow.plugins import kv_registry
+
+
+def _softmax_inplace(x: np.ndarray) -> np.ndarray:
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
+
+
+def paged_attention_host(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    kv_cache_ptrs: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start_loc: np.ndarray,
+    *,
+    layer_idx: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+) -> np.ndarray:
+    """One layer's PagedAttention. ``q`` ``[T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]``."""
+    k_cache = kv_registry.lookup(int(kv_cache_ptrs[layer_idx, 0]))
+    v_cache = kv_registry.lookup(int(kv_cache_ptrs[layer_idx, 1]))
+    block_size = k_cache.shape[1]
+    kvh, d, group = num_kv_heads, head_dim, num_heads // num_kv_heads
+    num_tokens = q.shape[0]
+
+    slots = slot_mapping.astype(np.int64, copy=False)
+    k3 = k.reshape(num_tokens, kvh, d)
+    v3 = v.reshape(num_tokens, kvh, d)
+    valid = slots >= 0
+    if not valid.all():
+        slots, k3, v3 = slots[valid], k3[valid], v3[valid]
+    k_cache.reshape(-1, kvh, d)[slots] = k3
+    v_cache.reshape(-1, kvh, d)[slots] = v3
+
+    out = np.empty((num_tokens, num_heads * d), dtype=q.dtype)
+    qsl = query_start_loc.astype(np.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    lens = seq_lens.astype(np.int64)
+
+    decode = np.nonzero(q_lens == 1)[0]
+    if decode.size:
+        dl = lens[decode]
+        nb = int(-(-dl.max() // block_size))
+        tables = block_tables[decode, :nb]
+        keys = k_cache[tables].reshape(decode.size, nb * block_size, kvh, d)
+        values = v_cache[tables].reshape(decode.size, nb * block_size, kvh, d)
+        rows = qsl[decode]
+        qd = q[rows].reshape(decode.size, kvh, group, d).astype(np.float32, copy=False)
+        scores = np.matmul(qd, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # [S,KVH,G,K]
+        mask = np.arange(nb * block_size)[None, :] >= dl[:, None]
+        scores[np.broadcast_to(mask[:, None, None, :], scores.shape)] = -np.inf
+        probs = _softmax_inplace(scores)
+        od = np.matmul(probs, values.transpose(0, 2, 1, 3))  # [S, KVH, G, D]
+        out[rows] = od.reshape(decode.size, num_heads * d)
+
+    for s in np.nonzero(q_lens > 1)[0]:
+        n, length = int(q_lens[s]), int(lens[s])
+        nb = -(-length // block_size)
+        table = block_tables[s, :nb]
+        keys = k_cache[table].reshape(nb * block_size, kvh, d)[:length]
+        values = v_cache[table].reshape(nb * block_size, kvh, d)[:length]
+        start = int(qsl[s])
+        qs = q[start : start + n].reshape(n, kvh, group, d)
+        # [KVH, G*n, D] x [KVH, D, L]: one matmul per KV head
+        qh = qs.transpose(1, 2, 0, 3).reshape(kvh, group * n, d)
+        scores = np.matmul(qh, keys.transpose(1, 2, 0)) * np.float32(scale)
+        scores = scores.reshape(kvh, group, n, length)
+        mask = np.arange(length)[None, :] > np.arange(length - n, length)[:, None]
+        scores[:, :, mask] = -np.inf
+        probs = _softmax_inplace(scores).reshape(kvh, group * n, length)
+        oh = np.matmul(probs, values.transpose(1, 0, 2))  # [KVH, G*n, D]
+        out[start : start + n] = (
+            oh.reshape(kvh, group, n, d).transpose(2, 0, 1, 3).reshape(n, num_heads * d)
+        )
+    return out

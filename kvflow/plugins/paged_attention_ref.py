@@ -1,0 +1,99 @@
+"""PagedAttention in plain PyTorch: the reference every other implementation is checked against.
+
+Semantics of one call (one layer of one engine step; see docs/design.md, "Engine I/O contract"):
+
+1. Write each new token's K and V into the pool at its slot: ``slot = block_id * block_size +
+   offset``; a negative slot means "padding, do not write".
+2. For each sequence ``s``, its new tokens are ``query_start_loc[s]:query_start_loc[s+1]`` of the
+   packed batch and its total length after this step is ``seq_lens[s]``; new token ``i`` of a
+   sequence with ``n`` new tokens sits at position ``seq_lens[s] - n + i`` and attends causally
+   to positions ``0 ..`` its own, read through ``block_tables[s]``.
+
+Decode-only sequences (one new token) are computed together in one batched pass; sequences with
+several new tokens (prefill chunks) are computed one by one, since each is a large piece of work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V rows ``[T, KVH, D]`` into caches ``[num_blocks, block_size, KVH, D]``."""
+    kvh, d = k_cache.shape[-2:]
+    flat_k = k_cache.view(-1, kvh, d)
+    flat_v = v_cache.view(-1, kvh, d)
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, k, v = slots[valid], k[valid], v[valid]
+    flat_k.index_copy_(0, slots, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Write K/V, then attend. ``q`` is ``[T, H, D]``, ``k``/``v`` ``[T, KVH, D]``; returns ``[T, H, D]``.
+
+    Scores and softmax run in fp32 whatever the input dtype.
+    """
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // kvh
+    out = torch.empty_like(q)
+    seq_lens_l = seq_lens.tolist()
+    qsl = query_start_loc.tolist()
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens_l))]
+
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        idx = torch.tensor(decode)
+        lens = seq_lens.long()[idx]
+        max_len = int(lens.max())
+        nb = -(-max_len // block_size)
+        tables = block_tables.long()[idx, :nb]
+        keys = k_cache[tables].view(len(decode), nb * block_size, kvh, head_dim)
+        values = v_cache[tables].view(len(decode), nb * block_size, kvh, head_dim)
+        rows = torch.tensor([qsl[i] for i in decode])
+        qd = q[rows].view(len(decode), kvh, group, head_dim).float()
+        scores = torch.matmul(qd, keys.float().permute(0, 2, 3, 1)) * scale  # [S, KVH, G, K]
+        mask = torch.arange(nb * block_size)[None, :] >= lens[:, None]
+        scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        od = torch.matmul(probs, values.float().permute(0, 2, 1, 3))  # [S, KVH, G, D]
+        out[rows] = od.reshape(len(decode), num_heads, head_dim).to(q.dtype)
+
+    for s, n in enumerate(q_lens):
+        if n <= 1:
+            continue
+        length = seq_lens_l[s]
+        nb = -(-length // block_size)
+        table = block_tables[s, :nb].long()
+        keys = k_cache[table].reshape(nb * block_size, kvh, head_dim)[:length].float()
+        values = v_cache[table].reshape(nb * block_size, kvh, head_dim)[:length].float()
+        qs = q[qsl[s] : qsl[s + 1]].view(n, kvh, group, head_dim).float()
+        scores = torch.einsum("qhgd,khd->hgqk", qs, keys) * scale
+        q_pos = torch.arange(length - n, length)[:, None]
+        mask = torch.arange(length)[None, :] > q_pos  # [n, length]
+        scores.masked_fill_(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        os_ = torch.einsum("hgqk,khd->qhgd", probs, values)
+        out[qsl[s] : qsl[s + 1]] = os_.reshape(n, num_heads, head_dim).to(q.dtype)
+    return out

@@ -1,0 +1,118 @@
+"""``torch.ops.kvflow.paged_attention``: the PagedAttention custom op, and its ONNX export.
+
+Eagerly the op runs the PyTorch reference on the host pool registered at ``kv_cache_ptrs``.
+Under ``torch.onnx.export(dynamo=True)`` it becomes exactly one node ``PagedAttention`` in the
+custom domain ``kvflow`` (no dot: TensorRT maps the domain to a plugin namespace), with the
+attributes below. The node's inputs and attributes are the engine I/O contract of one layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from onnx.defs import OpSchema
+
+from kvflow.plugins import kv_registry
+from kvflow.plugins.paged_attention_ref import paged_attention_ref
+
+ONNX_DOMAIN = "kvflow"
+ONNX_OP_TYPE = "PagedAttention"
+ONNX_OP_VERSION = 1
+
+_INPUTS = [
+    ("q", "T", "[num_tokens, num_heads*head_dim] queries, RoPE applied"),
+    ("k", "T", "[num_tokens, num_kv_heads*head_dim] new keys, RoPE applied"),
+    ("v", "T", "[num_tokens, num_kv_heads*head_dim] new values"),
+    ("kv_cache_ptrs", "tensor(int64)", "[num_layers, 2] K and V pool base addresses per layer"),
+    ("slot_mapping", "tensor(int64)", "[num_tokens] pool slot of each new token, -1 = skip"),
+    ("block_tables", "tensor(int32)", "[num_seqs, max_blocks] block ids, padded with block 0"),
+    ("seq_lens", "tensor(int32)", "[num_seqs] tokens of each sequence after this step"),
+    ("query_start_loc", "tensor(int32)", "[num_seqs+1] offsets of each sequence's new tokens"),
+]
+_ATTRS = [
+    ("layer_idx", OpSchema.AttrType.INT),
+    ("num_heads", OpSchema.AttrType.INT),
+    ("num_kv_heads", OpSchema.AttrType.INT),
+    ("head_dim", OpSchema.AttrType.INT),
+    ("block_size", OpSchema.AttrType.INT),
+    ("scale", OpSchema.AttrType.FLOAT),
+]
+
+PAGED_ATTENTION_SCHEMA = OpSchema(
+    ONNX_OP_TYPE,
+    ONNX_DOMAIN,
+    ONNX_OP_VERSION,
+    doc="Write new K/V into the paged pool, then causal attention over each sequence's blocks.",
+    inputs=[OpSchema.FormalParameter(n, t, d) for n, t, d in _INPUTS],
+    outputs=[OpSchema.FormalParameter("out", "T", "[num_tokens, num_heads*head_dim]")],
+    type_constraints=[
+        ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activation dtype")
+    ],
+    attributes=[OpSchema.Attribute(n, t, n) for n, t in _ATTRS],
+)
+
+
+def _host_cache(addr: int) -> torch.Tensor:
+    return torch.from_numpy(kv_registry.lookup(addr))
+
+
+@torch.library.custom_op("kvflow::paged_attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache_ptrs: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    layer_idx: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Write K/V into the registered host pool of ``layer_idx``, then attend (see module doc)."""
+    # NOTE: the op writes into memory outside its arguments (the pool, reached by address). That
+    # is the contract TensorRT's plugin follows too; the output depends on the write, so no
+    # compiler can drop or reorder it relative to this layer's attention.
+    k_cache = _host_cache(int(kv_cache_ptrs[layer_idx, 0]))
+    v_cache = _host_cache(int(kv_cache_ptrs[layer_idx, 1]))
+    t = q.shape[0]
+    out = paged_attention_ref(
+        q.view(t, num_heads, head_dim),
+        k.view(t, num_kv_heads, head_dim),
+        v.view(t, num_kv_heads, head_dim),
+        k_cache,
+        v_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+    )
+    return out.view(t, num_heads * head_dim)
+
+
+@paged_attention.register_fake
+def _(q, k, v, kv_cache_ptrs, slot_mapping, block_tables, seq_lens, query_start_loc,
+      layer_idx, num_heads, num_kv_heads, head_dim, block_size, scale):
+    return torch.empty_like(q)
+
+
+def onnx_translation_table() -> dict:
+    """``custom_translation_table`` for ``torch.onnx.export(dynamo=True)``."""
+    import onnxscript
+
+    opset = onnxscript.values.Opset(ONNX_DOMAIN, ONNX_OP_VERSION)
+    node = onnxscript.values.Op(opset, ONNX_OP_TYPE, PAGED_ATTENTION_SCHEMA)
+
+    def paged_attention_onnx(q, k, v, kv_cache_ptrs, slot_mapping, block_tables, seq_lens,
+                             query_start_loc, layer_idx: int, num_heads: int,
+                             num_kv_heads: int, head_dim: int, block_size: int, scale: float):
+        return node(q, k, v, kv_cache_ptrs, slot_mapping, block_tables, seq_lens,
+                    query_start_loc, layer_idx=layer_idx, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                    scale=scale)
+
+    return {torch.ops.kvflow.paged_attention.default: paged_attention_onnx}

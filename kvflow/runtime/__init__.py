@@ -1,0 +1,31 @@
+"""Runners behind one interface; :func:`create_runner` picks one by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvflow.build.engine_config import EngineConfig
+from kvflow.runtime.base import ModelRunner, StepInput
+
+RUNNERS = ("onnxruntime", "torch", "tensorrt")
+
+__all__ = ["RUNNERS", "ModelRunner", "StepInput", "create_runner"]
+
+
+def create_runner(name: str | None, engine_dir: str | Path, num_blocks: int) -> ModelRunner:
+    """The runner ``name`` (default: the engine's backend) over a pool of ``num_blocks`` blocks."""
+    engine = EngineConfig.load(engine_dir)
+    name = name or engine.backend
+    if name == "onnxruntime":
+        from kvflow.runtime.ort_runner import OnnxRuntimeRunner
+
+        return OnnxRuntimeRunner(engine_dir, engine, num_blocks)
+    if name == "torch":
+        from kvflow.runtime.torch_runner import TorchRunner
+
+        return TorchRunner(engine_dir, engine, num_blocks)
+    if name == "tensorrt":
+        raise RuntimeError(
+            "the TensorRT runner needs an NVIDIA GPU and TensorRT; neither is present here"
+        )
+    raise ValueError(f"runner must be one of {RUNNERS}, got {name!r}")

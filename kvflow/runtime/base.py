@@ -1,0 +1,75 @@
+"""The runner interface: one engine step in, the logits to sample out.
+
+Every runner (ONNX Runtime, PyTorch, TensorRT, the simulator's) takes the same
+:class:`StepInput` (the engine I/O contract, docs/design.md) and returns fp32 logits for the
+positions the scheduler wants sampled. Runners own the device memory of the KV pool; the
+:mod:`kvflow.kv_manager` decides which blocks hold what.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvflow.build.engine_config import EngineConfig
+
+
+@dataclass
+class StepInput:
+    """One engine step, host arrays. ``T`` packed new tokens of ``S`` sequences.
+
+    Attributes:
+        input_ids: int64 ``[T]`` token ids, sequence after sequence, no padding.
+        positions: int64 ``[T]`` position of each token in its sequence.
+        slot_mapping: int64 ``[T]`` KV pool slot (``block_id * block_size + offset``) to write;
+            -1 writes nothing.
+        block_tables: int32 ``[S, max_blocks]`` each sequence's blocks, padded with block 0.
+        seq_lens: int32 ``[S]`` tokens of each sequence once this step's are written.
+        query_start_loc: int32 ``[S + 1]`` where each sequence's new tokens start in the batch.
+        logits_indices: int64 ``[N]`` packed rows whose next-token logits to return.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    logits_indices: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+class ModelRunner(ABC):
+    """Executes engine steps against a KV pool of ``num_blocks`` blocks it allocated.
+
+    Block 0 of the pool is the null block: block tables are padded with it and nothing is ever
+    read from it.
+    """
+
+    name: str = "base"
+
+    def __init__(self, engine: EngineConfig, num_blocks: int) -> None:
+        self.engine = engine
+        self.num_blocks = num_blocks
+
+    @abstractmethod
+    def execute(self, step: StepInput) -> np.ndarray:
+        """Run one step; returns fp32 logits ``[len(step.logits_indices), vocab_size]``."""
+
+    def close(self) -> None:  # noqa: B027  (optional hook)
+        """Release the KV pool and any device resources."""
+
+    def __enter__(self) -> ModelRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

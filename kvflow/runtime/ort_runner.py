@@ -1,0 +1,147 @@
+"""The ONNX Runtime runner: the engine's ONNX graph on ORT's CPU provider.
+
+ORT executes every node of the graph except ``kvflow::PagedAttention``, which kvflow executes
+on the host (:mod:`kvflow.plugins.paged_attention_host`). At load time the graph is cut at its
+PagedAttention nodes into ``num_layers + 1`` segments; a step runs segment, attention, segment,
+... with the tensors crossing a cut kept on the host. (ORT's Python package ships no C headers to
+compile a native custom-op library against; the cut keeps the one graph as the single artifact
+while the attention runs vectorised in NumPy.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from kvflow.build.engine_config import EngineConfig
+from kvflow.plugins.paged_attention_host import paged_attention_host
+from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
+from kvflow.runtime.base import ModelRunner, StepInput
+from kvflow.runtime.kv_cache import HostKVPool
+
+ONNX_FILE = "model.onnx"
+
+
+@dataclass
+class _Segment:
+    session: ort.InferenceSession | None
+    input_names: list[str]
+    output_names: list[str]
+    attention: onnx.NodeProto | None  # the PagedAttention node that follows this segment
+    attention_attrs: dict
+
+
+def _split_at_attention(model: onnx.ModelProto) -> list[tuple[list[onnx.NodeProto], onnx.NodeProto | None]]:
+    pieces: list[tuple[list[onnx.NodeProto], onnx.NodeProto | None]] = []
+    current: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        if node.op_type == ONNX_OP_TYPE and node.domain == ONNX_DOMAIN:
+            pieces.append((current, node))
+            current = []
+        else:
+            current.append(node)
+    pieces.append((current, None))
+    return pieces
+
+
+def build_segments(model: onnx.ModelProto, threads: int | None = None) -> list[_Segment]:
+    """Cut ``model`` at its PagedAttention nodes into ORT sessions (see module doc)."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    value_info = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
+    pieces = _split_at_attention(model)
+    # Which tensors does anything at or after piece i consume? (graph outputs count as consumed)
+    consumed_after: list[set[str]] = [set() for _ in pieces]
+    later: set[str] = {o.name for o in graph.output}
+    for i in range(len(pieces) - 1, -1, -1):
+        nodes, attn = pieces[i]
+        if attn is not None:
+            later |= set(attn.input)
+        consumed_after[i] = set(later)
+        for n in nodes:
+            later |= set(n.input)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+    segments = []
+    for i, (nodes, attn) in enumerate(pieces):
+        produced = {o for n in nodes for o in n.output}
+        needed = [x for n in nodes for x in n.input if x and x not in produced]
+        seg_inputs = list(dict.fromkeys(x for x in needed if x not in inits))
+        seg_inits = [inits[x] for x in dict.fromkeys(needed) if x in inits]
+        seg_outputs = [o for n in nodes for o in n.output if o in consumed_after[i]]
+        session = None
+        if nodes:
+            g = helper.make_graph(
+                nodes, f"segment_{i}",
+                [_value_info(value_info, x) for x in seg_inputs],
+                [_value_info(value_info, x) for x in seg_outputs],
+                seg_inits,
+            )
+            seg_model = helper.make_model(g, opset_imports=[
+                o for o in model.opset_import if o.domain != ONNX_DOMAIN])
+            seg_model.ir_version = model.ir_version
+            session = ort.InferenceSession(seg_model.SerializeToString(), opts,
+                                           providers=["CPUExecutionProvider"])
+        attrs = {a.name: helper.get_attribute_value(a) for a in attn.attribute} if attn else {}
+        segments.append(_Segment(session, seg_inputs, seg_outputs, attn, attrs))
+    return segments
+
+
+def _value_info(known: dict, name: str) -> onnx.ValueInfoProto:
+    if name in known:
+        return known[name]
+    # Type unknown to the exporter's value_info: leave it to ORT's inference.
+    return helper.make_empty_tensor_value_info(name)
+
+
+class OnnxRuntimeRunner(ModelRunner):
+    """Executes the engine's ONNX graph with ONNX Runtime over a host KV pool."""
+
+    name = "onnxruntime"
+
+    def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
+                 threads: int | None = None) -> None:
+        super().__init__(engine, num_blocks)
+        path = Path(engine_dir) / engine.files.get("onnx", ONNX_FILE)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: the ONNX Runtime runner needs an engine built with "
+                "--backend onnxruntime"
+            )
+        self.segments = build_segments(onnx.load(str(path)), threads)
+        m = engine.model
+        self.pool = HostKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
+                               m.num_key_value_heads, m.head_dim, np.float32)
+
+    def execute(self, step: StepInput) -> np.ndarray:
+        values: dict[str, np.ndarray] = {
+            "input_ids": step.input_ids, "positions": step.positions,
+            "kv_cache_ptrs": self.pool.ptrs, "slot_mapping": step.slot_mapping,
+            "block_tables": step.block_tables, "seq_lens": step.seq_lens,
+            "query_start_loc": step.query_start_loc, "logits_indices": step.logits_indices,
+        }
+        for seg in self.segments:
+            if seg.session is not None:
+                outs = seg.session.run(seg.output_names, {n: values[n] for n in seg.input_names})
+                values.update(zip(seg.output_names, outs))
+            if seg.attention is not None:
+                a = seg.attention
+                values[a.output[0]] = paged_attention_host(
+                    *(values[x] for x in a.input),
+                    layer_idx=seg.attention_attrs["layer_idx"],
+                    num_heads=seg.attention_attrs["num_heads"],
+                    num_kv_heads=seg.attention_attrs["num_kv_heads"],
+                    head_dim=seg.attention_attrs["head_dim"],
+                    scale=seg.attention_attrs["scale"],
+                )
+        return values["logits"]
+
+    def close(self) -> None:
+        self.pool.close()

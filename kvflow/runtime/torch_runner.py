@@ -1,0 +1,61 @@
+"""The PyTorch runner: the step model executed eagerly, attention by the reference op."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvflow.build.engine_config import EngineConfig
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.runtime.base import ModelRunner, StepInput
+from kvflow.runtime.kv_cache import HostKVPool
+
+WEIGHTS_FILE = "weights.safetensors"
+
+
+def load_model(engine_dir: Path, engine: EngineConfig) -> LlamaForCausalLM:
+    """Build the step model of an engine folder and load its weights."""
+    from safetensors.torch import load_file
+
+    weights = engine_dir / engine.files.get("weights", WEIGHTS_FILE)
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"{weights} is missing: the PyTorch runner needs an engine built with "
+            "--backend torch"
+        )
+    model = LlamaForCausalLM(engine.model, engine.limits.block_size, engine.limits.max_model_len)
+    model.load_hf_state_dict(load_file(str(weights)))
+    return model.eval()
+
+
+class TorchRunner(ModelRunner):
+    """Runs :class:`LlamaForCausalLM` eagerly on the CPU over a host KV pool."""
+
+    name = "torch"
+
+    def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int) -> None:
+        super().__init__(engine, num_blocks)
+        self.model = load_model(Path(engine_dir), engine)
+        m = engine.model
+        self.pool = HostKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
+                               m.num_key_value_heads, m.head_dim, np.float32)
+        self._ptrs = torch.from_numpy(self.pool.ptrs)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> np.ndarray:
+        logits = self.model(
+            torch.from_numpy(step.input_ids),
+            torch.from_numpy(step.positions),
+            self._ptrs,
+            torch.from_numpy(step.slot_mapping),
+            torch.from_numpy(step.block_tables),
+            torch.from_numpy(step.seq_lens),
+            torch.from_numpy(step.query_start_loc),
+            torch.from_numpy(step.logits_indices),
+        )
+        return logits.numpy()
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random-weight HF checkpoints, and engines built from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+# name -> HF config overrides. Each is a different corner of the Llama family.
+TINY_MODELS: dict[str, dict] = {
+    "llama-gqa4": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                   "num_attention_heads": 8, "num_key_value_heads": 2,
+                   "tie_word_embeddings": False},
+    "llama-mha-tied": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                       "num_attention_heads": 4, "num_key_value_heads": 4,
+                       "tie_word_embeddings": True},
+    "llama3-rope": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                    "num_attention_heads": 8, "num_key_value_heads": 2,
+                    "rope_theta": 500000.0,
+                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64}},
+    "qwen2-bias": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                   "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "tie_word_embeddings": True},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                "num_attention_heads": 4, "num_key_value_heads": 1, "sliding_window": None},
+}
+BASE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+        "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+def make_tiny_hf_model(name: str, folder: Path):
+    """Save a random-weight HF model ``name`` (see TINY_MODELS) with a byte-level tokenizer."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    overrides = TINY_MODELS[name]
+    cfg_dict = {**BASE, **overrides}
+    cls_name = overrides["architectures"][0]
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    config = config_cls(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
+    config.architectures = [cls_name]
+    torch.manual_seed(sum(map(ord, name)))
+    model = getattr(transformers, cls_name)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)  # larger than the init, so that attention is not uniform
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.6, 1.4)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    # A byte-level BPE with no merges: 256 byte tokens + specials, enough to round-trip text.
+    vocab = {c: i + 3 for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab.update({"<unk>": 0, "<s>": 1, "</s>": 2})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}",
+    }))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """name -> (HF folder, HF model) for every tiny model."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: (root / name, make_tiny_hf_model(name, root / name)) for name in TINY_MODELS}
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(model name, backend) -> engine folder, for both CPU backends."""
+    from kvflow.build.engine import build_engine
+
+    root = tmp_path_factory.mktemp("engines")
+    out = {}
+    for name, (folder, _) in tiny_models.items():
+        for backend in ("onnxruntime", "torch"):
+            path = root / f"{name}-{backend}"
+            build_engine(str(folder), path, backend=backend, max_model_len=256,
+                         max_num_tokens=256, max_batch_size=16, block_size=4,
+                         progress=lambda _msg: None)
+            out[name, backend] = path
+    return out
