@@ -270,7 +270,9 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
 
 
-def random_logits(rng: np.random.Generator, rows: int, vocab: int, scale: float = 3.0) -> np.ndarray:
+def random_logits(
+    rng: np.random.Generator, rows: int, vocab: int, scale: float = 3.0
+) -> np.ndarray:
     return (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
 
 

@@ -71,7 +71,7 @@ def export_onnx(model: LlamaForCausalLM, block_size: int, out_path: Path) -> onn
         )
     program.save(str(out_path), external_data=True)
     graph = onnx.load(str(out_path), load_external_data=False)
-    count = sum(1 for n in graph.graph.node if n.op_type == ONNX_OP_TYPE and n.domain == ONNX_DOMAIN)
+    count = sum(n.op_type == ONNX_OP_TYPE and n.domain == ONNX_DOMAIN for n in graph.graph.node)
     if count != model.config.num_hidden_layers:
         raise RuntimeError(
             f"export produced {count} {ONNX_DOMAIN}::{ONNX_OP_TYPE} nodes, expected "

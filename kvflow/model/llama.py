@@ -89,7 +89,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        h, qd, kvd = cfg.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = cfg.hidden_size
+        qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(h, qd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, kvd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, kvd, bias=cfg.attention_bias)

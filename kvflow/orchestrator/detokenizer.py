@@ -76,6 +76,8 @@ class IncrementalDetokenizer:
 
     Each :meth:`step` costs O(window + longest stop string), not O(output length): it decodes
     only the tokens since the last emitted boundary plus the tokens emitted at that boundary.
+    The window grows only while the text cannot be final yet: an unfinished character, an open
+    run of byte-fallback tokens, trailing invalid bytes, or tokens that decode to nothing.
     """
 
     def __init__(

@@ -17,7 +17,7 @@ row-wise reductions, selections and sorts do not look at neighbouring rows), and
 exactly one number per step from its own generator. So a seeded request yields the same tokens
 whatever else is in the batch and wherever its row is.
 
-Cost (256 rows x 49152 vocab, one core): the all-greedy, no-penalty batch is a single argmax;
+Cost (256 rows x 49152 vocab, one core): an all-greedy batch without penalties is one argmax pass;
 otherwise only the rows that need it are copied, top_k uses ``argpartition`` rather than a sort,
 top_p sorts only a top-1024 candidate set unless that set holds less than top_p of the mass, and
 the CDF is inverted over 256-wide blocks so no full-row cumulative sum is needed.

@@ -35,7 +35,7 @@ def paged_attention_host(
     head_dim: int,
     scale: float,
 ) -> np.ndarray:
-    """One layer's PagedAttention. ``q`` ``[T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]``."""
+    """One layer: ``q`` ``[T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]``."""
     k_cache = kv_registry.lookup(int(kv_cache_ptrs[layer_idx, 0]))
     v_cache = kv_registry.lookup(int(kv_cache_ptrs[layer_idx, 1]))
     block_size = k_cache.shape[1]

@@ -49,7 +49,7 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Write K/V, then attend. ``q`` is ``[T, H, D]``, ``k``/``v`` ``[T, KVH, D]``; returns ``[T, H, D]``.
+    """Write K/V, then attend: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` -> ``[T, H, D]``.
 
     Scores and softmax run in fp32 whatever the input dtype.
     """

@@ -21,7 +21,8 @@ class HostKVPool:
         self.k = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.ptrs = np.array(
-            [[kv_registry.register(k), kv_registry.register(v)] for k, v in zip(self.k, self.v)],
+            [[kv_registry.register(k), kv_registry.register(v)]
+             for k, v in zip(self.k, self.v, strict=True)],
             dtype=np.int64,
         ).reshape(num_layers, 2)
         self.nbytes = sum(a.nbytes for a in self.k) * 2

@@ -36,8 +36,11 @@ class _Segment:
     attention_attrs: dict
 
 
-def _split_at_attention(model: onnx.ModelProto) -> list[tuple[list[onnx.NodeProto], onnx.NodeProto | None]]:
-    pieces: list[tuple[list[onnx.NodeProto], onnx.NodeProto | None]] = []
+_Piece = tuple[list[onnx.NodeProto], onnx.NodeProto | None]
+
+
+def _split_at_attention(model: onnx.ModelProto) -> list[_Piece]:
+    pieces: list[_Piece] = []
     current: list[onnx.NodeProto] = []
     for node in model.graph.node:
         if node.op_type == ONNX_OP_TYPE and node.domain == ONNX_DOMAIN:
@@ -130,7 +133,7 @@ class OnnxRuntimeRunner(ModelRunner):
         for seg in self.segments:
             if seg.session is not None:
                 outs = seg.session.run(seg.output_names, {n: values[n] for n in seg.input_names})
-                values.update(zip(seg.output_names, outs))
+                values.update(zip(seg.output_names, outs, strict=True))
             if seg.attention is not None:
                 a = seg.attention
                 values[a.output[0]] = paged_attention_host(
