@@ -94,3 +94,31 @@ def tiny_engines(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Path]:
                          progress=lambda _msg: None)
             out[name, backend] = path
     return out
+
+
+@pytest.fixture(scope="session")
+def default_engines(tmp_path_factory) -> dict[str, Path]:
+    """backend -> engine folder of the default model (SmolLM2-135M-Instruct), both CPU backends."""
+    from kvflow.build.engine import build_engine
+    from kvflow.model.loader import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    root = tmp_path_factory.mktemp("default-engines")
+    out = {}
+    for backend in ("onnxruntime", "torch"):
+        out[backend] = root / backend
+        build_engine("default", out[backend], backend=backend, max_model_len=1024,
+                     max_num_tokens=512, max_batch_size=32, block_size=16,
+                     progress=lambda _msg: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_hf():
+    """HF transformers' own SmolLM2-135M-Instruct, dequantized from the same GGUF by transformers."""
+    from kvflow.model.hf_reference import load_hf_reference
+
+    return load_hf_reference("default")
