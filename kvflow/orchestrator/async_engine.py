@@ -1,0 +1,167 @@
+"""The engine loop in a background thread, and an asyncio API over it.
+
+:class:`EngineLoop` owns an :class:`LLMEngine`: other threads submit and abort requests through
+a queue, and get each request's outputs through a callback called on the loop thread. The Triton
+backend uses it directly; :class:`AsyncLLMEngine` turns the callbacks into async iterators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from kvflow.orchestrator.engine import LLMEngine
+from kvflow.orchestrator.outputs import RequestOutput
+from kvflow.orchestrator.sampling_params import SamplingParams
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` on a daemon thread while there is work; idle, it sleeps on its
+    inbox. All engine state is touched by that thread alone."""
+
+    def __init__(self, engine: LLMEngine, name: str = "kvflow-engine-loop") -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+               callback: OutputCallback, priority: int = 0) -> None:
+        """Queue a request; ``callback`` gets every output, the last one with ``finished``."""
+        self._inbox.put(("add", (request_id, prompt, params, callback, priority)))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the loop thread and return its result (for metrics reads)."""
+        done: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox.put(("call", (fn, done)))
+        ok, value = done.get(timeout=60)
+        if not ok:
+            raise value
+        return value
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight, stop the thread and wait for it."""
+        self._stopped.set()
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            request_id, prompt, params, callback, priority = payload
+            try:
+                _, rejected = self.engine.add_request(prompt, params, request_id, priority)
+            except ValueError as e:
+                callback(_error_output(request_id, str(e)))
+                return
+            if rejected is not None:
+                callback(rejected)
+            else:
+                self._callbacks[request_id] = callback
+        elif kind == "abort":
+            out = self.engine.abort_request(payload)
+            callback = self._callbacks.pop(payload, None)
+            if out is not None and callback is not None:
+                callback(out)
+        elif kind == "call":
+            fn, done = payload
+            try:
+                done.put((True, fn(self.engine)))
+            except Exception as e:  # handed back to the caller's thread
+                done.put((False, e))
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                idle = not self.engine.has_unfinished_requests()
+                batch = []
+                try:
+                    batch.append(self._inbox.get(block=idle, timeout=0.5 if idle else None))
+                    while len(batch) < 256:  # bounded, so a flood of adds cannot stall steps
+                        batch.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                for kind, payload in batch:
+                    if kind == "stop":
+                        return
+                    self._handle(kind, payload)
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        callback = (self._callbacks.pop(out.request_id, None) if out.finished
+                                    else self._callbacks.get(out.request_id))
+                        if callback is not None:
+                            callback(out)
+        except BaseException as e:  # noqa: BLE001  (reported to every waiter below)
+            self.error = e
+            raise
+        finally:
+            for request_id, callback in list(self._callbacks.items()):
+                out = self.engine.abort_request(request_id)
+                if out is not None:
+                    if self.error is not None:
+                        out.error = f"engine failed: {self.error!r}"
+                    callback(out)
+            self._callbacks.clear()
+
+
+def _error_output(request_id: str, message: str) -> RequestOutput:
+    from kvflow.orchestrator.request import RequestMetrics
+
+    return RequestOutput(request_id=request_id, text="", token_ids=[], delta_text="",
+                         delta_token_ids=[], finished=True, finish_reason="rejected",
+                         num_prompt_tokens=0, metrics=RequestMetrics(0.0), error=message)
+
+
+class AsyncLLMEngine:
+    """asyncio front end: ``async for out in engine.add_request(...)`` streams deltas."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.loop = EngineLoop(engine)
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str, **overrides: Any) -> AsyncLLMEngine:
+        from kvflow.orchestrator.llm import create_engine
+
+        return cls(create_engine(engine_dir, **overrides))
+
+    async def add_request(self, request_id: str, prompt: str | Sequence[int],
+                          params: SamplingParams | None = None,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; leaving the iterator early aborts the request."""
+        aio_loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:
+            aio_loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        self.loop.submit(request_id, prompt, params or SamplingParams(), on_output, priority)
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.loop.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.loop.abort(request_id)
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+        self.loop.engine.runner.close()

@@ -1,0 +1,59 @@
+"""What the engine hands back: per-request outputs and per-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.orchestrator.request import RequestMetrics
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step, with what is new since the last output.
+
+    ``text`` and ``token_ids`` are cumulative; ``delta_text`` and ``delta_token_ids`` are what
+    this step added (streaming clients concatenate the deltas).
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    metrics: RequestMetrics
+    stop_reason: str | int | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepStats:
+    """One engine step, for metrics and reports."""
+
+    time: float
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled_seqs: int
+    kv_blocks_used: int
+    kv_usage: float
+    num_preempted: int
+    schedule_time_s: float
+    model_time_s: float
+    sample_time_s: float
+    postprocess_time_s: float
+    finished: list[str] = field(default_factory=list)
+
+    @property
+    def overhead_time_s(self) -> float:
+        """Everything but the model: scheduling, input building, sampling, detokenizing."""
+        return self.schedule_time_s + self.sample_time_s + self.postprocess_time_s

@@ -1,0 +1,168 @@
+"""A request and its lifecycle, in vLLM's vocabulary. Pure Python.
+
+    WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_STOPPED | FINISHED_LENGTH
+                                                   | FINISHED_ABORTED
+    WAITING -> REJECTED (with a reason), at once
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvflow.orchestrator.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    REJECTED = "rejected"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style reason: ``stop``, ``length``, ``abort``, ``rejected`` or None."""
+        return self.value if self in _FINISHED else None
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.REJECTED})
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request (seconds on the engine's clock) and what follows from them."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def queue_time_s(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time_s(self) -> float | None:
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        n = len(self.token_times)
+        if n < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {
+            "arrival_time": self.arrival_time,
+            "queue_time_s": self.queue_time_s,
+            "prefill_time_s": self.prefill_time_s,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "e2e_s": self.e2e_s,
+            "num_output_tokens": len(self.token_times),
+            "num_preemptions": self.num_preemptions,
+            "cached_tokens": self.cached_tokens,
+        }
+
+
+class Request:
+    """One generation request, as the scheduler and the engine see it.
+
+    ``token_ids`` is the whole known sequence (prompt then output); ``num_computed_tokens`` of
+    it have their KV in the pool. A request whose KV was dropped by preemption recomputes
+    everything, output tokens included, as if they were prompt.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, arrival_time: float, priority: int = 0,
+                 eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.status = RequestStatus.WAITING
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.stop_reason: str | int | None = None
+        self.reject_reason: str | None = None
+        self.metrics = RequestMetrics(arrival_time)
+        # The most output this request may produce: max_tokens, clipped by the context limit.
+        limit = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
+        if max_model_len is not None:
+            limit = min(limit, max_model_len - len(prompt_token_ids))
+        self.max_output_tokens = limit
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Token-level stop conditions after appending a token (stop strings are the engine's)."""
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.sampling_params.min_tokens:
+            if last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, "
+                f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens})")

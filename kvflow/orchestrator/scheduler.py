@@ -1,0 +1,361 @@
+"""Schedulers: which tokens of which requests run in the next step. Pure Python.
+
+One base class holds the queues, admission checks, preemption and bookkeeping; each batching
+policy is a small subclass with its own ``schedule()``:
+
+* :class:`ContinuousScheduler` (``fcfs`` / ``priority``): in-flight batching with a token
+  budget, chunked prefill and preemption by recompute.
+* :class:`StaticBatchScheduler` (``static``): the baseline; a batch runs to completion.
+
+The scheduler hands the engine a :class:`SchedulerOutput` and gets the sampled tokens back
+through :meth:`Scheduler.update_from_output` (vLLM v1's handshake).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvflow.kv_manager import KVCacheManager
+from kvflow.orchestrator.config import SchedulerConfig
+from kvflow.orchestrator.request import Request, RequestStatus
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class ScheduledRequest:
+    """``num_new_tokens`` tokens of ``request`` from ``start`` run this step."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def sample(self) -> bool:
+        """Does this chunk reach the end of the known sequence, so that a token is sampled?"""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step, and what the scheduler did to get there."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        # A decode is one new token that continues a sequence whose output has begun.
+        return sum(1 for s in self.scheduled
+                   if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_batched_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Queues, admission control, preemption and bookkeeping shared by every policy.
+
+    Args:
+        config: the limits and the policy.
+        kv: the KV cache manager whose blocks every scheduled token must have.
+        clock: seconds, monotonic; the simulator passes its own.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Clock = time.monotonic) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        # The longest sequence that can ever be resident: the context limit or the whole pool.
+        self.max_seq_len = min(config.max_model_len,
+                               kv.pool.num_usable_blocks * kv.block_size)
+        self.watermark_blocks = int(config.kv_watermark * kv.pool.num_usable_blocks)
+
+    # --- requests in and out ------------------------------------------------------------------
+    def add_request(self, request: Request) -> bool:
+        """Queue ``request``, or reject it at once (status REJECTED, ``reject_reason`` set)."""
+        reason = self._rejection_reason(request)
+        if reason is not None:
+            request.status = RequestStatus.REJECTED
+            request.reject_reason = reason
+            request.metrics.finished_time = self.clock()
+            return False
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        request.max_output_tokens = min(request.max_output_tokens,
+                                        self.max_seq_len - request.num_prompt_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return True
+
+    def _rejection_reason(self, request: Request) -> str | None:
+        n, cfg = request.num_prompt_tokens, self.config
+        if n == 0:
+            return "prompt must contain at least one token"
+        if n >= cfg.max_model_len:
+            return (f"prompt has {n} tokens; max_model_len is {cfg.max_model_len} "
+                    "(prompt + at least one output token)")
+        if n >= self.max_seq_len:
+            return (f"prompt has {n} tokens; the KV cache holds at most {self.max_seq_len} "
+                    "tokens per sequence")
+        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            return (f"prompt has {n} tokens, more than max_num_batched_tokens "
+                    f"({cfg.max_num_batched_tokens}) with chunked prefill disabled")
+        if len(self.waiting) >= cfg.max_waiting_requests:
+            return f"waiting queue is full (max_waiting_requests={cfg.max_waiting_requests})"
+        return None
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort a queued or running request; its KV blocks are freed now."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Move ``request`` to a finished status and release everything it holds."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.metrics.finished_time = self.clock()
+        self.kv.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+
+    # --- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        raise NotImplementedError
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish what stopped.
+
+        ``sampled`` maps request ids to the token sampled for them this step (requests whose
+        chunk did not reach the end of the sequence sample nothing). Returns the requests that
+        finished by a token-level condition (EOS, stop token, length).
+        """
+        now = self.clock()
+        finished = []
+        for s in output.scheduled:
+            request = s.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens = s.start + s.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            m = request.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            m.token_times.append(now)
+            status = request.check_stop()
+            if status is not None:
+                self.finish_request(request, status)
+                finished.append(request)
+        return finished
+
+    # --- helpers for the policies -----------------------------------------------------------
+    def _chunk(self, num_new: int, budget: int, prefill: bool) -> int:
+        """How many of ``num_new`` tokens fit this step (0: none; the request waits)."""
+        if prefill and self.config.long_prefill_token_threshold:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        if num_new <= budget:
+            return num_new
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = self.clock()
+        self.running.append(request)
+
+    def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
+        """Preempt by recompute: free the KV, back to the front of the queue."""
+        self.running.remove(victim)
+        self.kv.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        output.preempted.append(victim)
+        for i, s in enumerate(output.scheduled):
+            if s.request is victim:
+                del output.scheduled[i]
+                break
+
+    # --- introspection ----------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_integrity(self) -> None:
+        """KV pool consistent; exactly the running requests hold blocks, enough for their KV."""
+        self.kv.check_integrity()
+        holders = set(self.kv.block_tables)
+        running = {r.request_id for r in self.running}
+        assert holders <= running, f"blocks held by non-running requests {holders - running}"
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, r
+            have = len(self.kv.block_tables.get(r.request_id, ()))
+            assert have >= self.kv.blocks_needed(r.num_computed_tokens), r
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert r.num_computed_tokens == 0, r
+        assert len(self.running) <= self.config.max_num_seqs
+
+
+class ContinuousScheduler(Scheduler):
+    """In-flight batching under a token budget, with chunked prefill and preemption.
+
+    ``policy="fcfs"`` admits in arrival order; ``policy="priority"`` admits the lowest
+    ``priority`` value first, ties by arrival, with aging: a waiting request's effective
+    priority improves by one level per ``priority_aging_s`` seconds waited.
+    """
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens.
+
+        Algorithm. There is no prefill or decode phase: each request has ``num_tokens`` known
+        tokens of which ``num_computed_tokens`` have KV, and the step hands out a budget of
+        ``max_num_batched_tokens``. (1) Running requests first, in admission order: each gets
+        its remaining tokens (one for a decode, the next chunk of a prompt), clamped to the
+        budget when chunked prefill is on. If its KV blocks cannot be allocated, the running
+        request of lowest priority (largest value), newest arrival, is preempted by recompute
+        (blocks freed, back to the front of the queue, unscheduled if it was scheduled this
+        step), until the allocation succeeds or the request itself was the victim. (2) Only if
+        nothing was preempted, waiting requests are admitted in policy order while budget,
+        ``max_num_seqs`` and free KV blocks allow; admission keeps ``kv_watermark`` of the pool
+        free (unless nothing runs) so that running requests can grow. A prompt that does not
+        fit the remaining budget without chunking waits for a later step (head of line).
+        """
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = self._chunk(remaining, budget, prefill=remaining > 1)
+            if num_new == 0:
+                i += 1
+                continue
+            total = request.num_computed_tokens + num_new
+            while not self.kv.allocate_slots(request.request_id, total):
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                restored = next((s.num_new_tokens for s in out.scheduled
+                                 if s.request is victim), 0)
+                self._preempt(victim, out)
+                budget += restored
+                if victim is request:
+                    break
+                if victim_index < i:
+                    i -= 1
+            else:
+                out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens,
+                                                      num_new))
+                budget -= num_new
+                i += 1
+
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._peek_waiting()
+            num_new = self._chunk(request.num_tokens, budget, prefill=True)
+            if num_new == 0:
+                break
+            reserve = self.watermark_blocks if self.running else 0
+            if not self.kv.allocate_slots(request.request_id, num_new, reserve=reserve):
+                break
+            self.waiting.remove(request)
+            self._start_running(request)
+            out.scheduled.append(ScheduledRequest(request, 0, num_new))
+            budget -= num_new
+        return out
+
+    def _pick_victim(self) -> Request:
+        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+
+    def _peek_waiting(self) -> Request:
+        if self.config.policy != "priority":
+            return self.waiting[0]
+        now = self.clock()
+        aging = self.config.priority_aging_s
+        return min(self.waiting,
+                   key=lambda r: (r.priority - (now - r.arrival_time) / aging, r.arrival_time))
+
+
+class StaticBatchScheduler(Scheduler):
+    """Static batching, the baseline: gather up to B waiting requests, reserve KV for their
+    whole length (prompt + max output), run them together to completion, admit nothing until
+    the whole batch has finished. Never preempts."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Clock = time.monotonic) -> None:
+        super().__init__(config, kv, clock)
+        self.batch_size = min(config.static_batch_size or config.max_num_seqs,
+                              config.max_num_seqs)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not self.running:
+            self._form_batch()
+        budget = self.config.max_num_batched_tokens
+        for request in self.running:
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = self._chunk(remaining, budget, prefill=remaining > 1)
+            if num_new == 0:
+                continue
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        return out
+
+    def _form_batch(self) -> None:
+        while self.waiting and len(self.running) < self.batch_size:
+            request = self.waiting[0]
+            full = request.num_prompt_tokens + request.max_output_tokens
+            if not self.kv.allocate_slots(request.request_id, full):
+                break
+            self.waiting.popleft()
+            self._start_running(request)
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    "fcfs": ContinuousScheduler,
+    "priority": ContinuousScheduler,
+    "static": StaticBatchScheduler,
+}
+
+
+def make_scheduler(config: SchedulerConfig, kv: KVCacheManager,
+                   clock: Clock = time.monotonic) -> Scheduler:
+    """The scheduler class registered for ``config.policy``."""
+    return SCHEDULERS[config.policy](config, kv, clock)
