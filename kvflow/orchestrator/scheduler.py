@@ -32,11 +32,12 @@ class ScheduledRequest:
     request: Request
     start: int
     num_new_tokens: int
+    # Does the chunk reach the end of the known sequence, so that a token is sampled? Fixed
+    # when scheduled: the sequence grows once the sampled token is appended.
+    sample: bool = field(init=False)
 
-    @property
-    def sample(self) -> bool:
-        """Does this chunk reach the end of the known sequence, so that a token is sampled?"""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.sample = self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
