@@ -85,10 +85,15 @@ class KVCacheManager:
         Returns False (and allocates nothing) when the pool would keep fewer than ``reserve``
         free blocks.
         """
-        need = self.num_new_blocks(request_id, num_tokens)
+        table = self.block_tables.get(request_id)
+        have = len(table) if table is not None else 0
+        need = -(-num_tokens // self.block_size) - have
+        if need <= 0:  # the common decode step: the last block still has room
+            return True
         if need + reserve > self.pool.num_free_blocks:
             return False
-        table = self.block_tables.setdefault(request_id, [])
+        if table is None:
+            table = self.block_tables[request_id] = []
         table.extend(self.pool.allocate(need))
         return True
 

@@ -145,15 +145,16 @@ class LLMEngine:
                 state.logprobs.append(entry)
             delta = self._detokenize(request, state, token)
             outputs.append(self._output(request, state, [token], delta))
-        self.counters["prompt_tokens"] += sched.num_prefill_tokens
+        num_decode = sched.num_decode_tokens
+        num_prefill = sched.num_batched_tokens - num_decode
+        self.counters["prompt_tokens"] += num_prefill
         self.counters["generation_tokens"] += len(sampling)
         self.counters["steps"] += 1
         t4 = self.clock()
         self.step_stats.append(StepStats(
             time=t4, num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            num_prefill_tokens=sched.num_prefill_tokens,
-            num_decode_tokens=sched.num_decode_tokens,
+            num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
             num_scheduled_seqs=len(sched.scheduled),
             kv_blocks_used=self.kv.pool.num_used_blocks, kv_usage=self.kv.usage,
             num_preempted=len(sched.preempted), schedule_time_s=t1 - t0,

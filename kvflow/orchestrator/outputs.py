@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from kvflow.orchestrator.request import RequestMetrics
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request after a step, with what is new since the last output.
 

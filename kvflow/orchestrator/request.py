@@ -140,7 +140,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

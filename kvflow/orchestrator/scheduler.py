@@ -25,19 +25,29 @@ from kvflow.orchestrator.request import Request, RequestStatus
 Clock = Callable[[], float]
 
 
-@dataclass
 class ScheduledRequest:
-    """``num_new_tokens`` tokens of ``request`` from ``start`` run this step."""
+    """``num_new_tokens`` tokens of ``request`` from ``start`` run this step.
 
-    request: Request
-    start: int
-    num_new_tokens: int
-    # Does the chunk reach the end of the known sequence, so that a token is sampled? Fixed
-    # when scheduled: the sequence grows once the sampled token is appended.
-    sample: bool = field(init=False)
+    ``sample``: the chunk reaches the end of the known sequence, so a token is sampled. It is
+    fixed when scheduled, since the sequence grows once the sampled token is appended.
+    """
 
-    def __post_init__(self) -> None:
-        self.sample = self.start + self.num_new_tokens == self.request.num_tokens
+    __slots__ = ("request", "start", "num_new_tokens", "sample")
+
+    def __init__(self, request: Request, start: int, num_new_tokens: int) -> None:
+        self.request = request
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        self.sample = start + num_new_tokens == len(request.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token continuing a sequence whose output has begun."""
+        return self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (f"ScheduledRequest({self.request.request_id!r}, start={self.start}, "
+                f"n={self.num_new_tokens}, sample={self.sample})")
 
 
 @dataclass
@@ -53,9 +63,7 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        # A decode is one new token that continues a sequence whose output has begun.
-        return sum(1 for s in self.scheduled
-                   if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens)
+        return sum(1 for s in self.scheduled if s.is_decode)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -263,8 +271,8 @@ class ContinuousScheduler(Scheduler):
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_new = self._chunk(remaining, budget, prefill=remaining > 1)
+            remaining = len(request.token_ids) - request.num_computed_tokens
+            num_new = 1 if remaining == 1 else self._chunk(remaining, budget, prefill=True)
             if num_new == 0:
                 i += 1
                 continue

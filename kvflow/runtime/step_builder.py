@@ -29,31 +29,42 @@ class SeqChunk:
 
 def build_step(kv: KVCacheManager, chunks: Sequence[SeqChunk]) -> StepInput:
     """The engine inputs for ``chunks``; their blocks must already be allocated in ``kv``."""
+    # NOTE: this runs every step for every scheduled sequence: plain lists, one conversion to
+    # NumPy at the end, and a fast path for decodes (one token).
     bs = kv.block_size
-    num_tokens = sum(c.num_new for c in chunks)
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    positions = np.empty(num_tokens, dtype=np.int64)
-    slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    seq_lens = np.empty(len(chunks), dtype=np.int32)
-    query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int32)
-    tables = [kv.get_block_table(c.request_id) for c in chunks]
-    width = max(-(-(c.start + c.num_new) // bs) for c in chunks)
-    block_tables = np.zeros((len(chunks), width), dtype=np.int32)
-    logits_indices = []
+    tables = kv.block_tables
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    query_start_loc = [0]
+    logits_indices: list[int] = []
+    rows: list[list[int]] = []
     offset = 0
-    for i, c in enumerate(chunks):
+    for c in chunks:
+        table = tables[c.request_id]
         end = c.start + c.num_new
-        nb = -(-end // bs)
-        table = np.asarray(tables[i][:nb], dtype=np.int64)
-        block_tables[i, :nb] = table
-        pos = np.arange(c.start, end, dtype=np.int64)
-        input_ids[offset:offset + c.num_new] = c.token_ids[c.start:end]
-        positions[offset:offset + c.num_new] = pos
-        slot_mapping[offset:offset + c.num_new] = table[pos // bs] * bs + pos % bs
-        seq_lens[i] = end
+        if c.num_new == 1:
+            p = c.start
+            input_ids.append(c.token_ids[p])
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+        else:
+            input_ids.extend(c.token_ids[c.start:end])
+            pos = range(c.start, end)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+        rows.append(table[: -(-end // bs)])
+        seq_lens.append(end)
         offset += c.num_new
-        query_start_loc[i + 1] = offset
+        query_start_loc.append(offset)
         if c.sample:
             logits_indices.append(offset - 1)
-    return StepInput(input_ids, positions, slot_mapping, block_tables, seq_lens,
-                     query_start_loc, np.asarray(logits_indices, dtype=np.int64))
+    width = max(len(r) for r in rows)
+    block_tables = np.zeros((len(rows), width), dtype=np.int32)
+    for i, r in enumerate(rows):
+        block_tables[i, : len(r)] = r
+    return StepInput(
+        np.array(input_ids, dtype=np.int64), np.array(positions, dtype=np.int64),
+        np.array(slots, dtype=np.int64), block_tables, np.array(seq_lens, dtype=np.int32),
+        np.array(query_start_loc, dtype=np.int32), np.array(logits_indices, dtype=np.int64))
