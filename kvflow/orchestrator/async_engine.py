@@ -18,25 +18,34 @@ from kvflow.orchestrator.outputs import RequestOutput
 from kvflow.orchestrator.sampling_params import SamplingParams
 
 OutputCallback = Callable[[RequestOutput], None]
+StepHook = Callable[[LLMEngine, list[RequestOutput]], None]
 
 
 class EngineLoop:
     """Runs ``engine.step()`` on a daemon thread while there is work; idle, it sleeps on its
     inbox. All engine state is touched by that thread alone."""
 
-    def __init__(self, engine: LLMEngine, name: str = "kvflow-engine-loop") -> None:
+    def __init__(self, engine: LLMEngine, name: str = "kvflow-engine-loop",
+                 step_hook: StepHook | None = None) -> None:
         self.engine = engine
+        self.step_hook = step_hook
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
+        self._cancel_checks: dict[str, Callable[[], bool]] = {}
         self._stopped = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-               callback: OutputCallback, priority: int = 0) -> None:
-        """Queue a request; ``callback`` gets every output, the last one with ``finished``."""
-        self._inbox.put(("add", (request_id, prompt, params, callback, priority)))
+               callback: OutputCallback, priority: int = 0,
+               is_cancelled: Callable[[], bool] | None = None) -> None:
+        """Queue a request; ``callback`` gets every output, the last one with ``finished``.
+
+        ``is_cancelled`` is polled before every step; once it returns True the request is
+        aborted (its KV blocks freed) before that step runs.
+        """
+        self._inbox.put(("add", (request_id, prompt, params, callback, priority, is_cancelled)))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -62,7 +71,7 @@ class EngineLoop:
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            request_id, prompt, params, callback, priority = payload
+            request_id, prompt, params, callback, priority, is_cancelled = payload
             try:
                 _, rejected = self.engine.add_request(prompt, params, request_id, priority)
             except ValueError as e:
@@ -72,17 +81,32 @@ class EngineLoop:
                 callback(rejected)
             else:
                 self._callbacks[request_id] = callback
+                if is_cancelled is not None:
+                    self._cancel_checks[request_id] = is_cancelled
         elif kind == "abort":
-            out = self.engine.abort_request(payload)
-            callback = self._callbacks.pop(payload, None)
-            if out is not None and callback is not None:
-                callback(out)
+            self._abort(payload)
         elif kind == "call":
             fn, done = payload
             try:
                 done.put((True, fn(self.engine)))
             except Exception as e:  # handed back to the caller's thread
                 done.put((False, e))
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        callback = self._callbacks.pop(request_id, None)
+        self._cancel_checks.pop(request_id, None)
+        if out is not None and callback is not None:
+            callback(out)
+
+    def _poll_cancelled(self) -> None:
+        for request_id, is_cancelled in list(self._cancel_checks.items()):
+            try:
+                cancelled = is_cancelled()
+            except Exception:  # a gone client counts as cancelled
+                cancelled = True
+            if cancelled:
+                self._abort(request_id)
 
     def _run(self) -> None:
         try:
@@ -99,12 +123,22 @@ class EngineLoop:
                     if kind == "stop":
                         return
                     self._handle(kind, payload)
+                if self._cancel_checks:
+                    self._poll_cancelled()
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        callback = (self._callbacks.pop(out.request_id, None) if out.finished
-                                    else self._callbacks.get(out.request_id))
+                    outputs = self.engine.step()
+                    for out in outputs:
+                        if out.finished:
+                            callback = self._callbacks.pop(out.request_id, None)
+                            self._cancel_checks.pop(out.request_id, None)
+                        else:
+                            callback = self._callbacks.get(out.request_id)
                         if callback is not None:
                             callback(out)
+                    if self.step_hook is not None:
+                        self.step_hook(self.engine, outputs)
+                elif self.step_hook is not None and not batch:
+                    self.step_hook(self.engine, [])  # idle: keep gauges fresh
         except BaseException as e:  # noqa: BLE001  (reported to every waiter below)
             self.error = e
             raise

@@ -69,7 +69,8 @@ class LLMEngine:
         self.states: dict[str, _RequestState] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=stats_window)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0,
-                         "rejected": 0, "finished": 0, "steps": 0}
+                         "rejected": 0, "finished": 0, "steps": 0,
+                         "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._ids = itertools.count()
 
     # --- requests ---------------------------------------------------------------------------

@@ -7,6 +7,9 @@ arguments as the ONNX node ``kvflow::PagedAttention``: the pool is reached throu
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from kvflow.plugins import kv_registry
@@ -17,6 +20,45 @@ def _softmax_inplace(x: np.ndarray) -> np.ndarray:
     np.exp(x, out=x)
     x /= x.sum(axis=-1, keepdims=True)
     return x
+
+
+_EXECUTOR: ThreadPoolExecutor | None = None
+_MIN_SEQS_PER_THREAD = 8
+
+
+def _pool_width() -> int:
+    return min(4, os.cpu_count() or 1)
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = ThreadPoolExecutor(_pool_width(), thread_name_prefix="kvflow-attn")
+    return _EXECUTOR
+
+
+def _split(rows: np.ndarray, width: int) -> list[np.ndarray]:
+    n = max(1, min(width, rows.size // _MIN_SEQS_PER_THREAD))
+    return np.array_split(rows, n)
+
+
+def _decode_attention(decode: np.ndarray, q, k_cache, v_cache, block_tables, qsl, lens, out,
+                      kvh: int, group: int, d: int, scale: float) -> None:
+    """Attention of sequences with one new token each, batched (rows ``decode``)."""
+    block_size = k_cache.shape[1]
+    dl = lens[decode]
+    nb = int(-(-dl.max() // block_size))
+    tables = block_tables[decode, :nb]
+    keys = k_cache[tables].reshape(decode.size, nb * block_size, kvh, d)
+    values = v_cache[tables].reshape(decode.size, nb * block_size, kvh, d)
+    rows = qsl[decode]
+    qd = q[rows].reshape(decode.size, kvh, group, d).astype(np.float32, copy=False)
+    scores = np.matmul(qd, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # [S, KVH, G, K]
+    mask = np.arange(nb * block_size)[None, :] >= dl[:, None]
+    scores[np.broadcast_to(mask[:, None, None, :], scores.shape)] = -np.inf
+    probs = _softmax_inplace(scores)
+    od = np.matmul(probs, values.transpose(0, 2, 1, 3))  # [S, KVH, G, D]
+    out[rows] = od.reshape(decode.size, kvh * group * d)
 
 
 def paged_attention_host(
@@ -58,19 +100,12 @@ def paged_attention_host(
 
     decode = np.nonzero(q_lens == 1)[0]
     if decode.size:
-        dl = lens[decode]
-        nb = int(-(-dl.max() // block_size))
-        tables = block_tables[decode, :nb]
-        keys = k_cache[tables].reshape(decode.size, nb * block_size, kvh, d)
-        values = v_cache[tables].reshape(decode.size, nb * block_size, kvh, d)
-        rows = qsl[decode]
-        qd = q[rows].reshape(decode.size, kvh, group, d).astype(np.float32, copy=False)
-        scores = np.matmul(qd, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # [S,KVH,G,K]
-        mask = np.arange(nb * block_size)[None, :] >= dl[:, None]
-        scores[np.broadcast_to(mask[:, None, None, :], scores.shape)] = -np.inf
-        probs = _softmax_inplace(scores)
-        od = np.matmul(probs, values.transpose(0, 2, 1, 3))  # [S, KVH, G, D]
-        out[rows] = od.reshape(decode.size, num_heads * d)
+        args = (q, k_cache, v_cache, block_tables, qsl, lens, out, kvh, group, d, scale)
+        parts = _split(decode, _pool_width())
+        if len(parts) == 1:
+            _decode_attention(parts[0], *args)
+        else:  # NumPy releases the GIL in its copies and matmuls: split the batch over cores.
+            list(_executor().map(lambda rows: _decode_attention(rows, *args), parts))
 
     for s in np.nonzero(q_lens > 1)[0]:
         n, length = int(q_lens[s]), int(lens[s])

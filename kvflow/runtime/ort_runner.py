@@ -70,6 +70,9 @@ def build_segments(model: onnx.ModelProto, threads: int | None = None) -> list[_
             later |= set(n.input)
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # ORT threads spin after each run by default, stealing the cores the host attention
+    # between segments needs.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
         opts.intra_op_num_threads = threads
     segments = []

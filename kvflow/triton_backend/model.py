@@ -1,0 +1,125 @@
+"""The Triton Python backend: requests in, streamed responses out, batching inside kvflow.
+
+``execute()`` only validates each request and hands it to one :class:`EngineLoop` running in a
+background thread (in-flight batching across Triton requests happens there). Responses are sent
+from that thread through each request's decoupled response sender as tokens arrive. A client
+that cancels or disconnects is noticed before the next step and its request aborted, its KV
+blocks freed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvflow.orchestrator.async_engine import EngineLoop
+from kvflow.orchestrator.outputs import RequestOutput
+from kvflow.triton_backend.metrics import TritonMetrics
+from kvflow.triton_backend.params import BadRequestError, ParsedRequest, parse_request
+
+INPUT_NAMES = ("text_input", "stream", "exclude_input_in_output", "sampling_parameters",
+               "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority")
+
+
+def _parameter(model_config: dict, key: str, default: str = "") -> str:
+    value = model_config.get("parameters", {}).get(key, {}).get("string_value", default)
+    return value if value and not value.startswith("${") else default
+
+
+class _ResponseStream:
+    """Turns one request's engine outputs into Triton responses."""
+
+    __slots__ = ("pb", "sender", "parsed", "lock")
+
+    def __init__(self, pb_utils: Any, sender: Any, parsed: ParsedRequest) -> None:
+        self.pb = pb_utils
+        self.sender = sender
+        self.parsed = parsed
+        self.lock = threading.Lock()
+
+    def on_output(self, out: RequestOutput) -> None:
+        pb = self.pb
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if out.error is not None and out.finish_reason in ("rejected", "abort"):
+            self._send(pb.InferenceResponse(error=pb.TritonError(out.error)), final)
+            return
+        if self.parsed.stream:
+            if out.delta_text or out.finished:
+                self._send(self._response(out, out.delta_text), final if out.finished else 0)
+        elif out.finished:
+            text = out.text
+            if not self.parsed.exclude_input_in_output:
+                text = self.parsed.prompt + text
+            self._send(self._response(out, text), final)
+
+    def _response(self, out: RequestOutput, text: str) -> Any:
+        pb = self.pb
+        tensors = [
+            pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb.Tensor("finish_reason",
+                      np.array([(out.finish_reason or "").encode()], dtype=np.object_)),
+            pb.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)),
+            pb.Tensor("num_output_tokens", np.array([len(out.token_ids)], dtype=np.uint32)),
+            pb.Tensor("cached_tokens", np.array([out.cached_tokens], dtype=np.uint32)),
+        ]
+        return pb.InferenceResponse(output_tensors=tensors)
+
+    def _send(self, response: Any, flags: int) -> None:
+        with self.lock:
+            try:
+                self.sender.send(response, flags=flags)
+            except Exception:  # noqa: BLE001  the client went away; the loop aborts the request
+                pass
+
+
+class KvflowTritonModel:
+    """What ``model_repository/kvflow/1/model.py`` delegates to."""
+
+    def __init__(self, args: dict[str, str], pb_utils: Any) -> None:
+        from kvflow.orchestrator.llm import create_engine
+
+        self.pb = pb_utils
+        model_config = json.loads(args["model_config"])
+        engine_dir = _parameter(model_config, "engine_dir")
+        if not engine_dir or not (Path(engine_dir) / "engine_config.json").is_file():
+            raise pb_utils.TritonModelException(
+                f"parameter engine_dir must name an engine folder, got {engine_dir!r}")
+        overrides = json.loads(_parameter(model_config, "engine_args", "{}") or "{}")
+        self.engine = create_engine(engine_dir, **overrides)
+        self.max_model_len = self.engine.config.max_model_len
+        self.metrics = TritonMetrics(pb_utils, args.get("model_name", "kvflow"))
+        self.loop = EngineLoop(self.engine, step_hook=self.metrics.on_step)
+        self._ids = itertools.count()
+        self.model_name = args.get("model_name", "kvflow")
+
+    def execute(self, requests: list[Any]) -> None:
+        pb = self.pb
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for name in INPUT_NAMES:
+                    tensor = pb.get_input_tensor_by_name(request, name)
+                    if tensor is not None:
+                        inputs[name] = tensor.as_numpy()
+                parsed = parse_request(inputs, self.max_model_len)
+            except BadRequestError as e:
+                sender.send(pb.InferenceResponse(error=pb.TritonError(str(e))),
+                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            stream = _ResponseStream(pb, sender, parsed)
+            # Triton's ids are the client's and need not be unique; ours must be.
+            request_id = f"{request.request_id() or 'triton'}-{next(self._ids)}"
+            self.loop.submit(request_id, parsed.prompt, parsed.params, stream.on_output,
+                             parsed.priority, is_cancelled=sender.is_cancelled)
+        return None
+
+    def finalize(self) -> None:
+        self.loop.shutdown()
+        self.metrics.close()
+        self.engine.runner.close()
