@@ -1,7 +1,9 @@
 """The ``kvflow`` command line: one subcommand per job.
 
     kvflow build-engine --model default --output engines/smollm2-135m
-    kvflow bench step --engine engines/smollm2-135m
+    kvflow serve --engine engines/smollm2-135m
+    kvflow generate --prompt "Hello" --chat
+    kvflow bench step
 """
 
 from __future__ import annotations
@@ -48,6 +50,50 @@ def run_build_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_engine_option_args(p: argparse.ArgumentParser) -> None:
+    """Scheduler and KV options a served engine takes (each maps to SchedulerConfig / LLM)."""
+    g = p.add_argument_group("engine options")
+    g.add_argument("--policy", choices=["fcfs", "priority", "static"], default=None)
+    g.add_argument("--max-num-seqs", type=_int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=_int, default=None)
+    g.add_argument("--max-model-len", type=_int, default=None)
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--long-prefill-token-threshold", type=_int, default=None)
+    g.add_argument("--max-waiting-requests", type=_int, default=None)
+    g.add_argument("--kv-cache-bytes", type=_int, default=None)
+    g.add_argument("--num-kv-blocks", type=_int, default=None)
+    g.add_argument("--runner", choices=["onnxruntime", "torch", "tensorrt"], default=None)
+
+
+def engine_overrides(args: argparse.Namespace) -> dict:
+    names = ("policy", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+             "long_prefill_token_threshold", "max_waiting_requests", "kv_cache_bytes",
+             "num_kv_blocks", "runner")
+    out = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if getattr(args, "no_chunked_prefill", False):
+        out["enable_chunked_prefill"] = False
+    return out
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvflow.triton_backend.server import ServeError, ServerConfig, serve_forever
+
+    try:
+        cfg = ServerConfig(args.engine, host=args.host, http_port=args.http_port,
+                           grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                           tritonserver=args.tritonserver, engine_args=engine_overrides(args),
+                           log_verbose=args.log_verbose)
+        return serve_forever(cfg)
+    except ServeError as e:
+        raise ValueError(str(e)) from None
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kvflow.triton_backend.client import main as generate_main
+
+    return generate_main(args)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,6 +102,33 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-engine", help="build an engine folder from a checkpoint")
     add_build_engine_args(p)
     p.set_defaults(func=run_build_engine)
+
+    p = sub.add_parser("serve", help="serve an engine with a real tritonserver")
+    p.add_argument("--engine", default="engines/smollm2-135m", help="engine folder")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback; 0.0.0.0 for every interface)")
+    p.add_argument("--http-port", type=_int, default=8000)
+    p.add_argument("--grpc-port", type=_int, default=8001)
+    p.add_argument("--metrics-port", type=_int, default=8002)
+    p.add_argument("--tritonserver", default=None,
+                   help="tritonserver binary (default: the one in the nvidia-pytriton wheel)")
+    p.add_argument("--log-verbose", type=_int, default=0)
+    add_engine_option_args(p)
+    p.set_defaults(func=run_serve)
+
+    p = sub.add_parser("generate", help="stream a completion from a running server (gRPC)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--url", default="localhost:8001", help="gRPC host:port")
+    p.add_argument("--chat", action="store_true",
+                   help="treat the prompt as a user message and apply the model's chat template")
+    p.add_argument("--no-stream", action="store_true", help="one response at the end")
+    p.add_argument("--max-tokens", type=_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=_int, default=0)
+    p.add_argument("--seed", type=_int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.set_defaults(func=run_generate)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -118,7 +118,28 @@ def default_engines(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def default_hf():
-    """HF transformers' own SmolLM2-135M-Instruct, dequantized from the same GGUF by transformers."""
+    """HF transformers' own SmolLM2-135M-Instruct, dequantized from the same GGUF by itself."""
     from kvflow.model.hf_reference import load_hf_reference
 
     return load_hf_reference("default")
+
+
+@pytest.fixture(scope="session")
+def triton_server(default_engines, tmp_path_factory):
+    """A real tritonserver serving the default model (ONNX Runtime engine), once per session."""
+    from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    cfg = ServerConfig(default_engines["onnxruntime"], http_port=free_port(),
+                       grpc_port=free_port(), metrics_port=free_port(),
+                       engine_args={"max_waiting_requests": 40, "kv_cache_bytes": 256 << 20},
+                       ready_timeout_s=300)
+    server = TritonServer(cfg, log_path=log)
+    try:
+        server.start()
+    except Exception:
+        print(log.read_text()[-5000:])
+        raise
+    yield server
+    code = server.stop()
+    assert code == 0, f"tritonserver exited with {code}: {log.read_text()[-3000:]}"

@@ -127,6 +127,8 @@ class EngineLoop:
                     self._poll_cancelled()
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
+                    if self.step_hook is not None:  # first, so metrics lead the responses
+                        self.step_hook(self.engine, outputs)
                     for out in outputs:
                         if out.finished:
                             callback = self._callbacks.pop(out.request_id, None)
@@ -135,8 +137,6 @@ class EngineLoop:
                             callback = self._callbacks.get(out.request_id)
                         if callback is not None:
                             callback(out)
-                    if self.step_hook is not None:
-                        self.step_hook(self.engine, outputs)
                 elif self.step_hook is not None and not batch:
                     self.step_hook(self.engine, [])  # idle: keep gauges fresh
         except BaseException as e:  # noqa: BLE001  (reported to every waiter below)

@@ -49,21 +49,22 @@ class TritonMetrics:
     def __init__(self, pb_utils: Any, model_name: str) -> None:
         labels = {"model": model_name}
         kinds = pb_utils.MetricFamily
+        # NOTE: a family must outlive its metrics (the backend refuses to observe otherwise),
+        # so the families are kept here, and dropped after the metrics in close().
+        self.families: dict[str, Any] = {}
+
+        def family(name: str, desc: str, kind: Any) -> Any:
+            self.families[name] = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
+            return self.families[name]
+
         self.histograms = {
-            name: pb_utils.MetricFamily(name=name, description=desc, kind=kinds.HISTOGRAM)
-            .Metric(labels=labels, buckets=buckets)
+            name: family(name, desc, kinds.HISTOGRAM).Metric(labels=labels, buckets=buckets)
             for name, (desc, buckets) in HISTOGRAMS.items()
         }
-        self.gauges = {
-            name: pb_utils.MetricFamily(name=name, description=desc, kind=kinds.GAUGE)
-            .Metric(labels=labels)
-            for name, desc in GAUGES.items()
-        }
-        self.counters = {
-            name: pb_utils.MetricFamily(name=name, description=desc, kind=kinds.COUNTER)
-            .Metric(labels=labels)
-            for name, (desc, _) in COUNTERS.items()
-        }
+        self.gauges = {name: family(name, desc, kinds.GAUGE).Metric(labels=labels)
+                       for name, desc in GAUGES.items()}
+        self.counters = {name: family(name, desc, kinds.COUNTER).Metric(labels=labels)
+                         for name, (desc, _) in COUNTERS.items()}
         self._last_counts: dict[str, int] = {}
         self._families_alive = True
 
@@ -102,3 +103,5 @@ class TritonMetrics:
 
     def close(self) -> None:
         self._families_alive = False
+        self.histograms, self.gauges, self.counters = {}, {}, {}
+        self.families = {}

@@ -9,8 +9,10 @@ blocks freed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,11 +21,13 @@ import numpy as np
 
 from kvflow.orchestrator.async_engine import EngineLoop
 from kvflow.orchestrator.outputs import RequestOutput
+from kvflow.orchestrator.tokenizer import ChatTemplateError
 from kvflow.triton_backend.metrics import TritonMetrics
 from kvflow.triton_backend.params import BadRequestError, ParsedRequest, parse_request
 
 INPUT_NAMES = ("text_input", "stream", "exclude_input_in_output", "sampling_parameters",
-               "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority")
+               "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority",
+               "apply_chat_template")
 
 
 def _parameter(model_config: dict, key: str, default: str = "") -> str:
@@ -70,11 +74,9 @@ class _ResponseStream:
         return pb.InferenceResponse(output_tensors=tensors)
 
     def _send(self, response: Any, flags: int) -> None:
-        with self.lock:
-            try:
-                self.sender.send(response, flags=flags)
-            except Exception:  # noqa: BLE001  the client went away; the loop aborts the request
-                pass
+        # A client that went away makes send() raise; the loop then aborts the request.
+        with self.lock, contextlib.suppress(Exception):
+            self.sender.send(response, flags=flags)
 
 
 class KvflowTritonModel:
@@ -108,18 +110,28 @@ class KvflowTritonModel:
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
                 parsed = parse_request(inputs, self.max_model_len)
-            except BadRequestError as e:
+                prompt: str | list[int] = parsed.prompt
+                if parsed.apply_chat_template:
+                    tok = self.engine.tokenizer
+                    text = tok.apply_chat_template([{"role": "user", "content": parsed.prompt}])
+                    prompt = tok.encode(text, add_special_tokens=False)
+            except (BadRequestError, ChatTemplateError) as e:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(str(e))),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             stream = _ResponseStream(pb, sender, parsed)
             # Triton's ids are the client's and need not be unique; ours must be.
             request_id = f"{request.request_id() or 'triton'}-{next(self._ids)}"
-            self.loop.submit(request_id, parsed.prompt, parsed.params, stream.on_output,
+            self.loop.submit(request_id, prompt, parsed.params, stream.on_output,
                              parsed.priority, is_cancelled=sender.is_cancelled)
         return None
 
     def finalize(self) -> None:
-        self.loop.shutdown()
+        # NOTE: metrics first: while the model unloads, a metrics call from the loop thread
+        # may never be answered, and shutdown would wait on that thread.
+        print("[kvflow] finalize: stopping the engine loop", file=sys.stderr, flush=True)
         self.metrics.close()
-        self.engine.runner.close()
+        self.loop.shutdown(timeout=10.0)
+        print(f"[kvflow] finalize: loop alive={self.loop.is_alive}", file=sys.stderr, flush=True)
+        if not self.loop.is_alive:  # never pull the KV pool from under a running step
+            self.engine.runner.close()

@@ -3,7 +3,9 @@
 The tensors are those of Triton's vLLM backend, so that its clients (and GenAI-Perf) work
 unchanged: ``text_input`` (required), ``stream``, ``exclude_input_in_output``, ``max_tokens``,
 ``sampling_parameters`` (a JSON object), and scalar overrides ``temperature``, ``top_p``,
-``top_k``, ``seed``, ``stop``, ``priority``. Pure Python + NumPy: testable without Triton.
+``top_k``, ``seed``, ``stop``, ``priority``; and kvflow's ``apply_chat_template`` (the text is
+one user turn, rendered with the model's chat template). Pure Python + NumPy: testable without
+Triton.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ParsedRequest:
     stream: bool
     exclude_input_in_output: bool
     priority: int
+    apply_chat_template: bool = False
 
 
 def _scalar(name: str, array: np.ndarray) -> Any:
@@ -162,4 +165,5 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
         params = SamplingParams.from_dict(fields)
     except (TypeError, ValueError) as e:
         raise BadRequestError(str(e)) from None
-    return ParsedRequest(prompt, params, bool(stream), bool(exclude), priority)
+    chat = scalar_of("apply_chat_template", bool) or False
+    return ParsedRequest(prompt, params, bool(stream), bool(exclude), priority, chat)

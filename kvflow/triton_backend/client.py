@@ -1,0 +1,95 @@
+"""``kvflow generate``: a tritonclient gRPC streaming client that prints text as it arrives."""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MODEL_NAME = "kvflow"
+
+
+@dataclass
+class StreamChunk:
+    text: str
+    finish_reason: str
+    num_input_tokens: int
+    num_output_tokens: int
+    cached_tokens: int
+
+
+def build_inputs(prompt: str, sampling: dict[str, Any], stream: bool = True,
+                 exclude_input: bool = True, chat: bool = False) -> list[Any]:
+    """The request tensors of Triton's vLLM-backend protocol."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name: str, value: np.ndarray, dtype: str) -> Any:
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    return [
+        tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+        tensor("stream", np.array([stream]), "BOOL"),
+        tensor("exclude_input_in_output", np.array([exclude_input]), "BOOL"),
+        tensor("sampling_parameters", np.array([json.dumps(sampling).encode()],
+                                               dtype=np.object_), "BYTES"),
+        tensor("apply_chat_template", np.array([chat]), "BOOL"),
+    ]
+
+
+def stream_generate(url: str, prompt: str, sampling: dict[str, Any], stream: bool = True,
+                    chat: bool = False, timeout_s: float = 600.0) -> Iterator[StreamChunk]:
+    """Yield the server's responses for one request over a gRPC bidirectional stream."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(MODEL_NAME, build_inputs(prompt, sampling, stream, chat=chat),
+                                  request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=timeout_s)
+            if error is not None:
+                raise RuntimeError(str(error))
+            final = result.get_response().parameters.get("triton_final_response")
+            if result.as_numpy("text_output") is not None:
+                yield StreamChunk(
+                    text=result.as_numpy("text_output")[0].decode("utf-8"),
+                    finish_reason=result.as_numpy("finish_reason")[0].decode(),
+                    num_input_tokens=int(result.as_numpy("num_input_tokens")[0]),
+                    num_output_tokens=int(result.as_numpy("num_output_tokens")[0]),
+                    cached_tokens=int(result.as_numpy("cached_tokens")[0]),
+                )
+            if final is not None and final.bool_param:
+                return
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def main(args: Any) -> int:
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k}
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    if args.stop:
+        sampling["stop"] = args.stop
+    last = None
+    for chunk in stream_generate(args.url, args.prompt, sampling, stream=not args.no_stream,
+                                 chat=args.chat):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        last = chunk
+    sys.stdout.write("\n")
+    if last is not None:
+        print(f"[{last.finish_reason}: {last.num_input_tokens} prompt tokens, "
+              f"{last.num_output_tokens} output tokens]", file=sys.stderr)
+    return 0

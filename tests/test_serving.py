@@ -1,0 +1,249 @@
+"""kvflow behind a real tritonserver: gRPC streaming, HTTP generate, concurrency, cancellation,
+bad input, metrics. The clients are tritonclient and plain HTTP."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+tritonclient = pytest.importorskip("tritonclient.grpc")
+
+from kvflow import LLM, SamplingParams  # noqa: E402
+from kvflow.triton_backend.client import build_inputs, stream_generate  # noqa: E402
+
+GREEDY = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+
+
+def scrape(server) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} for the kvflow_* series."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvflow_"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    total = 0.0
+    for key, value in samples.items():
+        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            total += value
+    return total
+
+
+def wait_for(predicate, timeout_s=30.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def http_post(server, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_streamed_greedy_equals_offline_generate(triton_server, default_engines):
+    prompt = "The three most important inventions are"
+    chunks = list(stream_generate(triton_server.grpc_url, prompt, GREEDY))
+    served = "".join(c.text for c in chunks)
+    assert len(chunks) > 3, "the response was not streamed"
+    assert chunks[-1].finish_reason == "length" and chunks[-1].num_output_tokens == 24
+    with LLM(default_engines["onnxruntime"], max_model_len=1024) as llm:
+        offline = llm.generate([prompt], SamplingParams(**GREEDY))[0]
+    assert served == offline.text
+    assert chunks[-1].num_input_tokens == offline.num_prompt_tokens
+
+
+def test_http_generate_and_generate_stream(triton_server):
+    status, body = http_post(triton_server, "/v2/models/kvflow/generate",
+                             {"text_input": "Hello, my name is", "max_tokens": 8,
+                              "temperature": 0.0})
+    assert status == 200, body
+    out = json.loads(body)
+    assert out["text_output"].startswith("Hello, my name is")  # echoed unless excluded
+    assert out["finish_reason"] == "length" and out["num_output_tokens"] == 8
+
+    status, body = http_post(triton_server, "/v2/models/kvflow/generate_stream",
+                             {"text_input": "Hello, my name is", "max_tokens": 8,
+                              "temperature": 0.0, "stream": True})
+    assert status == 200, body
+    events = [json.loads(line[len("data: "):]) for line in body.splitlines()
+              if line.startswith("data: ")]
+    assert len(events) >= 2
+    assert "".join(e["text_output"] for e in events) == out["text_output"][len(
+        "Hello, my name is"):]
+    assert events[-1]["finish_reason"] == "length"
+
+
+def test_thirty_two_concurrent_streaming_clients(triton_server):
+    before = scrape(triton_server)
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            results[i] = list(stream_generate(
+                triton_server.grpc_url, f"Question {i}: what is {i} plus {i}? Answer:",
+                {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    assert len(results) == 32
+    for chunks in results.values():
+        assert chunks[-1].finish_reason == "length"
+        assert chunks[-1].num_output_tokens == 16
+    after = scrape(triton_server)
+    steps = (metric(after, "kvflow_iteration_num_seqs_count")
+             - metric(before, "kvflow_iteration_num_seqs_count"))
+    single = (metric(after, "kvflow_iteration_num_seqs_bucket", le="1")
+              - metric(before, "kvflow_iteration_num_seqs_bucket", le="1"))
+    assert steps > 0 and single < steps, "no step ran a batch larger than one"
+    batch_sum = (metric(after, "kvflow_iteration_num_seqs_sum")
+                 - metric(before, "kvflow_iteration_num_seqs_sum"))
+    assert batch_sum / steps > 4, f"mean running batch only {batch_sum / steps:.1f}"
+
+
+def test_cancelling_mid_stream_frees_the_kv_cache(triton_server):
+    client = tritonclient.InferenceServerClient(triton_server.grpc_url)
+    got = threading.Event()
+    client.start_stream(callback=lambda result, error: got.set())
+    client.async_stream_infer("kvflow", build_inputs(
+        "Write a very long story about a dragon.",
+        {"max_tokens": 600, "temperature": 0.0, "ignore_eos": True}), request_id="cancel-me")
+    assert got.wait(120), "no token arrived"
+    wait_for(lambda: metric(scrape(triton_server), "kvflow_kv_cache_usage_ratio") > 0,
+             what="KV in use")
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    wait_for(lambda: metric(scrape(triton_server), "kvflow_kv_cache_usage_ratio") == 0
+             and metric(scrape(triton_server), "kvflow_num_requests_running") == 0,
+             timeout_s=20, what="KV usage back to zero after cancel")
+
+
+BAD_REQUESTS = [
+    ({"stream": False}, "text_input"),
+    ({"text_input": ""}, "text_input must not be empty"),
+    ({"text_input": "hi " * 3000}, "max_model_len"),
+    ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be in [1, 1023]"),
+    ({"text_input": "hi", "max_tokens": 5000}, "max_tokens must be in [1, 1023]"),
+    ({"text_input": "hi", "sampling_parameters": "{not json"}, "not valid JSON"),
+    ({"text_input": "hi", "sampling_parameters": '{"beam_width": 4}'}, "unknown key"),
+    ({"text_input": "hi", "sampling_parameters": '{"top_p": 1.5}'}, "top_p"),
+    ({"text_input": "hi", "sampling_parameters": '{"max_tokens": "many"}'}, "max_tokens"),
+    ({"text_input": "hi", "temperature": -1.0}, "temperature"),
+    ({"text_input": "hi", "top_k": -5}, "top_k"),
+    ({"text_input": "hi", "max_tokens": "ten"}, ""),  # wrong JSON type: Triton refuses it
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_REQUESTS)
+def test_bad_input_gets_an_error_and_service_continues(triton_server, body, message):
+    status, text = http_post(triton_server, "/v2/models/kvflow/generate", body)
+    assert status >= 400, text
+    assert message in text
+    status, text = http_post(triton_server, "/v2/models/kvflow/generate",
+                             {"text_input": "OK", "max_tokens": 2})
+    assert status == 200, text
+
+
+def test_invalid_utf8_and_wrong_tensor_types_over_grpc(triton_server):
+    client = tritonclient.InferenceServerClient(triton_server.grpc_url)
+    results = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    bad = tritonclient.InferInput("text_input", [1], "BYTES")
+    bad.set_data_from_numpy(np.array([b"\xff\xfe bad"], dtype=np.object_))
+    client.async_stream_infer("kvflow", [bad])
+    wait_for(lambda: results, what="an answer to invalid UTF-8")
+    assert results[0][1] is not None and "not valid UTF-8" in str(results[0][1])
+    wrong = tritonclient.InferInput("text_input", [1], "INT32")
+    wrong.set_data_from_numpy(np.array([5], dtype=np.int32))
+    client.async_stream_infer("kvflow", [wrong])
+    wait_for(lambda: len(results) >= 2, what="an answer to a wrongly typed input")
+    assert results[1][1] is not None and re.search("(?i)data.?type", str(results[1][1]))
+    client.stop_stream()
+    client.close()
+
+
+def test_queue_overflow_is_rejected_at_once(triton_server):
+    client = tritonclient.InferenceServerClient(triton_server.grpc_url)
+    errors, done = [], threading.Event()
+    count = [0]
+
+    def callback(result, error):
+        count[0] += 1
+        if error is not None:
+            errors.append(str(error))
+        if count[0] >= 1 and errors:
+            done.set()
+
+    client.start_stream(callback=callback)
+    for i in range(90):  # the server keeps at most 40 waiting
+        client.async_stream_infer("kvflow", build_inputs(
+            f"Story {i}:", {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}),
+            request_id=f"flood-{i}")
+    assert done.wait(60), "no request was rejected"
+    assert any("waiting queue is full (max_waiting_requests=40)" in e for e in errors), errors[:3]
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    wait_for(lambda: metric(scrape(triton_server), "kvflow_kv_cache_usage_ratio") == 0
+             and metric(scrape(triton_server), "kvflow_num_requests_waiting") == 0,
+             timeout_s=60, what="the flood to be cancelled")
+    assert metric(scrape(triton_server), "kvflow_request_rejected_total") >= 1
+
+
+FAMILIES = [
+    "kvflow_time_to_first_token_seconds", "kvflow_inter_token_latency_seconds",
+    "kvflow_e2e_request_latency_seconds", "kvflow_request_queue_time_seconds",
+    "kvflow_num_requests_running", "kvflow_num_requests_waiting", "kvflow_kv_cache_usage_ratio",
+    "kvflow_prompt_tokens_total", "kvflow_generation_tokens_total",
+    "kvflow_num_preemptions_total", "kvflow_request_rejected_total",
+    "kvflow_prefix_cache_queries_total", "kvflow_prefix_cache_hits_total",
+]
+
+
+def test_metrics_expose_every_family_consistently(triton_server):
+    wait_for(lambda: metric(scrape(triton_server), "kvflow_num_requests_running") == 0,
+             what="an idle server")
+    before = scrape(triton_server)
+    outs = [list(stream_generate(triton_server.grpc_url, p, {"max_tokens": n, "temperature": 0,
+                                                             "ignore_eos": True}))[-1]
+            for p, n in (("One", 5), ("Two three", 7))]
+    after = scrape(triton_server)
+    text = urllib.request.urlopen(triton_server.metrics_url, timeout=10).read().decode()
+    for family in FAMILIES:
+        assert re.search(rf"^# TYPE {family} ", text, re.M), family
+
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    assert delta("kvflow_prompt_tokens_total") == sum(o.num_input_tokens for o in outs)
+    assert delta("kvflow_generation_tokens_total") == 12
+    assert delta("kvflow_request_success_total") == 2
+    assert delta("kvflow_time_to_first_token_seconds_count") == 2
+    assert delta("kvflow_e2e_request_latency_seconds_count") == 2
+    assert delta("kvflow_inter_token_latency_seconds_count") == 4 + 6
+    assert metric(after, "kvflow_prefix_cache_hits_total") == 0
+    assert metric(after, "kvflow_num_requests_running") == 0
