@@ -44,19 +44,27 @@ def build_inputs(prompt: str, sampling: dict[str, Any], stream: bool = True,
     ]
 
 
-def stream_generate(url: str, prompt: str, sampling: dict[str, Any], stream: bool = True,
-                    chat: bool = False, timeout_s: float = 600.0) -> Iterator[StreamChunk]:
-    """Yield the server's responses for one request over a gRPC bidirectional stream."""
-    import tritonclient.grpc as grpcclient
+class StreamingClient:
+    """One gRPC connection and bidirectional stream, reused for request after request."""
 
-    responses: queue.Queue[Any] = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(MODEL_NAME, build_inputs(prompt, sampling, stream, chat=chat),
-                                  request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.timeout_s = timeout_s
+        self._responses: queue.Queue[Any] = queue.Queue()
+        self._client = grpcclient.InferenceServerClient(url)
+        self._client.start_stream(
+            callback=lambda result, error: self._responses.put((result, error)))
+
+    def generate(self, prompt: str, sampling: dict[str, Any], stream: bool = True,
+                 chat: bool = False) -> Iterator[StreamChunk]:
+        """Yield the responses of one request (requests on one client run one at a time)."""
+        self._client.async_stream_infer(MODEL_NAME, build_inputs(prompt, sampling, stream,
+                                                                 chat=chat),
+                                        request_id=uuid.uuid4().hex,
+                                        enable_empty_final_response=True)
         while True:
-            result, error = responses.get(timeout=timeout_s)
+            result, error = self._responses.get(timeout=self.timeout_s)
             if error is not None:
                 raise RuntimeError(str(error))
             final = result.get_response().parameters.get("triton_final_response")
@@ -70,9 +78,23 @@ def stream_generate(url: str, prompt: str, sampling: dict[str, Any], stream: boo
                 )
             if final is not None and final.bool_param:
                 return
-    finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
+
+    def close(self) -> None:
+        self._client.stop_stream(cancel_requests=True)
+        self._client.close()
+
+    def __enter__(self) -> StreamingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def stream_generate(url: str, prompt: str, sampling: dict[str, Any], stream: bool = True,
+                    chat: bool = False, timeout_s: float = 600.0) -> Iterator[StreamChunk]:
+    """Yield the server's responses for one request over its own gRPC stream."""
+    with StreamingClient(url, timeout_s) as client:
+        yield from client.generate(prompt, sampling, stream, chat)
 
 
 def main(args: Any) -> int:
