@@ -135,3 +135,117 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+# --- prefix cache ---------------------------------------------------------------------------
+def test_eviction_is_lru_among_unreferenced_blocks_and_never_touches_referenced_ones():
+    kv = KVCacheManager(7, 2, enable_caching=True)  # 6 usable blocks of 2 tokens
+    seqs = {name: [base, base + 1, base + 2, base + 3] for name, base in
+            (("a", 10), ("b", 20), ("c", 30))}
+    for name, toks in seqs.items():  # 2 full blocks each, all cached
+        assert kv.allocate_slots(name, 4)
+        kv.cache_blocks(name, toks, 4)
+    a_blocks, c_blocks = list(kv.block_tables["a"]), list(kv.block_tables["c"])
+    kv.free("a")  # freed first: least recently used
+    kv.free("b")
+    assert kv.pool.num_cached_blocks == 6 and kv.num_free_blocks == 4
+    # 'a' tail block first, then its head, then b's: a new 3-block sequence evicts a's 2 + 1 of b.
+    assert kv.pool.free_queue()[:2] == [a_blocks[1], a_blocks[0]]
+    assert kv.allocate_slots("d", 6)
+    assert kv.pool.num_evictions == 3
+    assert kv.get_computed_blocks("a2", seqs["a"] + [0])[1] == 0  # a's content is gone
+    assert kv.get_computed_blocks("b2", seqs["b"] + [0])[1] == 2  # b's head survived
+    # c is referenced: never evicted, even when the pool runs dry.
+    assert not kv.allocate_slots("e", 4)
+    assert kv.block_tables["c"] == c_blocks
+    assert kv.get_computed_blocks("c2", seqs["c"] + [0])[1] == 4
+    kv.check_integrity()
+
+
+def test_cache_hits_share_blocks_and_revive_free_ones():
+    kv = KVCacheManager(10, 4, enable_caching=True)
+    toks = list(range(100, 112))
+    kv.allocate_slots("a", 12)
+    kv.cache_blocks("a", toks, 12)
+    kv.free("a")
+    hits, n = kv.get_computed_blocks("b", toks + [7])
+    assert n == 12 and len(hits) == 3
+    free_before = kv.num_free_blocks
+    assert kv.allocate_slots("b", 13, computed_blocks=hits)
+    assert kv.num_free_blocks == free_before - 3 - 1  # 3 revived + 1 new
+    hits_c, _ = kv.get_computed_blocks("c", toks + [8])
+    assert kv.allocate_slots("c", 13, computed_blocks=hits_c)
+    assert [kv.pool.ref_counts[b] for b in hits] == [2, 2, 2]
+    kv.check_integrity()
+    kv.free("b")
+    kv.free("c")
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks
+
+
+def test_salt_changes_every_block_hash():
+    kv = KVCacheManager(10, 4, enable_caching=True)
+    toks = list(range(8))
+    assert kv.block_hashes("x", toks, b"s1") != kv.block_hashes("y", toks, b"s2")
+    assert kv.block_hashes("z", toks, b"s1") == kv.block_hashes("x", toks, b"s1")
+
+
+def test_swap_out_and_in_round_trip():
+    kv = KVCacheManager(6, 4, num_host_blocks=4)
+    kv.allocate_slots("a", 10)
+    device = list(kv.block_tables["a"])
+    assert kv.can_swap_out("a", 9)
+    out_pairs = kv.swap_out("a", 9)
+    assert [d for d, _ in out_pairs] == device and kv.is_swapped("a")
+    assert kv.num_free_blocks == 5 and kv.host_pool.num_free_blocks == 1
+    kv.check_integrity()
+    in_pairs = kv.swap_in("a", 12)
+    assert [h for h, _ in in_pairs] == [h for _, h in out_pairs]
+    assert len(kv.block_tables["a"]) == 3 and not kv.is_swapped("a")
+    assert kv.host_pool.num_free_blocks == 4
+    kv.check_integrity()
+    kv.free("a")
+    kv.check_integrity()
+
+
+class CachingKVMachine(RuleBasedStateMachine):
+    """Random requests over a small vocabulary (so prefixes repeat), with caching on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(16, 2, enable_caching=True)
+        self.live: dict[int, list[int]] = {}
+        self.next_id = 0
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=12))
+    def admit(self, tokens):
+        rid = self.next_id
+        self.next_id += 1
+        hits, n = self.kv.get_computed_blocks(rid, tokens)
+        assert n <= len(tokens) - 1 and n == len(hits) * 2
+        if self.kv.allocate_slots(rid, len(tokens), computed_blocks=hits):
+            self.kv.cache_blocks(rid, tokens, len(tokens))
+            self.live[rid] = tokens
+        else:
+            self.kv.free(rid)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finish(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        del self.live[rid]
+        self.kv.free(rid)
+
+    @invariant()
+    def integrity(self):
+        self.kv.check_integrity()
+
+    def teardown(self):
+        for rid in list(self.live):
+            self.kv.free(rid)
+        self.kv.check_integrity()
+        assert self.kv.num_free_blocks == 15
+
+
+TestCachingKVMachine = CachingKVMachine.TestCase
+TestCachingKVMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

@@ -24,9 +24,12 @@ class FakeClock:
         return self.now
 
 
-def make_scheduler_for_test(num_blocks=64, block_size=4, clock=None, **cfg):
-    config = SchedulerConfig(**{"max_num_batched_tokens": 16, "max_model_len": 256, **cfg})
-    return make_scheduler(config, KVCacheManager(num_blocks, block_size), clock or FakeClock())
+def make_scheduler_for_test(num_blocks=64, block_size=4, clock=None, num_host_blocks=0, **cfg):
+    config = SchedulerConfig(**{"max_num_batched_tokens": 16, "max_model_len": 256,
+                                "enable_prefix_caching": False, **cfg})
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=config.enable_prefix_caching,
+                        num_host_blocks=num_host_blocks, bytes_per_block=1024)
+    return make_scheduler(config, kv, clock or FakeClock())
 
 
 def make_request(rid, prompt_len, max_tokens=4, priority=0, arrival=0.0, **params):
@@ -217,9 +220,12 @@ workloads = st.fixed_dictionaries({
     "budget": st.integers(8, 64),
     "max_num_seqs": st.integers(1, 8),
     "chunked": st.booleans(),
-    "policy": st.sampled_from(["fcfs", "priority", "static"]),
+    "policy": st.sampled_from(["fcfs", "priority", "cache_aware", "static"]),
     "eos_every": st.integers(0, 7),
     "abort_every": st.integers(0, 9),
+    "caching": st.booleans(),
+    "preemption_mode": st.sampled_from(["recompute", "swap", "auto"]),
+    "host_blocks": st.sampled_from([0, 4, 32]),
 })
 
 
@@ -230,7 +236,9 @@ def test_random_workloads_finish_and_return_every_block(w):
     sched = make_scheduler_for_test(
         num_blocks=w["num_blocks"], block_size=w["block_size"], clock=clock,
         max_num_batched_tokens=w["budget"], max_num_seqs=w["max_num_seqs"],
-        enable_chunked_prefill=w["chunked"], policy=w["policy"], priority_aging_s=0.5)
+        enable_chunked_prefill=w["chunked"], policy=w["policy"], priority_aging_s=0.5,
+        enable_prefix_caching=w["caching"], preemption_mode=w["preemption_mode"],
+        num_host_blocks=w["host_blocks"], cache_aware_max_wait_s=3.0)
     pending = sorted(enumerate(w["requests"]), key=lambda x: x[1][3])
     everyone, accepted = [], []
     step = 0
@@ -258,5 +266,107 @@ def test_random_workloads_finish_and_return_every_block(w):
         if r.status == RequestStatus.FINISHED_LENGTH:
             assert r.num_output_tokens == r.max_output_tokens
     assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
-    assert not sched.kv.block_tables
+    assert not sched.kv.block_tables and not sched.kv.host_tables
+    if sched.kv.host_pool is not None:
+        assert sched.kv.host_pool.num_free_blocks == sched.kv.host_pool.num_usable_blocks
     sched.check_integrity()
+
+
+# --- prefix caching, swap, cache-aware ordering ------------------------------------------------
+def test_a_shared_prefix_is_reused_not_recomputed():
+    sched = make_scheduler_for_test(enable_prefix_caching=True, max_num_batched_tokens=64)
+    first = make_request("first", 10, max_tokens=1)
+    sched.add_request(first)
+    run_step(sched)  # computes 10 tokens: blocks 0-1 (8 tokens) become cached
+    assert first.is_finished
+    second = Request("second", list(range(10, 18)) + [99, 98, 97], SamplingParams(max_tokens=1),
+                     1.0, 0, (EOS,))
+    sched.add_request(second)
+    out = run_step(sched)
+    assert chunks(out) == {"second": 3}  # 8 of its 11 tokens came from the cache
+    assert second.metrics.cached_tokens == 8
+    assert sched.prefix_cache_hits == 8 and sched.prefix_cache_queries == 10 + 11
+
+
+def test_whole_prompt_cached_still_computes_its_last_block():
+    sched = make_scheduler_for_test(enable_prefix_caching=True, max_num_batched_tokens=64)
+    sched.add_request(make_request("a", 8, max_tokens=1))
+    run_step(sched)
+    again = make_request("b", 8, max_tokens=1)
+    sched.add_request(again)
+    out = run_step(sched)
+    assert chunks(out) == {"b": 4} and again.metrics.cached_tokens == 4
+    assert again.output_token_ids == [TOKEN]
+
+
+def test_different_salts_never_share_blocks():
+    sched = make_scheduler_for_test(enable_prefix_caching=True, max_num_batched_tokens=64)
+    a = Request("a", list(range(10, 22)), SamplingParams(max_tokens=1), 0.0, 0, (EOS,),
+                cache_salt="tenant-a")
+    sched.add_request(a)
+    run_step(sched)
+    b = Request("b", list(range(10, 22)), SamplingParams(max_tokens=1), 0.0, 0, (EOS,),
+                cache_salt="tenant-b")
+    sched.add_request(b)
+    assert chunks(run_step(sched)) == {"b": 12} and b.metrics.cached_tokens == 0
+    c = Request("c", list(range(10, 22)), SamplingParams(max_tokens=1), 0.0, 0, (EOS,),
+                cache_salt="tenant-a")
+    sched.add_request(c)
+    assert chunks(run_step(sched)) == {"c": 4} and c.metrics.cached_tokens == 8
+
+
+def test_preemption_by_swap_keeps_the_computed_tokens():
+    sched = make_scheduler_for_test(num_blocks=7, max_num_batched_tokens=64, kv_watermark=0.0,
+                                    num_host_blocks=8, preemption_mode="swap")
+    sched.add_request(make_request("a", 8, max_tokens=20, arrival=0.0))
+    sched.add_request(make_request("b", 8, max_tokens=20, arrival=1.0))
+    run_step(sched)
+    swapped_out = []
+    for _ in range(12):
+        out = run_step(sched)
+        swapped_out += out.blocks_to_swap_out
+        if out.preempted:
+            break
+    b = sched.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and sched.kv.is_swapped("b")
+    assert b.num_computed_tokens > 8 and len(swapped_out) == sched.kv.blocks_needed(
+        b.num_computed_tokens)
+    computed = b.num_computed_tokens
+    while sched.requests.get("a") is not None:
+        run_step(sched)
+    while b.status != RequestStatus.RUNNING:
+        out = run_step(sched)
+    assert len(out.blocks_to_swap_in) == len(swapped_out)
+    assert chunks(out)["b"] == 1  # resumes decoding: nothing recomputed
+    assert b.num_computed_tokens == computed + 1
+
+
+def test_auto_mode_recomputes_when_the_host_pool_is_full():
+    sched = make_scheduler_for_test(num_blocks=7, max_num_batched_tokens=64, kv_watermark=0.0,
+                                    num_host_blocks=1, preemption_mode="auto")
+    sched.add_request(make_request("a", 8, max_tokens=20, arrival=0.0))
+    sched.add_request(make_request("b", 8, max_tokens=20, arrival=1.0))
+    for _ in range(14):
+        out = run_step(sched)
+        if out.preempted:
+            break
+    assert out.preempted and not out.blocks_to_swap_out
+    assert sched.requests["b"].num_computed_tokens == 0
+
+
+def test_cache_aware_prefers_the_longest_cached_prefix_but_not_forever():
+    clock = FakeClock()
+    sched = make_scheduler_for_test(enable_prefix_caching=True, policy="cache_aware",
+                                    max_num_seqs=1, cache_aware_max_wait_s=5.0, clock=clock,
+                                    max_num_batched_tokens=64)
+    sched.add_request(make_request("warm", 12, max_tokens=1))
+    run_step(sched)
+    cold = Request("cold", [500 + i for i in range(12)], SamplingParams(max_tokens=1), 0.0, 0,
+                   (EOS,))
+    hot = make_request("hot", 13, max_tokens=1, arrival=0.5)
+    sched.add_request(cold)
+    sched.add_request(hot)
+    assert set(chunks(run_step(sched))) == {"hot"}  # despite arriving later
+    clock.now = 10.0
+    sched.add_request(make_request("hot2", 13, max_tokens=1, arrival=10.0))
+    assert set(chunks(run_step(sched))) == {"cold"}  # waited past the guard: it goes first

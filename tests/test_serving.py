@@ -40,6 +40,18 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def settled_scrape(server, before: dict[str, float], finished: int) -> dict[str, float]:
+    """Metrics once ``finished`` more requests are counted (they are published off the engine
+    loop, a moment after the responses)."""
+    def counted() -> bool:
+        now = scrape(server)
+        return (metric(now, "kvflow_request_success_total")
+                - metric(before, "kvflow_request_success_total")) >= finished
+
+    wait_for(counted, timeout_s=20, what=f"{finished} finished requests in the metrics")
+    return scrape(server)
+
+
 def wait_for(predicate, timeout_s=30.0, what="condition"):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -115,7 +127,7 @@ def test_thirty_two_concurrent_streaming_clients(triton_server):
     for chunks in results.values():
         assert chunks[-1].finish_reason == "length"
         assert chunks[-1].num_output_tokens == 16
-    after = scrape(triton_server)
+    after = settled_scrape(triton_server, before, 32)
     steps = (metric(after, "kvflow_iteration_num_seqs_count")
              - metric(before, "kvflow_iteration_num_seqs_count"))
     single = (metric(after, "kvflow_iteration_num_seqs_bucket", le="1")
@@ -231,7 +243,7 @@ def test_metrics_expose_every_family_consistently(triton_server):
     outs = [list(stream_generate(triton_server.grpc_url, p, {"max_tokens": n, "temperature": 0,
                                                              "ignore_eos": True}))[-1]
             for p, n in (("One", 5), ("Two three", 7))]
-    after = scrape(triton_server)
+    after = settled_scrape(triton_server, before, 2)
     text = urllib.request.urlopen(triton_server.metrics_url, timeout=10).read().decode()
     for family in FAMILIES:
         assert re.search(rf"^# TYPE {family} ", text, re.M), family
@@ -245,5 +257,23 @@ def test_metrics_expose_every_family_consistently(triton_server):
     assert delta("kvflow_time_to_first_token_seconds_count") == 2
     assert delta("kvflow_e2e_request_latency_seconds_count") == 2
     assert delta("kvflow_inter_token_latency_seconds_count") == 4 + 6
-    assert metric(after, "kvflow_prefix_cache_hits_total") == 0
+    assert delta("kvflow_prefix_cache_queries_total") == sum(o.num_input_tokens for o in outs)
+    assert 0 <= delta("kvflow_prefix_cache_hits_total") <= delta(
+        "kvflow_prefix_cache_queries_total")
     assert metric(after, "kvflow_num_requests_running") == 0
+
+
+def test_a_repeated_prompt_reports_cached_tokens(triton_server):
+    prompt = "You are a careful assistant. " * 12 + "Question: what is a KV cache?"
+    params = {"max_tokens": 4, "temperature": 0.0}
+    first = list(stream_generate(triton_server.grpc_url, prompt, params))[-1]
+    before = settled_scrape(triton_server, scrape(triton_server), 0)
+    wait_for(lambda: metric(scrape(triton_server), "kvflow_num_requests_running") == 0,
+             what="an idle server")
+    before = scrape(triton_server)
+    second = list(stream_generate(triton_server.grpc_url, prompt, params))[-1]
+    after = settled_scrape(triton_server, before, 1)
+    assert first.num_input_tokens == second.num_input_tokens > 64
+    assert second.cached_tokens >= 64 and second.cached_tokens % 16 == 0
+    assert (metric(after, "kvflow_prefix_cache_hits_total")
+            - metric(before, "kvflow_prefix_cache_hits_total")) == second.cached_tokens

@@ -1,25 +1,48 @@
-"""The block pool: fixed-size KV blocks, a free list and reference counts. Pure Python.
+"""The block pool: fixed-size KV blocks, reference counts, and the prefix cache. Pure Python.
 
 Block ids are integers ``0 .. num_blocks-1``. Block 0 is the null block: block tables are padded
 with it, it is never handed out, and nothing meaningful is ever written to or read from it.
+
+Prefix caching: a full block may carry a content hash (see :func:`hash_block`). When its last
+reference goes, a hashed block stays in the pool, findable by its hash, until it is evicted to
+make room: the free queue is ordered least recently freed first, and allocation evicts from its
+front. A block with references is never on the free queue, so it is never evicted.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
     """The pool cannot hand out the blocks asked for."""
 
 
-class BlockPool:
-    """Free list and reference counts of ``num_blocks`` KV blocks (block 0 reserved).
+BlockHash = bytes
 
-    ``allocate`` takes blocks from the front of the free list; ``free`` drops one reference per
-    block and returns blocks whose count reaches zero to the back, so recently freed blocks are
-    reused last.
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """SHA-256 of (parent block's hash, this block's token ids, extra keys such as a cache salt).
+
+    Chaining makes a block's hash stand for its whole prefix. The 256-bit digest is the cache
+    key itself, with no token check on a hit: a collision needs about 2**128 blocks.
+    """
+    h = hashlib.sha256(parent or b"\x00" * 32)
+    h.update(array("q", token_ids).tobytes())
+    h.update(len(extra).to_bytes(4, "little"))
+    h.update(extra)
+    return h.digest()
+
+
+class BlockPool:
+    """Reference counts and the free queue of ``num_blocks`` KV blocks (block 0 reserved).
+
+    ``allocate`` takes blocks from the front of the free queue (evicting their cached contents);
+    ``free`` drops one reference per block, and blocks reaching zero go to the back, still
+    cached if they were hashed. ``touch`` takes a reference on a cache hit.
     """
 
     NULL_BLOCK = 0
@@ -31,7 +54,12 @@ class BlockPool:
             )
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}
+        # NOTE: an OrderedDict as an LRU queue: O(1) pop from the front, O(1) removal of a
+        # cached block that gets hit while free.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.num_evictions = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -40,6 +68,7 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks without references: empty, or cached and evictable."""
         return len(self._free)
 
     @property
@@ -47,30 +76,48 @@ class BlockPool:
         return self.num_usable_blocks - len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    @property
     def usage(self) -> float:
-        """Fraction of usable blocks in use, in [0, 1]."""
+        """Fraction of usable blocks referenced, in [0, 1]."""
         return self.num_used_blocks / self.num_usable_blocks
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks with a reference count of one each."""
+        """Take ``n`` blocks with a reference count of one each, evicting least recent first."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            h = self.block_hashes[b]
+            if h is not None:
+                del self.cached[h]
+                self.block_hashes[b] = None
+                self.num_evictions += 1
             self.ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Take a reference on blocks found in the cache (free ones leave the free queue)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+
     def incref(self, blocks: Iterable[int]) -> None:
-        """Share blocks that are already in use (e.g. a cached prefix)."""
+        """Share blocks that are already in use."""
         for b in blocks:
             if self.ref_counts[b] <= 0:
                 raise ValueError(f"block {b} is free; only used blocks can be shared")
             self.ref_counts[b] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference per block; blocks reaching zero go back to the free list."""
+        """Drop one reference per block; blocks reaching zero go to the back of the queue."""
         for b in blocks:
             if b == self.NULL_BLOCK:
                 raise ValueError("the null block is never allocated and cannot be freed")
@@ -78,16 +125,40 @@ class BlockPool:
                 raise ValueError(f"block {b} freed more often than it was allocated")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The block holding ``block_hash``'s content, if it is still cached."""
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block: int, block_hash: BlockHash) -> None:
+        """Record that ``block`` (referenced, full, computed) holds ``block_hash``'s content.
+
+        If another block already holds that content, this one stays unhashed (a duplicate that
+        is simply reused like an empty block once freed).
+        """
+        if self.block_hashes[block] is not None or block_hash in self.cached:
+            return
+        self.cached[block_hash] = block
+        self.block_hashes[block] = block_hash
+
+    def free_queue(self) -> list[int]:
+        """The free blocks, next to be evicted first."""
+        return list(self._free)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless free + used == usable and the free list is consistent."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
-        assert self.NULL_BLOCK not in free, "the null block is on the free list"
+        """Raise AssertionError unless free + used == usable and the cache index is consistent."""
+        assert self.NULL_BLOCK not in self._free, "the null block is on the free queue"
         assert self.ref_counts[self.NULL_BLOCK] == 0, "the null block has references"
+        assert self.block_hashes[self.NULL_BLOCK] is None, "the null block is cached"
         for b in range(1, self.num_blocks):
-            in_use = self.ref_counts[b] > 0
-            assert self.ref_counts[b] >= 0, f"block {b} has a negative reference count"
-            assert in_use != (b in free), f"block {b}: ref count {self.ref_counts[b]} but " \
-                f"{'on' if b in free else 'off'} the free list"
+            rc = self.ref_counts[b]
+            assert rc >= 0, f"block {b} has a negative reference count"
+            assert (rc == 0) == (b in self._free), (
+                f"block {b}: ref count {rc} but {'on' if b in self._free else 'off'} the free queue"
+            )
+            h = self.block_hashes[b]
+            if h is not None:
+                assert self.cached.get(h) == b, f"block {b}'s hash is not indexed to it"
+        for h, b in self.cached.items():
+            assert self.block_hashes[b] == h, f"cache index points {h.hex()[:8]} at block {b}"

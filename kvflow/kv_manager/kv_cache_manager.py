@@ -1,16 +1,22 @@
-"""Per-sequence block tables over a :class:`BlockPool`. Pure Python.
+"""Per-sequence block tables over a :class:`BlockPool`, the prefix cache, and a host swap pool.
 
 The scheduler asks ``allocate_slots(request_id, num_tokens)`` before a step: make room for the
 sequence to hold ``num_tokens`` tokens in total. The runner then writes token ``p`` of the
 sequence at slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+Prefix caching: ``get_computed_blocks`` finds the longest run of cached full blocks matching a
+new request's tokens; ``allocate_slots(..., computed_blocks=...)`` shares them; after each step
+``cache_blocks`` indexes the blocks that became full. Swap: ``swap_out`` moves a sequence's
+table to host blocks and ``swap_in`` back; the runner copies the data as the returned
+``(from, to)`` pairs say.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from kvflow.kv_manager.block_pool import BlockPool
+from kvflow.kv_manager.block_pool import BlockHash, BlockPool, hash_block
 
 
 @dataclass(frozen=True)
@@ -50,14 +56,31 @@ class KVCacheSpec:
 
 
 class KVCacheManager:
-    """Block tables of live sequences, allocated from one :class:`BlockPool`."""
+    """Block tables of live sequences, allocated from one :class:`BlockPool`.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    Args:
+        num_blocks: device pool size, the null block included.
+        block_size: tokens per block, a power of two.
+        enable_caching: index full blocks by content for reuse across requests.
+        num_host_blocks: size of the host swap pool (0: no swapping).
+        bytes_per_block: what one block costs to move (the scheduler's swap cost model).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 num_host_blocks: int = 0, bytes_per_block: int = 0) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.bytes_per_block = bytes_per_block
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[Hashable, list[int]] = {}
+        # Content hashes of each live sequence's full blocks, extended as it grows.
+        self._hashes: dict[Hashable, list[BlockHash]] = {}
+        # How many of a sequence's blocks are already indexed in the cache.
+        self._num_cached: dict[Hashable, int] = {}
+        self.host_pool = BlockPool(num_host_blocks + 1) if num_host_blocks > 0 else None
+        self.host_tables: dict[Hashable, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,33 +102,138 @@ class KVCacheManager:
         """Would the allocation succeed while leaving ``reserve`` blocks free?"""
         return self.num_new_blocks(request_id, num_tokens) + reserve <= self.pool.num_free_blocks
 
-    def allocate_slots(self, request_id: Hashable, num_tokens: int, reserve: int = 0) -> bool:
+    # --- prefix cache -------------------------------------------------------------------------
+    def block_hashes(self, request_id: Hashable, token_ids: Sequence[int],
+                     salt: bytes = b"") -> list[BlockHash]:
+        """Hashes of the sequence's full blocks (computed once per block, then kept)."""
+        hashes = self._hashes.setdefault(request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), len(token_ids) // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs], salt))
+        return hashes
+
+    def get_computed_blocks(self, request_id: Hashable, token_ids: Sequence[int],
+                            salt: bytes = b"") -> tuple[list[int], int]:
+        """The longest cached prefix of ``token_ids``: its blocks and its token count.
+
+        At least one token is always left to compute, so that the step yields logits: a prompt
+        cached whole gives back all but its last block.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = self.block_hashes(request_id, token_ids, salt)
+        limit = (len(token_ids) - 1) // self.block_size
+        hits = []
+        for h in hashes[:limit]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int],
+                     num_computed_tokens: int, salt: bytes = b"") -> None:
+        """Index the sequence's blocks that are now full and computed."""
+        if not self.enable_caching:
+            return
+        full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        done = self._num_cached.get(request_id, 0)
+        if full <= done:
+            return
+        hashes = self.block_hashes(request_id, token_ids[:full * self.block_size], salt)
+        table = self.block_tables[request_id]
+        for i in range(done, full):
+            self.pool.cache_block(table[i], hashes[i])
+        self._num_cached[request_id] = full
+
+    # --- allocation ---------------------------------------------------------------------------
+    def allocate_slots(self, request_id: Hashable, num_tokens: int, reserve: int = 0,
+                       computed_blocks: Sequence[int] = ()) -> bool:
         """Grow the sequence's table to hold ``num_tokens`` tokens; all or nothing.
 
-        Returns False (and allocates nothing) when the pool would keep fewer than ``reserve``
-        free blocks.
+        ``computed_blocks`` (cache hits, for a sequence without a table yet) start the table,
+        shared. Returns False (and changes nothing) when the pool would keep fewer than
+        ``reserve`` free blocks.
         """
         table = self.block_tables.get(request_id)
         have = len(table) if table is not None else 0
-        need = -(-num_tokens // self.block_size) - have
-        if need <= 0:  # the common decode step: the last block still has room
+        need = -(-num_tokens // self.block_size) - have - len(computed_blocks)
+        if need <= 0 and not computed_blocks:  # the common decode step: the block has room
             return True
-        if need + reserve > self.pool.num_free_blocks:
+        # Cache hits sitting on the free queue stop being free once shared.
+        revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if max(need, 0) + revived + reserve > self.pool.num_free_blocks:
             return False
         if table is None:
             table = self.block_tables[request_id] = []
-        table.extend(self.pool.allocate(need))
+        if computed_blocks:
+            assert not table, "computed blocks can only start a table"
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+            self._num_cached[request_id] = len(computed_blocks)
+        if need > 0:
+            table.extend(self.pool.allocate(need))
         return True
 
-    def free(self, request_id: Hashable) -> int:
-        """Release a sequence's blocks (no-op for an unknown id); returns how many it held."""
+    def free(self, request_id: Hashable, forget: bool = True) -> int:
+        """Release a sequence's device blocks (no-op for an unknown id); returns how many.
+
+        ``forget=False`` keeps its block hashes (a preempted sequence that will come back).
+        """
         table = self.block_tables.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+        if forget:
+            self._hashes.pop(request_id, None)
+            if request_id in self.host_tables and self.host_pool is not None:
+                self.host_pool.free(self.host_tables.pop(request_id))
         if not table:
             return 0
-        # Free in reverse so that the tail (least likely to be shared) is reused first.
+        # Free the tail first: it goes to the front of the eviction queue, the shared prefix last.
         self.pool.free(reversed(table))
         return len(table)
 
+    # --- swap ---------------------------------------------------------------------------------
+    def can_swap_out(self, request_id: Hashable, num_tokens: int) -> bool:
+        return (self.host_pool is not None
+                and self.blocks_needed(num_tokens) <= self.host_pool.num_free_blocks)
+
+    def swap_out(self, request_id: Hashable, num_tokens: int) -> list[tuple[int, int]]:
+        """Move the blocks holding the first ``num_tokens`` tokens to host blocks.
+
+        Frees the device table; returns ``(device_block, host_block)`` copies to make before the
+        freed device blocks are written again.
+        """
+        assert self.host_pool is not None
+        n = self.blocks_needed(num_tokens)
+        table = self.block_tables[request_id]
+        host = self.host_pool.allocate(n)
+        self.host_tables[request_id] = host
+        pairs = list(zip(table[:n], host, strict=True))
+        self.free(request_id, forget=False)
+        return pairs
+
+    def swap_in(self, request_id: Hashable, num_tokens: int,
+                reserve: int = 0) -> list[tuple[int, int]] | None:
+        """Bring a swapped sequence back with room for ``num_tokens``; None if it cannot fit.
+
+        Returns ``(host_block, device_block)`` copies to make before the step runs.
+        """
+        assert self.host_pool is not None
+        host = self.host_tables[request_id]
+        need = max(self.blocks_needed(num_tokens), len(host))
+        if need + reserve > self.pool.num_free_blocks:
+            return None
+        device = self.pool.allocate(need)
+        self.block_tables[request_id] = device
+        pairs = list(zip(host, device[:len(host)], strict=True))
+        self.host_pool.free(self.host_tables.pop(request_id))
+        return pairs
+
+    def is_swapped(self, request_id: Hashable) -> bool:
+        return request_id in self.host_tables
+
+    # --- lookups ------------------------------------------------------------------------------
     def get_block_table(self, request_id: Hashable) -> list[int]:
         return self.block_tables[request_id]
 
@@ -115,10 +243,22 @@ class KVCacheManager:
         return block * self.block_size + position % self.block_size
 
     def check_integrity(self) -> None:
-        """Pool consistent, and every reference count equals the block's table occurrences."""
+        """Pools consistent; every reference count equals the block's table occurrences."""
         self.pool.check_integrity()
         counts = [0] * self.pool.num_blocks
         for table in self.block_tables.values():
             for b in table:
                 counts[b] += 1
         assert counts == self.pool.ref_counts, "reference counts do not match the block tables"
+        if self.host_pool is not None:
+            self.host_pool.check_integrity()
+            host_counts = [0] * self.host_pool.num_blocks
+            for table in self.host_tables.values():
+                for b in table:
+                    host_counts[b] += 1
+            assert host_counts == self.host_pool.ref_counts, "host pool references mismatch"
+            assert not self.host_pool.cached, "host blocks are never content-indexed"
+        else:
+            assert not self.host_tables
+        assert not set(self.host_tables) & set(self.block_tables), \
+            "a sequence is both swapped out and resident"

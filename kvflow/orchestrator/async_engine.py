@@ -39,13 +39,15 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                callback: OutputCallback, priority: int = 0,
-               is_cancelled: Callable[[], bool] | None = None) -> None:
+               is_cancelled: Callable[[], bool] | None = None,
+               cache_salt: str | None = None) -> None:
         """Queue a request; ``callback`` gets every output, the last one with ``finished``.
 
         ``is_cancelled`` is polled before every step; once it returns True the request is
         aborted (its KV blocks freed) before that step runs.
         """
-        self._inbox.put(("add", (request_id, prompt, params, callback, priority, is_cancelled)))
+        self._inbox.put(("add", (request_id, prompt, params, callback, priority, is_cancelled,
+                                 cache_salt)))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -71,9 +73,10 @@ class EngineLoop:
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            request_id, prompt, params, callback, priority, is_cancelled = payload
+            request_id, prompt, params, callback, priority, is_cancelled, salt = payload
             try:
-                _, rejected = self.engine.add_request(prompt, params, request_id, priority)
+                _, rejected = self.engine.add_request(prompt, params, request_id, priority,
+                                                      cache_salt=salt)
             except ValueError as e:
                 callback(_error_output(request_id, str(e)))
                 return
@@ -99,7 +102,9 @@ class EngineLoop:
         if out is not None and callback is not None:
             callback(out)
 
-    def _poll_cancelled(self) -> None:
+    def _poll_cancelled(self) -> bool:
+        """Abort every request whose client cancelled; did any?"""
+        aborted = False
         for request_id, is_cancelled in list(self._cancel_checks.items()):
             try:
                 cancelled = is_cancelled()
@@ -107,6 +112,8 @@ class EngineLoop:
                 cancelled = True
             if cancelled:
                 self._abort(request_id)
+                aborted = True
+        return aborted
 
     def _run(self) -> None:
         try:
@@ -123,8 +130,7 @@ class EngineLoop:
                     if kind == "stop":
                         return
                     self._handle(kind, payload)
-                if self._cancel_checks:
-                    self._poll_cancelled()
+                cancelled = self._poll_cancelled() if self._cancel_checks else False
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     if self.step_hook is not None:  # first, so metrics lead the responses
@@ -137,8 +143,11 @@ class EngineLoop:
                             callback = self._callbacks.get(out.request_id)
                         if callback is not None:
                             callback(out)
-                elif self.step_hook is not None and not batch:
-                    self.step_hook(self.engine, [])  # idle: keep gauges fresh
+                elif self.step_hook is not None and (batch or cancelled):
+                    # State changed without a step (an abort, a rejection): refresh the hook's
+                    # view. NOTE: never on a timer: the Triton stub's metrics calls block while
+                    # the model unloads, and an idle loop must leave it free to finalize.
+                    self.step_hook(self.engine, [])
         except BaseException as e:  # noqa: BLE001  (reported to every waiter below)
             self.error = e
             raise

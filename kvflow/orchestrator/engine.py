@@ -63,7 +63,10 @@ class LLMEngine:
         self.config = scheduler_config
         self.clock = clock
         self.eos_token_ids = tuple(eos_token_ids)
-        self.kv = KVCacheManager(runner.num_blocks, runner.engine.limits.block_size)
+        self.kv = KVCacheManager(runner.num_blocks, runner.engine.limits.block_size,
+                                 enable_caching=scheduler_config.enable_prefix_caching,
+                                 num_host_blocks=runner.num_host_blocks,
+                                 bytes_per_block=runner.engine.kv_bytes_per_block)
         self.scheduler = make_scheduler(scheduler_config, self.kv, clock)
         self.sampler = Sampler(runner.engine.model.vocab_size, self.eos_token_ids)
         self.states: dict[str, _RequestState] = {}
@@ -76,8 +79,12 @@ class LLMEngine:
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> tuple[Request, RequestOutput | None]:
-        """Queue a request. Returns it, and a final output at once if it was rejected."""
+                    arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> tuple[Request, RequestOutput | None]:
+        """Queue a request. Returns it, and a final output at once if it was rejected.
+
+        Requests with different ``cache_salt`` never share prefix-cache blocks.
+        """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if isinstance(prompt, str):
@@ -88,7 +95,7 @@ class LLMEngine:
             prompt_ids = [int(t) for t in prompt]
         request = Request(request_id, prompt_ids, params,
                           self.clock() if arrival_time is None else arrival_time, priority,
-                          self.eos_token_ids, self.config.max_model_len)
+                          self.eos_token_ids, self.config.max_model_len, cache_salt)
         if not self.scheduler.add_request(request):
             self.counters["rejected"] += 1
             return request, self._output(request, None, [])
@@ -117,6 +124,14 @@ class LLMEngine:
         t0 = self.clock()
         sched = self.scheduler.schedule()
         self.counters["preemptions"] += len(sched.preempted)
+        self.counters["prefix_cache_queries"] = self.scheduler.prefix_cache_queries
+        self.counters["prefix_cache_hits"] = self.scheduler.prefix_cache_hits
+        # NOTE: before the step, and even if nothing runs: swapped-out blocks may be rewritten
+        # by the very next allocation.
+        if sched.blocks_to_swap_out:
+            self.runner.swap_out(sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            self.runner.swap_in(sched.blocks_to_swap_in)
         if sched.is_empty:
             return []
         chunks = [SeqChunk(s.request.request_id, s.request.token_ids, s.start, s.num_new_tokens,

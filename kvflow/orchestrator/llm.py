@@ -15,8 +15,9 @@ from kvflow.orchestrator.sampling_params import SamplingParams
 from kvflow.orchestrator.tokenizer import EngineTokenizer
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_SWAP_SPACE_BYTES = 256 << 20
 
-ENGINE_OPTIONS = ("runner", "kv_cache_bytes", "num_kv_blocks")
+ENGINE_OPTIONS = ("runner", "kv_cache_bytes", "num_kv_blocks", "swap_space_bytes")
 
 
 def kv_blocks_for(engine: EngineConfig, sched: SchedulerConfig, kv_cache_bytes: int | None,
@@ -39,7 +40,8 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
     """An :class:`LLMEngine` over ``engine_dir``.
 
     ``overrides``: any :class:`SchedulerConfig` field, plus ``runner`` (default: the engine's
-    backend), ``kv_cache_bytes`` or ``num_kv_blocks`` (KV pool size).
+    backend), ``kv_cache_bytes`` or ``num_kv_blocks`` (KV pool size) and ``swap_space_bytes``
+    (host swap pool for preemption by swap; default 256 MiB, 0 for none).
     """
     from kvflow.runtime import create_runner  # the one place that reaches the runtimes
 
@@ -58,7 +60,9 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
                              f"of {limit}")
     num_blocks = kv_blocks_for(engine, sched, engine_opts.get("kv_cache_bytes"),
                                engine_opts.get("num_kv_blocks"))
-    runner = create_runner(engine_opts.get("runner"), engine_dir, num_blocks)
+    swap_bytes = engine_opts.get("swap_space_bytes", DEFAULT_SWAP_SPACE_BYTES)
+    num_host_blocks = int(swap_bytes) // engine.kv_bytes_per_block
+    runner = create_runner(engine_opts.get("runner"), engine_dir, num_blocks, num_host_blocks)
     return LLMEngine(runner, EngineTokenizer(engine_dir), sched, engine.model.eos_token_ids)
 
 
@@ -74,8 +78,12 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priorities: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids); outputs in prompt order."""
+                 priorities: Sequence[int] | None = None,
+                 cache_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids); outputs in prompt order.
+
+        ``cache_salts``: per prompt; prompts with different salts share no prefix-cache blocks.
+        """
         if isinstance(prompts, str):
             prompts = [prompts]
         n = len(prompts)
@@ -89,7 +97,8 @@ class LLM:
         order = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             request, rejected = self.engine.add_request(
-                prompt, params, priority=priorities[i] if priorities else 0)
+                prompt, params, priority=priorities[i] if priorities else 0,
+                cache_salt=cache_salts[i] if cache_salts else None)
             order.append(request.request_id)
             if rejected is not None:
                 results[request.request_id] = rejected

@@ -105,7 +105,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float, priority: int = 0,
-                 eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None) -> None:
+                 eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
+                 cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -120,6 +121,8 @@ class Request:
         self.stop_reason: str | int | None = None
         self.reject_reason: str | None = None
         self.metrics = RequestMetrics(arrival_time)
+        # Tenants with different salts never share prefix-cache blocks.
+        self.cache_salt = cache_salt.encode("utf-8") if cache_salt else b""
         # The most output this request may produce: max_tokens, clipped by the context limit.
         limit = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
         if max_model_len is not None:

@@ -56,6 +56,10 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # (device block, host block) copies to make before this step (preemption by swap) ...
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # ... and (host block, device block) copies of swapped requests resuming this step.
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -72,6 +76,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 class Scheduler:
@@ -92,6 +100,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swapped_out = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
+        self.prefix_cache_hits = 0  # of which found cached
         # The longest sequence that can ever be resident: the context limit or the whole pool.
         self.max_seq_len = min(config.max_model_len,
                                kv.pool.num_usable_blocks * kv.block_size)
@@ -164,11 +175,15 @@ class Scheduler:
         """
         now = self.clock()
         finished = []
+        caching = self.kv.enable_caching
         for s in output.scheduled:
             request = s.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens = s.start + s.num_new_tokens
+            if caching:
+                self.kv.cache_blocks(request.request_id, request.token_ids,
+                                     request.num_computed_tokens, request.cache_salt)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
@@ -200,10 +215,15 @@ class Scheduler:
         self.running.append(request)
 
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
-        """Preempt by recompute: free the KV, back to the front of the queue."""
+        """Preempt by swap or recompute (see :meth:`_swap_is_cheaper`); back to the queue front."""
         self.running.remove(victim)
-        self.kv.free(victim.request_id)
-        victim.num_computed_tokens = 0
+        if self._swap_is_cheaper(victim):
+            output.blocks_to_swap_out.extend(
+                self.kv.swap_out(victim.request_id, victim.num_computed_tokens))
+            self.num_swapped_out += 1
+        else:
+            self.kv.free(victim.request_id, forget=False)
+            victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -213,6 +233,48 @@ class Scheduler:
             if s.request is victim:
                 del output.scheduled[i]
                 break
+
+    def _swap_is_cheaper(self, request: Request) -> bool:
+        """Swap when forced, or (``auto``) when moving the KV out and back is estimated cheaper
+        than recomputing it; never when the host pool lacks room or nothing is computed."""
+        n, cfg = request.num_computed_tokens, self.config
+        if n == 0 or cfg.preemption_mode == "recompute" or not self.kv.can_swap_out(
+                request.request_id, n):
+            return False
+        if cfg.preemption_mode == "swap":
+            return True
+        swap_s = 2 * self.kv.blocks_needed(n) * self.kv.bytes_per_block / cfg.swap_bytes_per_s
+        return swap_s < n / cfg.recompute_tokens_per_s
+
+    def _admit_tokens(self, request: Request, budget: int, reserve: int,
+                      output: SchedulerOutput) -> int:
+        """Give a waiting request its KV (swap-in, or cache hits + new blocks); tokens to run.
+
+        Returns 0, changing nothing, when the request does not fit this step.
+        """
+        rid = request.request_id
+        if self.kv.is_swapped(rid):
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = self._chunk(remaining, budget, prefill=remaining > 1)
+            pairs = (self.kv.swap_in(rid, request.num_computed_tokens + num_new, reserve)
+                     if num_new else None)
+            if pairs is None:
+                return 0
+            output.blocks_to_swap_in.extend(pairs)
+            return num_new
+        hits, num_cached = self.kv.get_computed_blocks(rid, request.token_ids,
+                                                       request.cache_salt)
+        num_new = self._chunk(request.num_tokens - num_cached, budget, prefill=True)
+        if num_new == 0 or not self.kv.allocate_slots(rid, num_cached + num_new, reserve,
+                                                      computed_blocks=hits):
+            return 0
+        request.num_computed_tokens = num_cached
+        if self.kv.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.cached_tokens = num_cached
+        return num_new
 
     # --- introspection ----------------------------------------------------------------------
     @property
@@ -238,7 +300,9 @@ class Scheduler:
             assert have >= self.kv.blocks_needed(r.num_computed_tokens), r
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
-            assert r.num_computed_tokens == 0, r
+            swapped = self.kv.is_swapped(r.request_id)
+            assert r.num_computed_tokens == 0 or swapped, r
+            assert r.request_id not in self.kv.block_tables, r
         assert len(self.running) <= self.config.max_num_seqs
 
 
@@ -247,7 +311,9 @@ class ContinuousScheduler(Scheduler):
 
     ``policy="fcfs"`` admits in arrival order; ``policy="priority"`` admits the lowest
     ``priority`` value first, ties by arrival, with aging: a waiting request's effective
-    priority improves by one level per ``priority_aging_s`` seconds waited.
+    priority improves by one level per ``priority_aging_s`` seconds waited;
+    ``policy="cache_aware"`` admits the longest cached prefix first, but a request that waited
+    ``cache_aware_max_wait_s`` goes first whatever its hit.
     """
 
     def schedule(self) -> SchedulerOutput:
@@ -258,13 +324,16 @@ class ContinuousScheduler(Scheduler):
         ``max_num_batched_tokens``. (1) Running requests first, in admission order: each gets
         its remaining tokens (one for a decode, the next chunk of a prompt), clamped to the
         budget when chunked prefill is on. If its KV blocks cannot be allocated, the running
-        request of lowest priority (largest value), newest arrival, is preempted by recompute
-        (blocks freed, back to the front of the queue, unscheduled if it was scheduled this
-        step), until the allocation succeeds or the request itself was the victim. (2) Only if
-        nothing was preempted, waiting requests are admitted in policy order while budget,
-        ``max_num_seqs`` and free KV blocks allow; admission keeps ``kv_watermark`` of the pool
-        free (unless nothing runs) so that running requests can grow. A prompt that does not
-        fit the remaining budget without chunking waits for a later step (head of line).
+        request of lowest priority (largest value), newest arrival, is preempted (by swap to
+        the host pool or by recompute, whichever ``preemption_mode`` and its cost model pick;
+        back to the front of the queue, unscheduled if it was scheduled this step), until the
+        allocation succeeds or the request itself was the victim. (2) Only if nothing was
+        preempted, waiting requests are admitted in policy order while budget,
+        ``max_num_seqs`` and free KV blocks allow: a swapped-out request gets its blocks back
+        (copied in before the step), any other reuses its longest cached prefix and computes
+        the rest. Admission keeps ``kv_watermark`` of the pool free (unless nothing runs) so
+        that running requests can grow. A prompt that does not fit the remaining budget
+        without chunking waits for a later step (head of line).
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -298,15 +367,13 @@ class ContinuousScheduler(Scheduler):
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
-            num_new = self._chunk(request.num_tokens, budget, prefill=True)
-            if num_new == 0:
-                break
             reserve = self.watermark_blocks if self.running else 0
-            if not self.kv.allocate_slots(request.request_id, num_new, reserve=reserve):
+            num_new = self._admit_tokens(request, budget, reserve, out)
+            if num_new == 0:
                 break
             self.waiting.remove(request)
             self._start_running(request)
-            out.scheduled.append(ScheduledRequest(request, 0, num_new))
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return out
 
@@ -314,12 +381,34 @@ class ContinuousScheduler(Scheduler):
         return max(self.running, key=lambda r: (r.priority, r.arrival_time))
 
     def _peek_waiting(self) -> Request:
-        if self.config.policy != "priority":
+        policy = self.config.policy
+        if policy == "cache_aware":
+            return self._peek_cache_aware()
+        if policy != "priority":
             return self.waiting[0]
         now = self.clock()
         aging = self.config.priority_aging_s
         return min(self.waiting,
                    key=lambda r: (r.priority - (now - r.arrival_time) / aging, r.arrival_time))
+
+    def _peek_cache_aware(self, window: int = 64) -> Request:
+        """Longest cached prefix first among the first ``window`` waiting; but the head of the
+        queue once it has waited ``cache_aware_max_wait_s`` (the guard against starvation)."""
+        head = self.waiting[0]
+        if (self.kv.is_swapped(head.request_id) or self.clock() - head.arrival_time
+                >= self.config.cache_aware_max_wait_s):
+            return head
+        best, best_key = head, (-1, 0.0)
+        for i, r in enumerate(self.waiting):
+            if i >= window:
+                break
+            if self.kv.is_swapped(r.request_id):
+                continue
+            _, cached = self.kv.get_computed_blocks(r.request_id, r.token_ids, r.cache_salt)
+            key = (cached, -r.arrival_time)
+            if key > best_key:
+                best, best_key = r, key
+        return best
 
 
 class StaticBatchScheduler(Scheduler):
@@ -360,6 +449,7 @@ class StaticBatchScheduler(Scheduler):
 SCHEDULERS: dict[str, type[Scheduler]] = {
     "fcfs": ContinuousScheduler,
     "priority": ContinuousScheduler,
+    "cache_aware": ContinuousScheduler,
     "static": StaticBatchScheduler,
 }
 

@@ -12,18 +12,20 @@ RUNNERS = ("onnxruntime", "torch", "tensorrt")
 __all__ = ["RUNNERS", "ModelRunner", "StepInput", "create_runner"]
 
 
-def create_runner(name: str | None, engine_dir: str | Path, num_blocks: int) -> ModelRunner:
-    """The runner ``name`` (default: the engine's backend) over a pool of ``num_blocks`` blocks."""
+def create_runner(name: str | None, engine_dir: str | Path, num_blocks: int,
+                  num_host_blocks: int = 0) -> ModelRunner:
+    """The runner ``name`` (default: the engine's backend) over a pool of ``num_blocks`` blocks
+    and a host swap pool of ``num_host_blocks``."""
     engine = EngineConfig.load(engine_dir)
     name = name or engine.backend
     if name == "onnxruntime":
         from kvflow.runtime.ort_runner import OnnxRuntimeRunner
 
-        return OnnxRuntimeRunner(engine_dir, engine, num_blocks)
+        return OnnxRuntimeRunner(engine_dir, engine, num_blocks, num_host_blocks)
     if name == "torch":
         from kvflow.runtime.torch_runner import TorchRunner
 
-        return TorchRunner(engine_dir, engine, num_blocks)
+        return TorchRunner(engine_dir, engine, num_blocks, num_host_blocks)
     if name == "tensorrt":
         raise RuntimeError(
             "the TensorRT runner needs an NVIDIA GPU and TensorRT; neither is present here"

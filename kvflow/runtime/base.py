@@ -57,13 +57,22 @@ class ModelRunner(ABC):
 
     name: str = "base"
 
-    def __init__(self, engine: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, engine: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.engine = engine
         self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
 
     @abstractmethod
     def execute(self, step: StepInput) -> np.ndarray:
         """Run one step; returns fp32 logits ``[len(step.logits_indices), vocab_size]``."""
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host swap blocks: ``(device_block, host_block)`` pairs."""
+        raise NotImplementedError(f"the {self.name} runner cannot swap")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host swap blocks back: ``(host_block, device_block)`` pairs."""
+        raise NotImplementedError(f"the {self.name} runner cannot swap")
 
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release the KV pool and any device resources."""

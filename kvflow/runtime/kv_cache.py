@@ -16,7 +16,8 @@ class HostKVPool:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: np.dtype | type = np.float32) -> None:
+                 head_dim: int, dtype: np.dtype | type = np.float32,
+                 num_host_blocks: int = 0) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
@@ -26,8 +27,26 @@ class HostKVPool:
             dtype=np.int64,
         ).reshape(num_layers, 2)
         self.nbytes = sum(a.nbytes for a in self.k) * 2
+        # The swap space: same layout, its own block ids (block 0 unused, as in the device pool).
+        host_shape = (num_host_blocks + 1, *shape[1:]) if num_host_blocks else (0, *shape[1:])
+        self.host_k = [np.zeros(host_shape, dtype=dtype) for _ in range(num_layers)]
+        self.host_v = [np.zeros(host_shape, dtype=dtype) for _ in range(num_layers)]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """``(device_block, host_block)`` copies, every layer, K and V."""
+        src, dst = (np.array(x, dtype=np.int64) for x in zip(*pairs, strict=True))
+        for k, v, hk, hv in zip(self.k, self.v, self.host_k, self.host_v, strict=True):
+            hk[dst] = k[src]
+            hv[dst] = v[src]
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """``(host_block, device_block)`` copies, every layer, K and V."""
+        src, dst = (np.array(x, dtype=np.int64) for x in zip(*pairs, strict=True))
+        for k, v, hk, hv in zip(self.k, self.v, self.host_k, self.host_v, strict=True):
+            k[dst] = hk[src]
+            v[dst] = hv[src]
 
     def close(self) -> None:
         for a in (*self.k, *self.v):
             kv_registry.unregister(a)
-        self.k, self.v = [], []
+        self.k, self.v, self.host_k, self.host_v = [], [], [], []

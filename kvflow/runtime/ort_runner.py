@@ -113,8 +113,8 @@ class OnnxRuntimeRunner(ModelRunner):
     name = "onnxruntime"
 
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
-                 threads: int | None = None) -> None:
-        super().__init__(engine, num_blocks)
+                 num_host_blocks: int = 0, threads: int | None = None) -> None:
+        super().__init__(engine, num_blocks, num_host_blocks)
         path = Path(engine_dir) / engine.files.get("onnx", ONNX_FILE)
         if not path.is_file():
             raise FileNotFoundError(
@@ -124,7 +124,8 @@ class OnnxRuntimeRunner(ModelRunner):
         self.segments = build_segments(onnx.load(str(path)), threads)
         m = engine.model
         self.pool = HostKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
-                               m.num_key_value_heads, m.head_dim, np.float32)
+                               m.num_key_value_heads, m.head_dim, np.float32,
+                               num_host_blocks)
 
     def execute(self, step: StepInput) -> np.ndarray:
         values: dict[str, np.ndarray] = {
@@ -148,6 +149,12 @@ class OnnxRuntimeRunner(ModelRunner):
                     scale=seg.attention_attrs["scale"],
                 )
         return values["logits"]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.swap_out(pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.swap_in(pairs)
 
     def close(self) -> None:
         self.pool.close()

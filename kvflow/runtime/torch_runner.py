@@ -35,12 +35,14 @@ class TorchRunner(ModelRunner):
 
     name = "torch"
 
-    def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int) -> None:
-        super().__init__(engine, num_blocks)
+    def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
+                 num_host_blocks: int = 0) -> None:
+        super().__init__(engine, num_blocks, num_host_blocks)
         self.model = load_model(Path(engine_dir), engine)
         m = engine.model
         self.pool = HostKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
-                               m.num_key_value_heads, m.head_dim, np.float32)
+                               m.num_key_value_heads, m.head_dim, np.float32,
+                               num_host_blocks)
         self._ptrs = torch.from_numpy(self.pool.ptrs)
 
     @torch.inference_mode()
@@ -56,6 +58,12 @@ class TorchRunner(ModelRunner):
             torch.from_numpy(step.logits_indices),
         )
         return logits.numpy()
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.swap_out(pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.swap_in(pairs)
 
     def close(self) -> None:
         self.pool.close()

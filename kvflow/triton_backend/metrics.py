@@ -1,11 +1,16 @@
 """Prometheus metrics through the Python backend's custom metrics API (``kvflow_*`` families).
 
-Updated on the engine loop thread after every step, from the engine's outputs, counters and
-scheduler state. Triton serves them on its metrics port.
+After every step the engine loop thread takes a snapshot (plain numbers: observations, gauge
+values, counter totals) and queues it; a dedicated metrics thread makes the backend calls, as
+Triton's vLLM backend does. The engine loop never waits on the metrics API, whose calls go
+through the stub's IPC to the Triton process. Triton serves the metrics on its metrics port.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from typing import Any
 
 from kvflow.orchestrator.engine import LLMEngine
@@ -66,42 +71,83 @@ class TritonMetrics:
         self.counters = {name: family(name, desc, kinds.COUNTER).Metric(labels=labels)
                          for name, (desc, _) in COUNTERS.items()}
         self._last_counts: dict[str, int] = {}
-        self._families_alive = True
+        self._last_gauges: dict[str, float] = {}
+        self._queue: queue.SimpleQueue[_Snapshot | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._publish_loop, name="kvflow-metrics",
+                                        daemon=True)
+        self._thread.start()
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        if not self._families_alive:
-            return
-        h = self.histograms
-        if engine.step_stats:
-            h["kvflow_iteration_num_seqs"].observe(engine.step_stats[-1].num_scheduled_seqs)
+        """Snapshot this step's numbers (engine loop thread; no backend calls here)."""
+        observations: list[tuple[str, float]] = []
+        if outputs and engine.step_stats:
+            observations.append(("kvflow_iteration_num_seqs",
+                                 engine.step_stats[-1].num_scheduled_seqs))
         for out in outputs:
             m = out.metrics
             times = m.token_times
             if out.delta_token_ids:
                 if len(times) == 1 and m.ttft_s is not None:
-                    h["kvflow_time_to_first_token_seconds"].observe(m.ttft_s)
+                    observations.append(("kvflow_time_to_first_token_seconds", m.ttft_s))
                     if m.queue_time_s is not None:
-                        h["kvflow_request_queue_time_seconds"].observe(m.queue_time_s)
+                        observations.append(("kvflow_request_queue_time_seconds",
+                                             m.queue_time_s))
                 elif len(times) >= 2:
-                    h["kvflow_inter_token_latency_seconds"].observe(times[-1] - times[-2])
+                    observations.append(("kvflow_inter_token_latency_seconds",
+                                         times[-1] - times[-2]))
             if out.finished and out.finish_reason != "rejected" and m.e2e_s is not None:
-                h["kvflow_e2e_request_latency_seconds"].observe(m.e2e_s)
-        self.refresh(engine)
-
-    def refresh(self, engine: LLMEngine) -> None:
-        """Gauges and counters from the engine's current state (also called when idle)."""
+                observations.append(("kvflow_e2e_request_latency_seconds", m.e2e_s))
         sched = engine.scheduler
-        self.gauges["kvflow_num_requests_running"].set(sched.num_running)
-        self.gauges["kvflow_num_requests_waiting"].set(sched.num_waiting)
-        self.gauges["kvflow_kv_cache_usage_ratio"].set(engine.kv.usage)
-        for name, (_, key) in COUNTERS.items():
-            value = engine.counters.get(key, 0)
+        gauges = {"kvflow_num_requests_running": sched.num_running,
+                  "kvflow_num_requests_waiting": sched.num_waiting,
+                  "kvflow_kv_cache_usage_ratio": engine.kv.usage}
+        totals = {name: engine.counters.get(key, 0) for name, (_, key) in COUNTERS.items()}
+        self._queue.put(_Snapshot(observations, gauges, totals))
+
+    def _publish_loop(self) -> None:
+        while True:
+            snap = self._queue.get()
+            if snap is None:
+                return
+            with contextlib.suppress(Exception):  # metrics never take the server down
+                self._publish(snap)
+            if snap.done is not None:
+                snap.done.set()
+
+    def _publish(self, snap: _Snapshot) -> None:
+        for name, value in snap.observations:
+            self.histograms[name].observe(value)
+        for name, value in snap.gauges.items():
+            if self._last_gauges.get(name) != value:
+                self.gauges[name].set(value)
+                self._last_gauges[name] = value
+        for name, value in snap.totals.items():
             delta = value - self._last_counts.get(name, 0)
             if delta > 0:
                 self.counters[name].increment(delta)
                 self._last_counts[name] = value
 
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until every queued snapshot is published (tests, shutdown)."""
+        done = threading.Event()
+        self._queue.put(_Snapshot([], {}, {}, done))
+        done.wait(timeout_s)
+
     def close(self) -> None:
-        self._families_alive = False
-        self.histograms, self.gauges, self.counters = {}, {}, {}
-        self.families = {}
+        """Stop the metrics thread; the families go after their metrics (the backend's rule)."""
+        self._queue.put(None)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self.histograms, self.gauges, self.counters = {}, {}, {}
+            self.families = {}
+
+
+class _Snapshot:
+    __slots__ = ("observations", "gauges", "totals", "done")
+
+    def __init__(self, observations: list[tuple[str, float]], gauges: dict[str, float],
+                 totals: dict[str, int], done: threading.Event | None = None) -> None:
+        self.observations = observations
+        self.gauges = gauges
+        self.totals = totals
+        self.done = done

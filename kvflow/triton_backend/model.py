@@ -9,7 +9,6 @@ blocks freed.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import sys
@@ -27,7 +26,7 @@ from kvflow.triton_backend.params import BadRequestError, ParsedRequest, parse_r
 
 INPUT_NAMES = ("text_input", "stream", "exclude_input_in_output", "sampling_parameters",
                "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority",
-               "apply_chat_template")
+               "apply_chat_template", "cache_salt")
 
 
 def _parameter(model_config: dict, key: str, default: str = "") -> str:
@@ -52,6 +51,9 @@ class _ResponseStream:
         if out.error is not None and out.finish_reason in ("rejected", "abort"):
             self._send(pb.InferenceResponse(error=pb.TritonError(out.error)), final)
             return
+        if out.finish_reason == "abort":  # the client cancelled: just close the stream
+            self._send(None, final)
+            return
         if self.parsed.stream:
             if out.delta_text or out.finished:
                 self._send(self._response(out, out.delta_text), final if out.finished else 0)
@@ -74,9 +76,23 @@ class _ResponseStream:
         return pb.InferenceResponse(output_tensors=tensors)
 
     def _send(self, response: Any, flags: int) -> None:
-        # A client that went away makes send() raise; the loop then aborts the request.
-        with self.lock, contextlib.suppress(Exception):
-            self.sender.send(response, flags=flags)
+        """Send; to a client that went away, still close the stream (Triton waits for every
+        request's final flag before it can unload the model)."""
+        with self.lock:
+            try:
+                if response is None:
+                    self.sender.send(flags=flags)
+                else:
+                    self.sender.send(response, flags=flags)
+                return
+            except Exception as e:  # noqa: BLE001  cancelled or disconnected
+                print(f"[kvflow] send failed ({flags}): {e}", file=sys.stderr, flush=True)
+                if not flags:
+                    return
+            try:
+                self.sender.send(flags=flags)
+            except Exception as e:  # noqa: BLE001
+                print(f"[kvflow] final send failed: {e}", file=sys.stderr, flush=True)
 
 
 class KvflowTritonModel:
@@ -123,7 +139,8 @@ class KvflowTritonModel:
             # Triton's ids are the client's and need not be unique; ours must be.
             request_id = f"{request.request_id() or 'triton'}-{next(self._ids)}"
             self.loop.submit(request_id, prompt, parsed.params, stream.on_output,
-                             parsed.priority, is_cancelled=sender.is_cancelled)
+                             parsed.priority, is_cancelled=sender.is_cancelled,
+                             cache_salt=parsed.cache_salt)
         return None
 
     def finalize(self) -> None:

@@ -4,8 +4,8 @@ The tensors are those of Triton's vLLM backend, so that its clients (and GenAI-P
 unchanged: ``text_input`` (required), ``stream``, ``exclude_input_in_output``, ``max_tokens``,
 ``sampling_parameters`` (a JSON object), and scalar overrides ``temperature``, ``top_p``,
 ``top_k``, ``seed``, ``stop``, ``priority``; and kvflow's ``apply_chat_template`` (the text is
-one user turn, rendered with the model's chat template). Pure Python + NumPy: testable without
-Triton.
+one user turn, rendered with the model's chat template) and ``cache_salt`` (requests with
+different salts share no prefix-cache blocks). Pure Python + NumPy: testable without Triton.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class ParsedRequest:
     exclude_input_in_output: bool
     priority: int
     apply_chat_template: bool = False
+    cache_salt: str | None = None
 
 
 def _scalar(name: str, array: np.ndarray) -> Any:
@@ -166,4 +167,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
     except (TypeError, ValueError) as e:
         raise BadRequestError(str(e)) from None
     chat = scalar_of("apply_chat_template", bool) or False
-    return ParsedRequest(prompt, params, bool(stream), bool(exclude), priority, chat)
+    salt = (_text("cache_salt", _scalar("cache_salt", inputs["cache_salt"]))
+            if "cache_salt" in inputs else None)
+    return ParsedRequest(prompt, params, bool(stream), bool(exclude), priority, chat,
+                         salt or None)

@@ -214,6 +214,11 @@ class TritonServer:
                 code = self.proc.wait(10)
         elif self.proc is not None:
             code = self.proc.returncode
+        if self.proc is not None:
+            # Backend stubs ignore SIGTERM and outlive a server that exited uncleanly: reap the
+            # whole process group so that nothing is left behind.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -1,0 +1,75 @@
+"""Prefix caching and swap preemption through the real engine: outputs never change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvflow import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_engines):
+    return tiny_engines["llama-gqa4", "torch"]  # block size 4
+
+
+def shared_prefix_prompts() -> tuple[list[int], list[list[int]]]:
+    rng = np.random.default_rng(7)
+    base = rng.integers(3, 300, size=30).tolist()
+    others = [
+        base[:16] + [5, 6, 7],           # block-aligned shared prefix
+        base[:18] + [8, 9],              # not aligned: 4 full blocks shared, 2 tokens not
+        list(base),                      # the whole prompt is cached
+        base + [11, 12, 13, 14, 15],     # cached prompt, extended
+        rng.integers(3, 300, size=9).tolist(),  # nothing shared
+    ]
+    return base, others
+
+
+def run(engine_dir, caching: bool):
+    base, others = shared_prefix_prompts()
+    with LLM(engine_dir, enable_prefix_caching=caching) as llm:
+        first = llm.generate([base], GREEDY)
+        rest = llm.generate(others, GREEDY)
+        hits = llm.engine.counters["prefix_cache_hits"]
+    return first + rest, hits
+
+
+def test_greedy_outputs_identical_with_and_without_prefix_caching(engine_dir):
+    on, hits = run(engine_dir, caching=True)
+    off, no_hits = run(engine_dir, caching=False)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.cached_tokens for o in on] == [0, 16, 16, 28, 28, 0]
+    assert all(o.cached_tokens == 0 for o in off)
+    assert hits == 88 and no_hits == 0
+
+
+def test_cache_salt_isolates_tenants(engine_dir):
+    base, _ = shared_prefix_prompts()
+    with LLM(engine_dir) as llm:
+        llm.generate([base], GREEDY, cache_salts=["tenant-a"])
+        b, a = llm.generate([base + [1], base + [1]], GREEDY,
+                            cache_salts=["tenant-b", "tenant-a"])
+    assert b.cached_tokens == 0 and a.cached_tokens == 28
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_forced_swap_and_forced_recompute_give_the_same_tokens(engine_dir, mode):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 300, size=10).tolist() for _ in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(engine_dir) as llm:
+        reference = [o.token_ids for o in llm.generate(prompts, params)]
+    # 11 usable blocks of 4 tokens for six 22-token sequences: constant preemption.
+    with LLM(engine_dir, num_kv_blocks=12, preemption_mode=mode, kv_watermark=0.0,
+             enable_prefix_caching=False, swap_space_bytes=1 << 20) as llm:
+        outs = llm.generate(prompts, params)
+        sched = llm.engine.scheduler
+        assert sched.num_preemptions > 0
+        assert (sched.num_swapped_out > 0) == (mode == "swap")
+        llm.engine.kv.check_integrity()
+        assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+    assert [o.token_ids for o in outs] == reference
