@@ -53,7 +53,8 @@ def run_build_engine(args: argparse.Namespace) -> int:
 def add_engine_option_args(p: argparse.ArgumentParser) -> None:
     """Scheduler and KV options a served engine takes (each maps to SchedulerConfig / LLM)."""
     g = p.add_argument_group("engine options")
-    g.add_argument("--policy", choices=["fcfs", "priority", "static"], default=None)
+    g.add_argument("--policy", choices=["fcfs", "priority", "cache_aware", "static"],
+                   default=None)
     g.add_argument("--max-num-seqs", type=_int, default=None)
     g.add_argument("--max-num-batched-tokens", type=_int, default=None)
     g.add_argument("--max-model-len", type=_int, default=None)
@@ -62,16 +63,21 @@ def add_engine_option_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=_int, default=None)
     g.add_argument("--kv-cache-bytes", type=_int, default=None)
     g.add_argument("--num-kv-blocks", type=_int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default=None)
+    g.add_argument("--swap-space-bytes", type=_int, default=None)
     g.add_argument("--runner", choices=["onnxruntime", "torch", "tensorrt"], default=None)
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
     names = ("policy", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
              "long_prefill_token_threshold", "max_waiting_requests", "kv_cache_bytes",
-             "num_kv_blocks", "runner")
+             "num_kv_blocks", "runner", "preemption_mode", "swap_space_bytes")
     out = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if getattr(args, "no_chunked_prefill", False):
         out["enable_chunked_prefill"] = False
+    if getattr(args, "no_prefix_caching", False):
+        out["enable_prefix_caching"] = False
     return out
 
 

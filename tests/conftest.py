@@ -141,5 +141,13 @@ def triton_server(default_engines, tmp_path_factory):
         print(log.read_text()[-5000:])
         raise
     yield server
+    pid = server.proc.pid
     code = server.stop()
-    assert code == 0, f"tritonserver exited with {code}: {log.read_text()[-3000:]}"
+    # NOTE: tritonserver 2.51 sometimes times out unloading the Python backend at shutdown and
+    # exits 1 (docs/design.md, "Known issue"); what must hold is that it exits, within its exit
+    # timeout, and leaves no process behind (the backend stub included).
+    assert code in (0, 1), f"tritonserver exited with {code}: {log.read_text()[-3000:]}"
+    import subprocess
+
+    left = subprocess.run(["pgrep", "-g", str(pid)], capture_output=True, text=True).stdout
+    assert not left.strip(), f"processes left behind: {left}"

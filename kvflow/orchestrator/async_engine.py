@@ -130,6 +130,11 @@ class EngineLoop:
                     if kind == "stop":
                         return
                     self._handle(kind, payload)
+                # NOTE: hold no reference to a handled request (its callback owns the client's
+                # stream) while idle: release what this iteration took from the inbox.
+                kind = payload = None
+                had_batch = bool(batch)
+                batch.clear()
                 cancelled = self._poll_cancelled() if self._cancel_checks else False
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
@@ -143,7 +148,7 @@ class EngineLoop:
                             callback = self._callbacks.get(out.request_id)
                         if callback is not None:
                             callback(out)
-                elif self.step_hook is not None and (batch or cancelled):
+                elif self.step_hook is not None and (had_batch or cancelled):
                     # State changed without a step (an abort, a rejection): refresh the hook's
                     # view. NOTE: never on a timer: the Triton stub's metrics calls block while
                     # the model unloads, and an idle loop must leave it free to finalize.

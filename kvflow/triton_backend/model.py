@@ -9,9 +9,9 @@ blocks freed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -79,20 +79,25 @@ class _ResponseStream:
         """Send; to a client that went away, still close the stream (Triton waits for every
         request's final flag before it can unload the model)."""
         with self.lock:
+            if self.sender is None:
+                return
+            if flags:
+                # NOTE: drop the sender with the final flag. A live sender keeps its response
+                # factory, and with it the model, alive: Triton would wait forever to unload.
+                sender, self.sender = self.sender, None
+            else:
+                sender = self.sender
             try:
                 if response is None:
-                    self.sender.send(flags=flags)
+                    sender.send(flags=flags)
                 else:
-                    self.sender.send(response, flags=flags)
+                    sender.send(response, flags=flags)
                 return
-            except Exception as e:  # noqa: BLE001  cancelled or disconnected
-                print(f"[kvflow] send failed ({flags}): {e}", file=sys.stderr, flush=True)
+            except Exception:  # noqa: BLE001  a cancelled or disconnected client
                 if not flags:
                     return
-            try:
-                self.sender.send(flags=flags)
-            except Exception as e:  # noqa: BLE001
-                print(f"[kvflow] final send failed: {e}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):
+                sender.send(flags=flags)
 
 
 class KvflowTritonModel:
@@ -146,9 +151,7 @@ class KvflowTritonModel:
     def finalize(self) -> None:
         # NOTE: metrics first: while the model unloads, a metrics call from the loop thread
         # may never be answered, and shutdown would wait on that thread.
-        print("[kvflow] finalize: stopping the engine loop", file=sys.stderr, flush=True)
         self.metrics.close()
         self.loop.shutdown(timeout=10.0)
-        print(f"[kvflow] finalize: loop alive={self.loop.is_alive}", file=sys.stderr, flush=True)
         if not self.loop.is_alive:  # never pull the KV pool from under a running step
             self.engine.runner.close()
