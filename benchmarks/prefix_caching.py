@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from kvflow.bench.report import write_report
 from kvflow.orchestrator.tokenizer import EngineTokenizer
 from kvflow.triton_backend.client import StreamingClient
 from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
@@ -120,11 +121,8 @@ def main() -> int:
               f"No shared prefix: caching costs "
               f"{(1 - b_on['output_tok_s'] / b_off['output_tok_s']) * 100:+.1f}% throughput "
               "(negative: faster; within run-to-run noise).", "",
-              "Reproduce: `python benchmarks/prefix_caching.py --engine ENGINE`.", ""]
-    text = "\n".join(lines)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+              "Reproduce: `python benchmarks/prefix_caching.py --engine ENGINE`."]
+    write_report(args.out, lines)
     return 0
 
 

@@ -15,10 +15,10 @@ import io
 import pstats
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
+from kvflow.bench.report import write_report
 from kvflow.build.engine_config import EngineConfig
 from kvflow.orchestrator.config import SchedulerConfig
 from kvflow.orchestrator.engine import LLMEngine
@@ -104,10 +104,7 @@ def main() -> int:
                      f"{r['postprocess_ms']:.2f} |")
     lines += ["", "Profile of the last case (cumulative):", "", "```", results[-1]["profile"],
               "```"]
-    text = "\n".join(lines) + "\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_report(args.out, lines)
     return 0
 
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from kvflow import LLM, SamplingParams
+from kvflow.bench.report import write_report
 from kvflow.triton_backend.client import StreamingClient, stream_generate
 from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
 
@@ -86,7 +87,7 @@ def main() -> int:
     off_16 = offline(args.engine, ps, args.output_tokens, max_num_seqs=args.concurrency, **opts)
     print("[triton overhead] served ...", flush=True)
     srv = served(args.engine, ps, args.output_tokens, args.concurrency, **opts)
-    text = "\n".join([
+    write_report(args.out, [
         f"# Triton path overhead: {args.requests} greedy requests x {args.output_tokens} "
         "output tokens", "",
         "| run | output tok/s | served / this |", "|---|---|---|",
@@ -95,10 +96,7 @@ def main() -> int:
         f"| offline `LLM.generate`, max_num_seqs={args.concurrency} | {off_16:.1f} | "
         f"{srv / off_16:.2f} |",
         f"| served, {args.concurrency} concurrent gRPC streaming clients | {srv:.1f} | 1.00 |",
-        "", "Reproduce: `python benchmarks/triton_overhead.py --engine ENGINE`.", ""])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+        "", "Reproduce: `python benchmarks/triton_overhead.py --engine ENGINE`."])
     return 0
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvflow.bench.report import write_report
+
 DECODE_BATCHES = (1, 8, 32, 64)
 CONTEXT = 256
 PREFILL = 512
@@ -145,10 +147,7 @@ def main(args: argparse.Namespace) -> int:
 
     lines += ["", f"Machine: {platform.machine()}, {os.cpu_count()} CPUs. "
               "Reproduce: `kvflow bench step` (or `make bench-step`)."]
-    text = "\n".join(lines) + "\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_report(args.out, lines)
     return 0
 
 

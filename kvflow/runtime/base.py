@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvflow.build.engine_config import EngineConfig
+from kvflow.runtime.kv_cache import HostKVPool
 
 
 @dataclass
@@ -82,3 +83,18 @@ class ModelRunner(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class HostPoolRunner(ModelRunner):
+    """A runner whose KV pool (and swap space) is a :class:`HostKVPool` in ``self.pool``."""
+
+    pool: HostKVPool
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.swap_out(pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.swap_in(pairs)
+
+    def close(self) -> None:
+        self.pool.close()

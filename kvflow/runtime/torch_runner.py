@@ -9,7 +9,7 @@ import torch
 
 from kvflow.build.engine_config import EngineConfig
 from kvflow.model.llama import LlamaForCausalLM
-from kvflow.runtime.base import ModelRunner, StepInput
+from kvflow.runtime.base import HostPoolRunner, StepInput
 from kvflow.runtime.kv_cache import HostKVPool
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -30,7 +30,7 @@ def load_model(engine_dir: Path, engine: EngineConfig) -> LlamaForCausalLM:
     return model.eval()
 
 
-class TorchRunner(ModelRunner):
+class TorchRunner(HostPoolRunner):
     """Runs :class:`LlamaForCausalLM` eagerly on the CPU over a host KV pool."""
 
     name = "torch"
@@ -58,12 +58,3 @@ class TorchRunner(ModelRunner):
             torch.from_numpy(step.logits_indices),
         )
         return logits.numpy()
-
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self.pool.swap_out(pairs)
-
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self.pool.swap_in(pairs)
-
-    def close(self) -> None:
-        self.pool.close()
