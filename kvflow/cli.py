@@ -144,6 +144,14 @@ def make_parser() -> argparse.ArgumentParser:
     p = bench_sub.add_parser("step", help="median step time of each runner and of HF transformers")
     add_step_args(p)
     p.set_defaults(func=step_main)
+
+    from kvflow.bench.serve import add_args as add_serve_args
+    from kvflow.bench.serve import main as serve_main
+
+    p = bench_sub.add_parser("serve", help="drive a running server with a workload; report "
+                                            "latency, throughput and goodput with plots")
+    add_serve_args(p)
+    p.set_defaults(func=serve_main)
     return parser
 
 

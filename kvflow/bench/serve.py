@@ -1,0 +1,317 @@
+"""``kvflow bench serve``: drive a running server with a workload and report what users feel.
+
+Requests are sent over tritonclient gRPC streaming at their workload arrival times (bounded by
+``--max-concurrency``); each request's send time and token arrival times are recorded on the
+client. Meanwhile the server's metrics endpoint is scraped for the running batch, the waiting
+queue and KV usage. The report (JSON, markdown, PNG plots) goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvflow.bench.metrics import RequestTiming, summarize
+from kvflow.bench.report import write_report
+from kvflow.bench.workloads import (
+    RequestSpec,
+    load_azure_trace,
+    make_prompt_ids,
+    random_workload,
+    shared_prefix_workload,
+)
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / \
+    "AzureLLMInferenceTrace_conv.csv"
+SERIES = ("kvflow_num_requests_running", "kvflow_num_requests_waiting",
+          "kvflow_kv_cache_usage_ratio")
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """``ttft_ms=500,tpot_ms=50`` -> {"ttft_ms": 500.0, "tpot_ms": 50.0}."""
+    out: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in ("ttft_ms", "tpot_ms"):
+            raise ValueError(f"--slo: unknown key {key!r} (known: ttft_ms, tpot_ms)")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--slo: {key} must be a number, got {value!r}") from None
+    return out
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="localhost:8001", help="gRPC host:port of the server")
+    p.add_argument("--metrics-url", default=None,
+                   help="Prometheus endpoint (default: http://HOST:8002/metrics)")
+    p.add_argument("--engine", default="engines/smollm2-135m",
+                   help="engine folder whose tokenizer cuts prompts to exact lengths")
+    p.add_argument("--workload", choices=["random", "trace", "prefix"], default="random")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="trace: arrival times divided by this (2 = twice as fast)")
+    p.add_argument("--request-rate", default="inf", help="requests/s, or inf (all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--prefix-len", type=int, default=512, help="prefix workload: shared tokens")
+    p.add_argument("--max-model-len", type=int, default=1024,
+                   help="prompt + output are clipped to fit (the report says how)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", default=None, help="e.g. ttft_ms=2000,tpot_ms=200")
+    p.add_argument("--out", default="reports/bench_serve")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def build_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[str, Any]]:
+    rate = float(args.request_rate)
+    info: dict[str, Any] = {"workload": args.workload, "request_rate": rate, "seed": args.seed}
+    if args.workload == "trace":
+        budget = args.max_model_len
+        specs, clip = load_azure_trace(args.trace, limit=args.num_prompts,
+                                       time_scale=args.time_scale,
+                                       max_prompt_tokens=budget // 2,
+                                       max_output_tokens=budget // 2)
+        info.update(trace=str(args.trace), time_scale=args.time_scale, clipping=clip,
+                    note=f"prompt and output lengths clipped to {budget // 2} tokens each so "
+                         f"that every request fits max_model_len {budget}")
+    elif args.workload == "prefix":
+        specs = shared_prefix_workload(args.num_prompts, args.prefix_len, 16, args.output_len,
+                                       rate, args.seed)
+        info.update(prefix_len=args.prefix_len)
+    else:
+        specs = random_workload(args.num_prompts, args.input_len, args.output_len, rate,
+                                args.burstiness, args.seed, args.range_ratio)
+        info.update(input_len=args.input_len, output_len=args.output_len,
+                    burstiness=args.burstiness, range_ratio=args.range_ratio)
+    return specs, info
+
+
+def make_prompts(specs: list[RequestSpec], engine_dir: str, seed: int) -> list[list[int]]:
+    """Real-text prompts of exactly each request's token count (shared groups share a prefix)."""
+    from kvflow.orchestrator.tokenizer import EngineTokenizer
+
+    tok = EngineTokenizer(engine_dir)
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    prompts = []
+    for i, s in enumerate(specs):
+        if s.prefix_group is None:
+            prompts.append(make_prompt_ids(encode, s.prompt_tokens, seed + i))
+        else:
+            question = 16
+            prefix = make_prompt_ids(encode, s.prompt_tokens - question, 10_000 + s.prefix_group)
+            prompts.append(prefix + make_prompt_ids(encode, question, seed + i))
+    return prompts
+
+
+class MetricsScraper(threading.Thread):
+    """Samples the server's running batch, waiting queue and KV usage every ``period_s``."""
+
+    def __init__(self, url: str, period_s: float = 0.25) -> None:
+        super().__init__(name="kvflow-bench-scraper", daemon=True)
+        self.url, self.period_s = url, period_s
+        self.samples: list[dict[str, float]] = []
+        self._halt = threading.Event()
+        self.t0 = time.perf_counter()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                text = urllib.request.urlopen(self.url, timeout=2).read().decode()
+                row = {"t_s": time.perf_counter() - self.t0}
+                for line in text.splitlines():
+                    name = line.split("{")[0].split(" ")[0]
+                    if name in SERIES:
+                        row[name] = float(line.rsplit(" ", 1)[1])
+                self.samples.append(row)
+            except OSError:
+                pass
+            self._halt.wait(self.period_s)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+
+def run_load(url: str, specs: list[RequestSpec], prompts: list[list[int]],
+             max_concurrency: int | None, tokenizer_dir: str,
+             progress: bool = True) -> tuple[list[RequestTiming], float]:
+    """Send every request at its arrival time; returns client-side timings and the duration."""
+    from kvflow.orchestrator.tokenizer import EngineTokenizer
+    from kvflow.triton_backend.client import StreamingClient
+
+    tok = EngineTokenizer(tokenizer_dir)
+    texts = [tok.decode(p, skip_special_tokens=False) for p in prompts]
+    limit = threading.BoundedSemaphore(max_concurrency or len(specs))
+    clients: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    timings: list[RequestTiming | None] = [None] * len(specs)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(specs), desc="requests", unit="req")
+
+    def one(i: int, spec: RequestSpec) -> None:
+        try:
+            conn = clients.get_nowait()
+        except queue.Empty:
+            conn = StreamingClient(url)
+        send = time.perf_counter()
+        times: list[float] = []
+        ok, prompt_tokens = True, spec.prompt_tokens
+        try:
+            sampling = {"max_tokens": spec.output_tokens, "temperature": 0.0,
+                        "ignore_eos": True}
+            seen = 0
+            for chunk in conn.generate(texts[i], sampling):
+                now = time.perf_counter()
+                times.extend([now] * (chunk.num_output_tokens - seen))
+                seen = chunk.num_output_tokens
+                prompt_tokens = chunk.num_input_tokens
+            clients.put(conn)
+        except Exception:  # noqa: BLE001  a failed request is counted, not fatal
+            ok = False
+            conn.close()
+        finally:
+            limit.release()
+        timings[i] = RequestTiming(send, times, prompt_tokens, len(times), ok)
+        if bar is not None:
+            bar.update(1)
+
+    threads = []
+    t0 = time.perf_counter()
+    for i, spec in enumerate(specs):
+        delay = t0 + spec.arrival_s - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        limit.acquire()
+        t = threading.Thread(target=one, args=(i, spec), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    duration = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    while True:
+        try:
+            clients.get_nowait().close()
+        except queue.Empty:
+            break
+    return [t for t in timings if t is not None], duration
+
+
+def _plots(out: Path, timings: list[RequestTiming], series: list[dict[str, float]]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    files = []
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, (name, values) in zip(axes, (
+            ("TTFT (ms)", [t.ttft_s * 1e3 for t in timings if t.ok and t.ttft_s is not None]),
+            ("TPOT (ms)", [t.tpot_s * 1e3 for t in timings if t.ok and t.tpot_s is not None]),
+            ("E2E latency (ms)", [t.e2e_s * 1e3 for t in timings if t.ok and t.e2e_s is not None]),
+    ), strict=True):
+        if values:
+            xs = np.sort(values)
+            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs))
+        ax.set_xlabel(name)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Latency CDFs")
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=110)
+    plt.close(fig)
+    files.append("latency_cdf.png")
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, (key, label) in zip(axes, (("kvflow_num_requests_running", "running batch"),
+                                       ("kvflow_num_requests_waiting", "waiting requests"),
+                                       ("kvflow_kv_cache_usage_ratio", "KV cache usage")),
+                                strict=True):
+        pts = [(s["t_s"], s[key]) for s in series if key in s]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), drawstyle="steps-post", marker=".")
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle("Server state over time (scraped from /metrics)")
+    fig.tight_layout()
+    fig.savefig(out / "server_series.png", dpi=110)
+    plt.close(fig)
+    files.append("server_series.png")
+    return files
+
+
+def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark; returns the report dict (also written to ``args.out``)."""
+    slo = parse_slo(args.slo)
+    specs, info = build_workload(args)
+    prompts = make_prompts(specs, args.engine, args.seed)
+    host = args.url.rsplit(":", 1)[0]
+    metrics_url = args.metrics_url or f"http://{host}:8002/metrics"
+    scraper = MetricsScraper(metrics_url)
+    scraper.start()
+    try:
+        timings, duration = run_load(args.url, specs, prompts, args.max_concurrency,
+                                     args.engine, progress=not args.no_progress)
+    finally:
+        scraper.stop()
+    summary = summarize(timings, duration, slo.get("ttft_ms"), slo.get("tpot_ms"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "config": {**info, "url": args.url, "max_concurrency": args.max_concurrency,
+                   "num_prompts": len(specs), "slo": slo},
+        "summary": summary,
+        "requests": [{"send_s": t.send_s, "ttft_s": t.ttft_s, "tpot_s": t.tpot_s,
+                      "e2e_s": t.e2e_s, "prompt_tokens": t.prompt_tokens,
+                      "output_tokens": t.output_tokens, "ok": t.ok} for t in timings],
+        "server_series": scraper.samples,
+    }
+    report["plots"] = _plots(out, timings, scraper.samples)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
+    lines = [f"# kvflow bench serve: {info['workload']} workload, {len(specs)} requests", "",
+             f"Request rate {info['request_rate']}, max concurrency "
+             f"{args.max_concurrency or 'unbounded'}, duration {duration:.1f} s.", "",
+             "| metric | value |", "|---|---|"]
+    for key in ("completed", "failed", "request_throughput", "output_token_throughput",
+                "total_token_throughput", "goodput"):
+        value = summary[key]
+        lines.append(f"| {key} | {value:.3f} |" if isinstance(value, float)
+                     else f"| {key} | {value} |")
+    lines += ["", "| latency (ms) | mean | median | p90 | p95 | p99 |", "|---|---|---|---|---|---|"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = summary[key]
+        cells = [("-" if stats[s] is None else f"{stats[s]:.1f}")
+                 for s in ("mean", "median", "p90", "p95", "p99")]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    if "note" in info:
+        lines += ["", f"Trace lengths: {info['note']}."]
+    lines += ["", "Plots: " + ", ".join(f"![]({p})" for p in report["plots"])]
+    write_report(out / "summary.md", lines)
+    return report
+
+
+def main(args: argparse.Namespace) -> int:
+    bench_serve(args)
+    return 0
