@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
-import time
 from pathlib import Path
 
 from kvflow.bench.report import write_report
+from kvflow.bench.serve import run_load
+from kvflow.bench.workloads import RequestSpec
 from kvflow.orchestrator.tokenizer import EngineTokenizer
 from kvflow.triton_backend.client import StreamingClient
 from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
@@ -38,39 +38,14 @@ def exact_tokens(tok: EngineTokenizer, text: str, n: int) -> str:
     return tok.decode(ids)
 
 
-def run_load(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    todo = list(reversed(prompts))
-    lock = threading.Lock()
-    ttfts: list[float] = []
-    tokens = [0]
-
-    def client() -> None:
-        with StreamingClient(url) as conn:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    prompt = todo.pop()
-                t0 = time.perf_counter()
-                first = None
-                for chunk in conn.generate(prompt, {"max_tokens": max_tokens, "temperature": 0.0,
-                                                    "ignore_eos": True}):
-                    if first is None:
-                        first = time.perf_counter() - t0
-                    last = chunk
-                with lock:
-                    ttfts.append(first)
-                    tokens[0] += last.num_output_tokens
-
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
+def load_stats(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    """Closed loop over ``prompts``; mean and median client TTFT and output throughput."""
+    specs = [RequestSpec(0.0, 1, max_tokens) for _ in prompts]
+    timings, elapsed = run_load(url, specs, prompts, concurrency, progress=False)
+    ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
     return {"mean_ttft_s": statistics.mean(ttfts), "p50_ttft_s": statistics.median(ttfts),
-            "output_tok_s": tokens[0] / elapsed, "elapsed_s": elapsed}
+            "output_tok_s": sum(t.output_tokens for t in timings) / elapsed,
+            "elapsed_s": elapsed}
 
 
 def serve_and_run(engine: Path, caching: bool, prompts: list[str], concurrency: int,
@@ -81,7 +56,7 @@ def serve_and_run(engine: Path, caching: bool, prompts: list[str], concurrency: 
     with TritonServer(cfg, log_path=Path("/tmp/kvflow-prefix-bench.log")) as server:
         with StreamingClient(server.grpc_url) as warm:  # warm-up, not cached content
             list(warm.generate("Hello", {"max_tokens": 2}))
-        return run_load(server.grpc_url, prompts, concurrency, max_tokens)
+        return load_stats(server.grpc_url, prompts, concurrency, max_tokens)
 
 
 def main() -> int:

@@ -10,13 +10,14 @@ running (the same concurrency the served run has), and served. Writes a markdown
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from pathlib import Path
 
 from kvflow import LLM, SamplingParams
 from kvflow.bench.report import write_report
-from kvflow.triton_backend.client import StreamingClient, stream_generate
+from kvflow.bench.serve import run_load
+from kvflow.bench.workloads import RequestSpec
+from kvflow.triton_backend.client import stream_generate
 from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
 
 TOPICS = ["rivers", "castles", "bicycles", "volcanoes", "owls", "libraries", "glaciers", "tea"]
@@ -42,31 +43,12 @@ def served(engine: str, ps: list[str], out_tokens: int, concurrency: int,
            **overrides) -> float:
     cfg = ServerConfig(Path(engine), http_port=free_port(), grpc_port=free_port(),
                        metrics_port=free_port(), engine_args=overrides)
-    sampling = {"max_tokens": out_tokens, "temperature": 0.0, "ignore_eos": True}
     with TritonServer(cfg, log_path=Path("/tmp/kvflow-triton-overhead.log")) as server:
         list(stream_generate(server.grpc_url, ps[0], {"max_tokens": 2}))  # warm-up
-        queue = list(ps)
-        lock = threading.Lock()
-        counts: list[int] = []
-
-        def client() -> None:
-            with StreamingClient(server.grpc_url) as conn:  # one connection per client
-                while True:
-                    with lock:
-                        if not queue:
-                            return
-                        prompt = queue.pop()
-                    last = list(conn.generate(prompt, sampling))[-1]
-                    counts.append(last.num_output_tokens)
-
-        threads = [threading.Thread(target=client) for _ in range(concurrency)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - t0
-    assert counts == [out_tokens] * len(ps)
+        # Closed loop: everyone arrives at once, at most `concurrency` in flight.
+        specs = [RequestSpec(0.0, 1, out_tokens) for _ in ps]
+        timings, elapsed = run_load(server.grpc_url, specs, ps, concurrency, progress=False)
+    assert [t.output_tokens for t in timings] == [out_tokens] * len(ps)
     return len(ps) * out_tokens / elapsed
 
 

@@ -100,7 +100,7 @@ def build_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[st
     return specs, info
 
 
-def make_prompts(specs: list[RequestSpec], engine_dir: str, seed: int) -> list[list[int]]:
+def make_prompts(specs: list[RequestSpec], engine_dir: str, seed: int) -> list[str]:
     """Real-text prompts of exactly each request's token count (shared groups share a prefix)."""
     from kvflow.orchestrator.tokenizer import EngineTokenizer
 
@@ -117,7 +117,7 @@ def make_prompts(specs: list[RequestSpec], engine_dir: str, seed: int) -> list[l
             question = 16
             prefix = make_prompt_ids(encode, s.prompt_tokens - question, 10_000 + s.prefix_group)
             prompts.append(prefix + make_prompt_ids(encode, question, seed + i))
-    return prompts
+    return [tok.decode(p, skip_special_tokens=False) for p in prompts]
 
 
 class MetricsScraper(threading.Thread):
@@ -149,15 +149,15 @@ class MetricsScraper(threading.Thread):
         self.join(5)
 
 
-def run_load(url: str, specs: list[RequestSpec], prompts: list[list[int]],
-             max_concurrency: int | None, tokenizer_dir: str,
+def run_load(url: str, specs: list[RequestSpec], texts: list[str],
+             max_concurrency: int | None,
              progress: bool = True) -> tuple[list[RequestTiming], float]:
-    """Send every request at its arrival time; returns client-side timings and the duration."""
-    from kvflow.orchestrator.tokenizer import EngineTokenizer
+    """Send request ``i`` (prompt ``texts[i]``, greedy, exactly ``specs[i].output_tokens``) at its
+    arrival time, at most ``max_concurrency`` in flight, each client connection reused; returns
+    client-side timings and the duration. All arrivals at 0 with a concurrency bound is a
+    closed loop."""
     from kvflow.triton_backend.client import StreamingClient
 
-    tok = EngineTokenizer(tokenizer_dir)
-    texts = [tok.decode(p, skip_special_tokens=False) for p in prompts]
     limit = threading.BoundedSemaphore(max_concurrency or len(specs))
     clients: queue.SimpleQueue[Any] = queue.SimpleQueue()
     timings: list[RequestTiming | None] = [None] * len(specs)
@@ -273,7 +273,7 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     scraper.start()
     try:
         timings, duration = run_load(args.url, specs, prompts, args.max_concurrency,
-                                     args.engine, progress=not args.no_progress)
+                                     progress=not args.no_progress)
     finally:
         scraper.stop()
     summary = summarize(timings, duration, slo.get("ttft_ms"), slo.get("tpot_ms"))
