@@ -11,6 +11,7 @@ def test_orchestrator_and_kv_manager_import_no_runtime():
         "import sys\n"
         "import kvflow.kv_manager, kvflow.orchestrator.engine, kvflow.orchestrator.llm\n"
         "import kvflow.orchestrator.async_engine, kvflow.orchestrator.scheduler\n"
+        "import kvflow.sim.simulator, kvflow.sim.cost_model, kvflow.bench.workloads\n"
         "heavy = [m for m in ('torch', 'onnxruntime', 'tensorrt', 'triton_python_backend_utils',"
         " 'transformers') if m in sys.modules]\n"
         "print(','.join(heavy))\n"

@@ -1,0 +1,142 @@
+"""Discrete-event simulation that drives the real scheduler and KV manager in simulated time.
+
+The simulator *is* :class:`kvflow.orchestrator.engine.LLMEngine`: the same scheduler, KV
+manager, sampler and bookkeeping, with a :class:`SimRunner` whose step costs what a cost model
+says, and a clock that only the simulation advances. Events are arrivals (a heap ordered by
+time, then request index) and step ends; between steps the arrivals due are admitted, exactly
+as the real engine loop drains its inbox. No wall-clock sleeps anywhere.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvflow.bench.metrics import RequestTiming
+from kvflow.bench.workloads import RequestSpec
+from kvflow.build.engine_config import BuildLimits, EngineConfig
+from kvflow.model.config import ModelConfig
+from kvflow.orchestrator.config import SchedulerConfig
+from kvflow.orchestrator.engine import LLMEngine
+from kvflow.orchestrator.outputs import StepStats
+from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.runtime.base import ModelRunner, StepInput
+from kvflow.sim.cost_model import CostModel, StepShape
+
+SIM_VOCAB = 8  # the simulated model's logits: small, since no token is ever read
+SIM_EOS = SIM_VOCAB - 1
+
+
+class SimClock:
+    """Simulated seconds; only the simulation moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimRunner(ModelRunner):
+    """Costs each step by the cost model, advances the clock, returns logits favouring token 0."""
+
+    name = "sim"
+
+    def __init__(self, engine: EngineConfig, num_blocks: int, cost: CostModel,
+                 clock: SimClock) -> None:
+        super().__init__(engine, num_blocks)
+        self.cost, self.clock = cost, clock
+        self._logits = np.zeros((1, SIM_VOCAB), dtype=np.float32)
+        self._logits[:, 0] = 1.0
+
+    def execute(self, step: StepInput) -> np.ndarray:
+        self.clock.now += self.cost.step_time_s(StepShape.of(step))
+        return np.repeat(self._logits, len(step.logits_indices), axis=0)
+
+
+def sim_engine_config(block_size: int, max_model_len: int, max_num_tokens: int,
+                      max_batch_size: int) -> EngineConfig:
+    """An engine config for a model the simulator never runs (only its KV layout matters)."""
+    model = ModelConfig(architecture="llama", vocab_size=SIM_VOCAB, hidden_size=8,
+                        intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                        num_key_value_heads=1, head_dim=8, eos_token_ids=(SIM_EOS,))
+    limits = BuildLimits(max_model_len, max(max_num_tokens, block_size), max_batch_size,
+                         block_size)
+    return EngineConfig(model, "torch", "float32", limits, "simulated", {})
+
+
+@dataclass
+class SimResult:
+    """Per-request timings (on the simulated clock) and the engine's per-step stats."""
+
+    timings: list[RequestTiming]
+    steps: list[StepStats]
+    batches: list[list[tuple[str, int]]]
+    duration_s: float
+
+
+def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: SchedulerConfig,
+             num_blocks: int, block_size: int = 16,
+             record_batches: bool = False) -> SimResult:
+    """Run ``specs`` through the real scheduler in simulated time."""
+    clock = SimClock()
+    engine_cfg = sim_engine_config(block_size, sched.max_model_len,
+                                   sched.max_num_batched_tokens, sched.max_num_seqs)
+    runner = SimRunner(engine_cfg, num_blocks, cost, clock)
+    engine = LLMEngine(runner, None, sched, (SIM_EOS,), clock=clock,
+                       stats_window=10_000_000)
+    batches: list[list[tuple[str, int]]] = []
+    if record_batches:
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule():
+            out = schedule()
+            batches.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+            return out
+
+        engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+
+    arrivals = [(s.arrival_s, i) for i, s in enumerate(specs)]
+    heapq.heapify(arrivals)
+    finished: dict[int, RequestTiming] = {}
+    while arrivals or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            clock.now = max(clock.now, arrivals[0][0])  # idle: jump to the next arrival
+        while arrivals and arrivals[0][0] <= clock.now:
+            t, i = heapq.heappop(arrivals)
+            spec = specs[i]
+            request, rejected = engine.add_request(
+                _prompt_ids(spec, i), SamplingParams(max_tokens=spec.output_tokens,
+                                                     temperature=0.0, ignore_eos=True),
+                request_id=str(i), arrival_time=t)
+            if rejected is not None:
+                finished[i] = RequestTiming(t, [], spec.prompt_tokens, 0, ok=False)
+        before = (clock.now, len(engine.step_stats))
+        outputs = engine.step()
+        if (clock.now, len(engine.step_stats)) == before:  # nothing could be scheduled
+            if not arrivals:
+                raise RuntimeError("simulation stalled: requests wait, nothing can be scheduled")
+            clock.now = max(clock.now, arrivals[0][0])
+        for out in outputs:
+            if out.finished:
+                m = out.metrics
+                finished[int(out.request_id)] = RequestTiming(
+                    m.arrival_time, list(m.token_times), out.num_prompt_tokens,
+                    len(out.token_ids), ok=out.finish_reason in ("length", "stop"))
+    timings = [finished[i] for i in range(len(specs))]
+    return SimResult(timings, list(engine.step_stats), batches, clock.now)
+
+
+def _prompt_ids(spec: RequestSpec, index: int) -> list[int]:
+    """Token ids no other request shares, except a declared shared prefix (for the cache)."""
+    if spec.prefix_group is None:
+        base = 1_000_000 * (index + 1)
+        return list(range(base, base + spec.prompt_tokens))
+    question = min(16, spec.prompt_tokens - 1)
+    prefix = list(range(spec.prefix_group * 1_000_000_000, spec.prefix_group * 1_000_000_000
+                        + spec.prompt_tokens - question))
+    base = 1_000_000 * (index + 1)
+    return prefix + list(range(base, base + question))
