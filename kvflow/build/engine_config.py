@@ -55,10 +55,6 @@ class BuildLimits:
                 f"({self.block_size})"
             )
 
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
-
 
 @dataclass(frozen=True)
 class EngineConfig:

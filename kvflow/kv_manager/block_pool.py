@@ -109,13 +109,6 @@ class BlockPool:
                 del self._free[b]
             self.ref_counts[b] += 1
 
-    def incref(self, blocks: Iterable[int]) -> None:
-        """Share blocks that are already in use."""
-        for b in blocks:
-            if self.ref_counts[b] <= 0:
-                raise ValueError(f"block {b} is free; only used blocks can be shared")
-            self.ref_counts[b] += 1
-
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference per block; blocks reaching zero go to the back of the queue."""
         for b in blocks:

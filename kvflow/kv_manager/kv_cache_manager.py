@@ -98,10 +98,6 @@ class KVCacheManager:
         have = len(self.block_tables.get(request_id, ()))
         return max(0, self.blocks_needed(num_tokens) - have)
 
-    def can_allocate(self, request_id: Hashable, num_tokens: int, reserve: int = 0) -> bool:
-        """Would the allocation succeed while leaving ``reserve`` blocks free?"""
-        return self.num_new_blocks(request_id, num_tokens) + reserve <= self.pool.num_free_blocks
-
     # --- prefix cache -------------------------------------------------------------------------
     def block_hashes(self, request_id: Hashable, token_ids: Sequence[int],
                      salt: bytes = b"") -> list[BlockHash]:

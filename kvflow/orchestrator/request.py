@@ -23,10 +23,6 @@ class RequestStatus(enum.Enum):
     REJECTED = "rejected"
 
     @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-    @property
     def finish_reason(self) -> str | None:
         """OpenAI-style reason: ``stop``, ``length``, ``abort``, ``rejected`` or None."""
         return self.value if self in _FINISHED else None

@@ -70,16 +70,8 @@ class SchedulerOutput:
         return sum(1 for s in self.scheduled if s.is_decode)
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_batched_tokens - self.num_decode_tokens
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-    @property
-    def has_swaps(self) -> bool:
-        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 class Scheduler:

@@ -47,7 +47,3 @@ def lookup(addr: int) -> np.ndarray:
             f"kv_cache_ptrs holds address {int(addr):#x}, which is no registered KV pool "
             "(was the pool freed, or built by another process?)"
         ) from None
-
-
-def num_registered() -> int:
-    return len(_arrays)
