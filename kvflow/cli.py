@@ -152,7 +152,49 @@ def make_parser() -> argparse.ArgumentParser:
                                             "latency, throughput and goodput with plots")
     add_serve_args(p)
     p.set_defaults(func=serve_main)
+
+    from kvflow.bench.compare import add_args as add_compare_args
+    from kvflow.bench.compare import main as compare_main
+
+    p = bench_sub.add_parser("compare", help="serve one engine with static batching, continuous "
+                                              "batching and chunked prefill; sweep request rates "
+                                              "against each; HF generate as the baseline")
+    add_compare_args(p)
+    p.set_defaults(func=compare_main)
+
+    add_simulate_parsers(sub)
     return parser
+
+
+def add_simulate_parsers(sub: argparse._SubParsersAction) -> None:
+    """``kvflow simulate [run options]``, ``simulate calibrate``, ``simulate validate``."""
+    from kvflow.sim import calibrate, run, validate
+
+    p = sub.add_parser("simulate", help="the real scheduler and KV manager in simulated time "
+                                        "with a cost model; calibrate and validate the model",
+                       description="kvflow simulate [options]  |  kvflow simulate calibrate "
+                                   "--engine DIR  |  kvflow simulate validate --engine DIR")
+    modes = p.add_subparsers(dest="simulate_command")
+    c = modes.add_parser("calibrate", help="time a real engine over a grid of step shapes and "
+                                           "fit the simulator's cost model")
+    c.add_argument("--engine", required=True, help="engine folder")
+    c.add_argument("--runner", default=None, choices=["onnxruntime", "torch", "tensorrt"])
+    c.add_argument("--output", default=None,
+                   help=f"where to save the model (default: ENGINE/{calibrate.COST_MODEL_FILE})")
+    c.add_argument("--repeats", type=_int, default=3)
+    c.add_argument("--num-requests", type=_int, default=24,
+                   help="requests of the engine run that measures the overhead")
+    c.add_argument("--seed", type=_int, default=0)
+    c.add_argument("--served", action="store_true",
+                   help="also measure what serving through tritonserver adds per streamed "
+                        "token (for `simulate validate` against the real server)")
+    c.set_defaults(func=calibrate.calibrate_main)
+    v = modes.add_parser("validate", help="the real server and the calibrated simulator on "
+                                          "the same workload: relative errors")
+    validate.add_args(v)
+    v.set_defaults(func=validate.validate_main)
+    run.add_args(p)
+    p.set_defaults(func=run.simulate_main)
 
 
 def _run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:

@@ -38,3 +38,69 @@ def test_short_bench_serve_writes_a_complete_report(triton_server, default_engin
         report["server_series"][0])
     for name in ("summary.md", "latency_cdf.png", "server_series.png"):
         assert (out / name).stat().st_size > 0, name
+
+
+def test_max_sustained_rate_is_the_last_rate_of_an_unbroken_run_under_the_slo():
+    from kvflow.bench.compare import max_sustained_rate
+
+    def point(rate, p99, failed=0):
+        return {"rate": rate, "summary": {"failed": failed, "ttft_ms": {"p99": p99}}}
+
+    assert max_sustained_rate([point(2, 900), point(1, 100), point(4, 2500)], 1000) == 2
+    assert max_sustained_rate([point(1, 100), point(2, 5000), point(4, 500)], 1000) == 1
+    assert max_sustained_rate([point(1, 100, failed=1)], 1000) is None
+    assert max_sustained_rate([point(1, None)], 1000) is None
+
+
+def test_compare_arguments_are_checked_by_name():
+    from kvflow.bench.compare import parse_modes, parse_rates
+
+    assert parse_rates("inf,1,0.5,1") == [0.5, 1.0, float("inf")]
+    with pytest.raises(ValueError, match="--rates"):
+        parse_rates("1,fast")
+    with pytest.raises(ValueError, match="--rates"):
+        parse_rates("0")
+    with pytest.raises(ValueError, match="--modes"):
+        parse_modes("static,turbo")
+
+
+def test_short_bench_compare_serves_each_mode_and_measures_hf(default_engines, tmp_path):
+    from kvflow.cli import make_parser
+
+    out = tmp_path / "compare"
+    args = make_parser().parse_args([
+        "bench", "compare", "--engine", str(default_engines["onnxruntime"]),
+        "--workload", "random", "--num-prompts", "6", "--input-len", "40", "--output-len", "6",
+        "--range-ratio", "0.5", "--rates", "8,inf", "--modes", "static,chunked",
+        "--chunk-tokens", "32", "--max-num-seqs", "4", "--hf-batch-size", "3",
+        "--slo", "ttft_ms=60000", "--out", str(out), "--no-progress"])
+    assert args.func(args) == 0
+    report = json.loads((out / "compare.json").read_text())
+    assert set(report["results"]) == {"static", "chunked"}
+    for mode, points in report["results"].items():
+        assert [p["rate"] for p in points] == [8.0, float("inf")], mode
+        for p in points:
+            s = p["summary"]
+            assert s["completed"] == 6 and s["failed"] == 0
+            assert s["total_output_tokens"] == report["hf_baseline"]["output_tokens"]
+        assert report["max_sustained_rate"][mode] == float("inf")  # a generous SLO
+    engine_args = report["config"]["engine_args"]
+    assert engine_args["static"]["policy"] == "static"
+    assert engine_args["chunked"]["max_num_batched_tokens"] == 32
+    assert not engine_args["chunked"]["enable_prefix_caching"]
+    hf = report["hf_baseline"]
+    assert hf["batch_size"] == 3 and hf["requests"] == 6
+    # Static batches generate each batch's longest output for every member.
+    assert hf["generated_tokens"] >= hf["output_tokens"]
+    assert report["throughput_vs_hf"]["chunked"] > 0
+    assert (out / "compare.png").stat().st_size > 0
+    text = (out / "summary.md").read_text()
+    assert "HF transformers `generate`" in text and "continuous + chunked prefill" in text
+    # Judged again under an SLO nothing meets, from the saved points, without serving.
+    again = make_parser().parse_args(["bench", "compare", "--rereport", "--out", str(out),
+                                      "--slo", "ttft_ms=0.001"])
+    assert again.func(again) == 0
+    redone = json.loads((out / "compare.json").read_text())
+    assert redone["max_sustained_rate"] == {"static": None, "chunked": None}
+    assert redone["results"] == report["results"]
+    assert redone["config"]["slo"] == {"ttft_ms": 0.001}

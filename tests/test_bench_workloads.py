@@ -17,6 +17,7 @@ from kvflow.bench.workloads import (
     make_prompt_text,
     poisson_arrivals,
     random_workload,
+    retime,
     shared_prefix_workload,
 )
 
@@ -63,6 +64,33 @@ def test_azure_trace_time_scale_and_clipping():
     assert rep["prompt_mean"] == pytest.approx(np.minimum(p, 1024).mean())
     assert rep["output_mean"] == pytest.approx(np.minimum(o, 128).mean())
     assert rep["output_mean"] < rep["output_mean_original"]
+
+
+@needs_trace
+def test_azure_trace_length_scale_keeps_the_shape_then_clips():
+    full, _ = load_azure_trace(TRACE, limit=2000)
+    small, rep = load_azure_trace(TRACE, limit=2000, length_scale=0.25, max_prompt_tokens=512)
+    p = np.array([s.prompt_tokens for s in full])
+    scaled = np.maximum(np.rint(p * 0.25), 1)
+    assert [s.prompt_tokens for s in small] == np.minimum(scaled, 512).tolist()
+    assert [s.arrival_s for s in small] == [s.arrival_s for s in full]
+    assert rep["length_scale"] == 0.25
+    assert rep["prompt_clipped"] == int((scaled > 512).sum()) > 0  # counted after scaling
+    assert rep["output_mean"] == pytest.approx(
+        np.maximum(np.rint(np.array([s.output_tokens for s in full]) * 0.25), 1).mean())
+    with pytest.raises(ValueError, match="length_scale"):
+        load_azure_trace(TRACE, limit=2, length_scale=0)
+
+
+def test_retime_keeps_the_gap_pattern_at_the_new_mean_rate():
+    specs = [RequestSpec(t, 5, 3) for t in (2.0, 2.5, 4.0, 6.0)]  # span 4 s, 3 gaps: 0.75/s
+    fast = retime(specs, 3.0)
+    assert [s.arrival_s for s in fast] == pytest.approx([0.0, 0.125, 0.5, 1.0])
+    assert (len(fast) - 1) / fast[-1].arrival_s == pytest.approx(3.0)
+    assert [s.arrival_s for s in retime(specs, float("inf"))] == [0.0] * 4
+    assert [(s.prompt_tokens, s.output_tokens) for s in fast] == [(5, 3)] * 4
+    with pytest.raises(ValueError, match="rate"):
+        retime(specs, 0.0)
 
 
 def test_azure_trace_small_file(tmp_path):

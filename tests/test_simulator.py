@@ -108,3 +108,84 @@ def test_simulator_and_real_engine_make_identical_decisions(tiny_engines):
         runner.close()
     assert sum(s.num_preempted for s in sim.steps) > 0 or len(sim.batches) > 10
     assert batches == sim.batches
+
+
+# --- KV fragmentation, series, priorities ------------------------------------------------------
+
+def test_static_batching_reserves_whole_sequences_which_shows_as_fragmentation():
+    # One request, 4-token prompt, 8 output tokens, blocks of 4: static batching reserves
+    # 12 slots (3 blocks) up front. After the prefill step 4 slots are filled: 8/12 unfilled.
+    specs = [RequestSpec(0.0, 4, 8)]
+    static = SchedulerConfig(max_model_len=64, policy="static", enable_prefix_caching=False)
+    result = simulate(specs, FixedCostModel(1.0), static, num_blocks=16, block_size=4,
+                      series_period_s=1.0)
+    first = result.series[0]
+    assert first["t_s"] == 1.0
+    assert first["kv_fragmentation"] == pytest.approx(8 / 12)
+    assert first["kvflow_kv_cache_usage_ratio"] == pytest.approx(3 / 15)  # block 0 is null
+    assert first["batch_tokens"] == 4 and first["kvflow_num_requests_running"] == 1
+    # Continuous batching allocates as it goes: 1 block after the prefill, 0 unfilled.
+    cont = simulate(specs, FixedCostModel(1.0), SchedulerConfig(max_model_len=64),
+                    num_blocks=16, block_size=4, series_period_s=1.0)
+    assert cont.series[0]["kv_fragmentation"] == 0.0
+    assert cont.series[0]["kvflow_kv_cache_usage_ratio"] == pytest.approx(1 / 15)
+    assert [r["t_s"] for r in cont.series] == [float(t) for t in range(1, 9)] + [8.0]
+    assert cont.queue_s == [0.0]
+
+
+def test_priorities_reach_the_real_priority_scheduler():
+    # Two requests waiting at t=0 behind a full batch slot: the one of priority 0 goes first.
+    specs = [RequestSpec(0.0, 4, 2), RequestSpec(0.0, 4, 2), RequestSpec(0.0, 4, 2)]
+    sched = SchedulerConfig(max_num_seqs=1, max_model_len=64, policy="priority")
+    result = simulate(specs, FixedCostModel(1.0), sched, num_blocks=16, block_size=4,
+                      priorities=[1, 1, 0])
+    order = sorted(range(3), key=lambda i: result.timings[i].token_times_s[0])
+    assert order[0] == 2
+    with pytest.raises(ValueError, match="priorities"):
+        simulate(specs, FixedCostModel(1.0), sched, 16, 4, priorities=[0])
+
+
+# --- the calibrated (linear) cost model --------------------------------------------------------
+
+def test_nonnegative_fit_recovers_known_coefficients_and_drops_negative_ones():
+    from kvflow.sim.cost_model import LINEAR_FEATURES, fit_nonnegative, linear_features
+
+    truth = {"step": 2e-3, "tokens": 1e-4, "seqs": 5e-5, "attention_pairs": 0.0,
+             "context_tokens": 1e-6}
+    shapes = [StepShape((n,), (n,), 1) for n in (8, 64, 256, 512)]
+    shapes += [StepShape((1,) * b, (c,) * b, b) for b in (1, 4, 16) for c in (32, 512)]
+    rows = [linear_features(s) for s in shapes]
+    times = [sum(truth[k] * x for k, x in zip(LINEAR_FEATURES, r, strict=True)) for r in rows]
+    coef = fit_nonnegative(rows, times)
+    for k, c in zip(LINEAR_FEATURES, coef, strict=True):
+        assert c == pytest.approx(truth[k], rel=1e-6, abs=1e-12), k
+    # Data a negative per-sequence cost would fit better: the coefficient is held at 0.
+    skew = [t - 4e-5 * r[2] for t, r in zip(times, rows, strict=True)]
+    assert min(fit_nonnegative(rows, skew)) >= 0.0
+
+
+def test_linear_cost_model_round_trips_and_rejects_bad_files(tmp_path):
+    from kvflow.sim.cost_model import LINEAR_FEATURES, LinearCostModel
+
+    coef = dict(zip(LINEAR_FEATURES, (1e-3, 2e-4, 3e-5, 1e-9, 1e-7), strict=True))
+    model = LinearCostModel(coef, {"engine": "x"})
+    shape = StepShape((100, 1), (100, 50), 2)
+    assert model.step_time_s(shape) == pytest.approx(
+        1e-3 + 2e-4 * 101 + 3e-5 * 2 + 1e-9 * shape.attention_pairs + 1e-7 * 150)
+    model.save(tmp_path / "c.json")
+    again = LinearCostModel.load(tmp_path / "c.json")
+    assert again.coefficients == coef and again.meta == {"engine": "x"}
+    with pytest.raises(ValueError, match=">= 0"):
+        LinearCostModel({**coef, "seqs": -1.0})
+    with pytest.raises(FileNotFoundError, match="simulate calibrate"):
+        LinearCostModel.load(tmp_path / "missing.json")
+
+
+def test_kv_blocks_for_a_model_on_a_device():
+    m = MODELS["llama-3-8b"]  # 16 GB of weights, 128 KiB of KV per token
+    blocks = m.kv_blocks_for(HARDWARE["H100"], 16)
+    assert blocks == int((80e9 * 0.9 - 8.03e9 * 2) // (16 * 131072))
+    with pytest.raises(ValueError, match="does not fit"):
+        MODELS["llama-3-70b"].kv_blocks_for(HARDWARE["H100"], 16)
+    assert ModelSpec(**{**MODELS["llama-3-70b"].__dict__, "tp": 4}).kv_blocks_for(
+        HARDWARE["H100"], 16) > 0

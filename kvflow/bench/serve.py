@@ -24,6 +24,7 @@ from kvflow.bench.workloads import (
     load_azure_trace,
     make_prompt_ids,
     random_workload,
+    retime,
     shared_prefix_workload,
 )
 
@@ -50,44 +51,75 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return out
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="localhost:8001", help="gRPC host:port of the server")
-    p.add_argument("--metrics-url", default=None,
-                   help="Prometheus endpoint (default: http://HOST:8002/metrics)")
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload options ``bench serve``, ``bench compare`` and ``simulate`` share."""
     p.add_argument("--engine", default="engines/smollm2-135m",
                    help="engine folder whose tokenizer cuts prompts to exact lengths")
     p.add_argument("--workload", choices=["random", "trace", "prefix"], default="random")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="trace: arrival times divided by this (2 = twice as fast)")
-    p.add_argument("--request-rate", default="inf", help="requests/s, or inf (all at once)")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="trace: prompt and output lengths multiplied by this before clipping")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=0.0)
     p.add_argument("--prefix-len", type=int, default=512, help="prefix workload: shared tokens")
     p.add_argument("--max-model-len", type=int, default=1024,
-                   help="prompt + output are clipped to fit (the report says how)")
+                   help="trace: prompts clipped to 3/4 of this and outputs to 1/4, so every "
+                        "request fits (the report says how many were clipped)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo", default=None, help="e.g. ttft_ms=2000,tpot_ms=200")
-    p.add_argument("--out", default="reports/bench_serve")
     p.add_argument("--no-progress", action="store_true")
 
 
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="localhost:8001", help="gRPC host:port of the server")
+    p.add_argument("--metrics-url", default=None,
+                   help="Prometheus endpoint (default: http://HOST:8002/metrics)")
+    add_workload_args(p)
+    p.add_argument("--request-rate", default=None,
+                   help="requests/s, or inf (all at once); default inf, or for the trace its "
+                        "own timing (divided by --time-scale); given for the trace, the "
+                        "arrivals are stretched to this mean rate keeping their pattern")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--out", default="reports/bench_serve")
+
+
+def _parse_rate(text: str | None) -> float:
+    try:
+        rate = float("inf" if text is None else text)
+    except ValueError:
+        raise ValueError(f"--request-rate must be a number or inf, got {text!r}") from None
+    if not rate > 0:
+        raise ValueError(f"--request-rate must be > 0, got {text!r}")
+    return rate
+
+
 def build_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[str, Any]]:
-    rate = float(args.request_rate)
+    rate = _parse_rate(args.request_rate)
     info: dict[str, Any] = {"workload": args.workload, "request_rate": rate, "seed": args.seed}
     if args.workload == "trace":
         budget = args.max_model_len
+        max_prompt = budget * 3 // 4
         specs, clip = load_azure_trace(args.trace, limit=args.num_prompts,
                                        time_scale=args.time_scale,
-                                       max_prompt_tokens=budget // 2,
-                                       max_output_tokens=budget // 2)
+                                       max_prompt_tokens=max_prompt,
+                                       max_output_tokens=budget - max_prompt,
+                                       length_scale=args.length_scale)
+        if args.request_rate is not None:
+            specs = retime(specs, rate)
         info.update(trace=str(args.trace), time_scale=args.time_scale, clipping=clip,
-                    note=f"prompt and output lengths clipped to {budget // 2} tokens each so "
-                         f"that every request fits max_model_len {budget}")
+                    length_scale=args.length_scale,
+                    note=f"the first {len(specs)} rows; lengths multiplied by "
+                         f"{args.length_scale:g}, then prompts clipped to {max_prompt} and "
+                         f"outputs to {budget - max_prompt} tokens so that every request fits "
+                         f"max_model_len {budget} ({clip['prompt_clipped']} prompts and "
+                         f"{clip['output_clipped']} outputs clipped)")
+        if args.request_rate is None:
+            info["request_rate"] = (len(specs) - 1) / max(specs[-1].arrival_s, 1e-9)
     elif args.workload == "prefix":
         specs = shared_prefix_workload(args.num_prompts, args.prefix_len, 16, args.output_len,
                                        rate, args.seed)
@@ -151,7 +183,8 @@ class MetricsScraper(threading.Thread):
 
 def run_load(url: str, specs: list[RequestSpec], texts: list[str],
              max_concurrency: int | None,
-             progress: bool = True) -> tuple[list[RequestTiming], float]:
+             progress: bool = True,
+             desc: str = "requests") -> tuple[list[RequestTiming], float]:
     """Send request ``i`` (prompt ``texts[i]``, greedy, exactly ``specs[i].output_tokens``) at its
     arrival time, at most ``max_concurrency`` in flight, each client connection reused; returns
     client-side timings and the duration. All arrivals at 0 with a concurrency bound is a
@@ -165,7 +198,7 @@ def run_load(url: str, specs: list[RequestSpec], texts: list[str],
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(specs), desc="requests", unit="req")
+        bar = tqdm(total=len(specs), desc=desc, unit="req")
 
     def one(i: int, spec: RequestSpec) -> None:
         try:
@@ -276,24 +309,40 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
                                      progress=not args.no_progress)
     finally:
         scraper.stop()
-    summary = summarize(timings, duration, slo.get("ttft_ms"), slo.get("tpot_ms"))
-    out = Path(args.out)
+    config = {**info, "url": args.url, "max_concurrency": args.max_concurrency,
+              "num_prompts": len(specs), "slo": slo}
+    return write_serve_report(Path(args.out), "kvflow bench serve", config, timings, duration,
+                              scraper.samples)
+
+
+def write_serve_report(out: Path, title: str, config: dict[str, Any],
+                       timings: list[RequestTiming], duration_s: float,
+                       series: list[dict[str, float]],
+                       request_extra: dict[str, list[Any]] | None = None,
+                       extra_plots: list[str] | None = None,
+                       extra_lines: list[str] | None = None,
+                       echo: bool = True) -> dict[str, Any]:
+    """The ``bench serve`` report (``report.json``, ``summary.md``, latency CDFs and server
+    series plots) of one run; ``kvflow simulate`` writes the same, field for field, adding
+    per-request columns (``request_extra``), plots and summary lines of its own."""
+    slo = config.get("slo", {})
+    summary = summarize(timings, duration_s, slo.get("ttft_ms"), slo.get("tpot_ms"))
     out.mkdir(parents=True, exist_ok=True)
-    report = {
-        "config": {**info, "url": args.url, "max_concurrency": args.max_concurrency,
-                   "num_prompts": len(specs), "slo": slo},
-        "summary": summary,
-        "requests": [{"send_s": t.send_s, "ttft_s": t.ttft_s, "tpot_s": t.tpot_s,
-                      "e2e_s": t.e2e_s, "prompt_tokens": t.prompt_tokens,
-                      "output_tokens": t.output_tokens, "ok": t.ok} for t in timings],
-        "server_series": scraper.samples,
-    }
-    report["plots"] = _plots(out, timings, scraper.samples)
+    requests = [{"send_s": t.send_s, "ttft_s": t.ttft_s, "tpot_s": t.tpot_s,
+                 "e2e_s": t.e2e_s, "prompt_tokens": t.prompt_tokens,
+                 "output_tokens": t.output_tokens, "ok": t.ok} for t in timings]
+    for key, values in (request_extra or {}).items():
+        for row, value in zip(requests, values, strict=True):
+            row[key] = value
+    report = {"config": config, "summary": summary, "requests": requests,
+              "server_series": series}
+    report["plots"] = _plots(out, timings, series) + list(extra_plots or [])
     (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
-    lines = [f"# kvflow bench serve: {info['workload']} workload, {len(specs)} requests", "",
-             f"Request rate {info['request_rate']}, max concurrency "
-             f"{args.max_concurrency or 'unbounded'}, duration {duration:.1f} s.", "",
-             "| metric | value |", "|---|---|"]
+    rate = config.get("request_rate")
+    lines = [f"# {title}: {config['workload']} workload, {len(timings)} requests", "",
+             f"Request rate {rate if rate is not None else '-'}, max concurrency "
+             f"{config.get('max_concurrency') or 'unbounded'}, duration {duration_s:.1f} s.",
+             "", "| metric | value |", "|---|---|"]
     for key in ("completed", "failed", "request_throughput", "output_token_throughput",
                 "total_token_throughput", "goodput"):
         value = summary[key]
@@ -305,10 +354,11 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         cells = [("-" if stats[s] is None else f"{stats[s]:.1f}")
                  for s in ("mean", "median", "p90", "p95", "p99")]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    if "note" in info:
-        lines += ["", f"Trace lengths: {info['note']}."]
+    if "note" in config:
+        lines += ["", f"Trace lengths: {config['note']}."]
+    lines += list(extra_lines or [])
     lines += ["", "Plots: " + ", ".join(f"![]({p})" for p in report["plots"])]
-    write_report(out / "summary.md", lines)
+    write_report(out / "summary.md", lines, echo=echo)
     return report
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -25,6 +25,7 @@ __all__ = [
     "make_prompt_text",
     "poisson_arrivals",
     "random_workload",
+    "retime",
     "shared_prefix_workload",
 ]
 
@@ -109,20 +110,25 @@ def load_azure_trace(
     time_scale: float = 1.0,
     max_prompt_tokens: int | None = None,
     max_output_tokens: int | None = None,
+    length_scale: float = 1.0,
 ) -> tuple[list[RequestSpec], dict]:
     """Read the Azure LLM inference trace (``TIMESTAMP,ContextTokens,GeneratedTokens``).
 
     Returns the requests (sorted by arrival, times relative to the earliest of the rows read,
     divided by ``time_scale``: 2.0 replays twice as fast) and a report of how the lengths
     were changed: ``prompt_clipped``/``output_clipped`` count rows cut to ``max_*_tokens``,
-    ``output_raised`` counts outputs raised to the minimum of 1 token, and the
-    ``*_mean_original``/``*_mean`` pairs give the mean before and after. ``limit`` keeps the
-    first ``limit`` rows of the file.
+    ``prompt_raised``/``output_raised`` count lengths raised to the minimum of 1 token, and the
+    ``*_mean_original``/``*_mean`` pairs give the mean before and after. ``length_scale``
+    multiplies every prompt and output length first (rounded, at least 1 token), keeping the
+    shape of the length distribution while shrinking it to what a small machine can serve;
+    clipping applies after it. ``limit`` keeps the first ``limit`` rows of the file.
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be None or >= 1, got {limit}")
     if not time_scale > 0 or math.isinf(time_scale):
         raise ValueError(f"time_scale must be finite and > 0, got {time_scale}")
+    if not length_scale > 0 or math.isinf(length_scale):
+        raise ValueError(f"length_scale must be finite and > 0, got {length_scale}")
     for name, value in (("max_prompt_tokens", max_prompt_tokens),
                         ("max_output_tokens", max_output_tokens)):
         if value is not None and value < 1:
@@ -152,8 +158,10 @@ def load_azure_trace(
 
     p_orig = np.asarray(prompts, dtype=np.int64)
     o_orig = np.asarray(outputs, dtype=np.int64)
-    p = np.maximum(p_orig, 1)
-    o = np.maximum(o_orig, 1)
+    p_scaled = np.rint(p_orig * length_scale).astype(np.int64)
+    o_scaled = np.rint(o_orig * length_scale).astype(np.int64)
+    p = np.maximum(p_scaled, 1)
+    o = np.maximum(o_scaled, 1)
     if max_prompt_tokens is not None:
         p = np.minimum(p, max_prompt_tokens)
     if max_output_tokens is not None:
@@ -164,19 +172,34 @@ def load_azure_trace(
     report = {
         "rows": len(specs),
         "time_scale": time_scale,
+        "length_scale": length_scale,
         "span_s": specs[-1].arrival_s - specs[0].arrival_s,
         "max_prompt_tokens": max_prompt_tokens,
         "max_output_tokens": max_output_tokens,
-        "prompt_clipped": int(np.count_nonzero(p_orig > p)),
-        "output_clipped": int(np.count_nonzero(o_orig > o)),
-        "prompt_raised": int(np.count_nonzero(p_orig < p)),
-        "output_raised": int(np.count_nonzero(o_orig < o)),
+        "prompt_clipped": int(np.count_nonzero(p_scaled > p)),
+        "output_clipped": int(np.count_nonzero(o_scaled > o)),
+        "prompt_raised": int(np.count_nonzero(p_scaled < p)),
+        "output_raised": int(np.count_nonzero(o_scaled < o)),
         "prompt_mean_original": float(p_orig.mean()),
         "prompt_mean": float(p.mean()),
         "output_mean_original": float(o_orig.mean()),
         "output_mean": float(o.mean()),
     }
     return specs, report
+
+
+def retime(specs: list[RequestSpec], rate: float) -> list[RequestSpec]:
+    """The same requests with arrival times stretched so that their mean rate is ``rate``
+    (requests per second over the span, ``(n-1)/span``), keeping the pattern of gaps (a
+    trace's bursts stay bursts); ``rate=inf`` sends them all at 0.0."""
+    _check_n_rate(len(specs), rate)
+    span = specs[-1].arrival_s - specs[0].arrival_s
+    if math.isinf(rate) or len(specs) == 1 or span <= 0:
+        factor = 0.0
+    else:
+        factor = (len(specs) - 1) / span / rate
+    t0 = specs[0].arrival_s
+    return [replace(s, arrival_s=(s.arrival_s - t0) * factor) for s in specs]
 
 
 def _uniform_lengths(rng: np.random.Generator, n: int, length: int, range_ratio: float,

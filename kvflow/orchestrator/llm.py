@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +37,22 @@ def kv_blocks_for(engine: EngineConfig, sched: SchedulerConfig, kv_cache_bytes: 
     return min(by_bytes, needed)
 
 
-def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
-    """An :class:`LLMEngine` over ``engine_dir``.
+@dataclass(frozen=True)
+class EnginePlan:
+    """What :func:`create_engine` builds from an engine folder and overrides: the scheduler
+    config, the KV pool sizes and the runner. The simulator reads it to model a served engine
+    exactly as configured."""
 
-    ``overrides``: any :class:`SchedulerConfig` field, plus ``runner`` (default: the engine's
-    backend), ``kv_cache_bytes`` or ``num_kv_blocks`` (KV pool size) and ``swap_space_bytes``
-    (host swap pool for preemption by swap; default 256 MiB, 0 for none).
-    """
-    from kvflow.runtime import create_runner  # the one place that reaches the runtimes
+    engine: EngineConfig
+    scheduler: SchedulerConfig
+    num_blocks: int
+    num_host_blocks: int
+    runner: str | None
 
+
+def plan_engine(engine_dir: str | Path, **overrides: Any) -> EnginePlan:
+    """Resolve ``overrides`` (as :func:`create_engine` takes them) against ``engine_dir``'s
+    build limits; bad values are refused by name."""
     engine = EngineConfig.load(engine_dir)
     engine_opts = {k: overrides.pop(k) for k in ENGINE_OPTIONS if k in overrides}
     limits = engine.limits
@@ -62,8 +70,22 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
                                engine_opts.get("num_kv_blocks"))
     swap_bytes = engine_opts.get("swap_space_bytes", DEFAULT_SWAP_SPACE_BYTES)
     num_host_blocks = int(swap_bytes) // engine.kv_bytes_per_block
-    runner = create_runner(engine_opts.get("runner"), engine_dir, num_blocks, num_host_blocks)
-    return LLMEngine(runner, EngineTokenizer(engine_dir), sched, engine.model.eos_token_ids)
+    return EnginePlan(engine, sched, num_blocks, num_host_blocks, engine_opts.get("runner"))
+
+
+def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
+    """An :class:`LLMEngine` over ``engine_dir``.
+
+    ``overrides``: any :class:`SchedulerConfig` field, plus ``runner`` (default: the engine's
+    backend), ``kv_cache_bytes`` or ``num_kv_blocks`` (KV pool size) and ``swap_space_bytes``
+    (host swap pool for preemption by swap; default 256 MiB, 0 for none).
+    """
+    from kvflow.runtime import create_runner  # the one place that reaches the runtimes
+
+    plan = plan_engine(engine_dir, **overrides)
+    runner = create_runner(plan.runner, engine_dir, plan.num_blocks, plan.num_host_blocks)
+    return LLMEngine(runner, EngineTokenizer(engine_dir), plan.scheduler,
+                     plan.engine.model.eos_token_ids)
 
 
 class LLM:

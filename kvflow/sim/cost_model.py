@@ -1,4 +1,4 @@
-"""Step-time cost models for the simulator: a fixed time, and a roofline.
+"""Step-time cost models for the simulator: a fixed time, a roofline, and a calibrated fit.
 
 A model maps the shape of one engine step (how many tokens, over which contexts) to seconds.
 Pure Python: the simulator must not need any runtime.
@@ -6,8 +6,11 @@ Pure Python: the simulator must not need any runtime.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +34,21 @@ class StepShape:
     @property
     def num_tokens(self) -> int:
         return sum(self.new_tokens)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.new_tokens)
+
+    @property
+    def context_tokens(self) -> int:
+        """KV positions the step's attention reads, summed over sequences."""
+        return sum(self.seq_lens)
+
+    @property
+    def attention_pairs(self) -> float:
+        """(query, key) pairs of causal attention: a new token at position p sees p + 1."""
+        return sum(n * (length - n) + n * (n + 1) / 2
+                   for n, length in zip(self.new_tokens, self.seq_lens, strict=True))
 
 
 class CostModel(ABC):
@@ -61,9 +79,10 @@ class HardwareSpec:
     flops_efficiency: float = 0.6
     mem_efficiency: float = 0.8
     step_overhead_s: float = 0.0
+    memory_bytes: float = 80e9
 
     def __post_init__(self) -> None:
-        for name in ("peak_flops", "mem_bandwidth_bytes_s"):
+        for name in ("peak_flops", "mem_bandwidth_bytes_s", "memory_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("flops_efficiency", "mem_efficiency"):
@@ -86,9 +105,32 @@ class ModelSpec:
     dtype_bytes: int = 2
     tp: int = 1
 
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
+            raise ValueError(f"tp={self.tp} does not divide num_kv_heads={self.num_kv_heads} "
+                             "(nor the reverse)")
+
     @property
     def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers (all devices together)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def kv_blocks_for(self, hw: HardwareSpec, block_size: int,
+                      memory_utilization: float = 0.9) -> int:
+        """KV blocks that fit on ``tp`` devices after the weights, using
+        ``memory_utilization`` of each device's memory (as vLLM's gpu_memory_utilization)."""
+        if not 0 < memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
+        free = self.tp * hw.memory_bytes * memory_utilization - self.num_params * self.dtype_bytes
+        blocks = int(free // (block_size * self.kv_bytes_per_token))
+        if blocks < 2:
+            raise ValueError(f"{self.name} (tp={self.tp}) does not fit on {hw.name}: "
+                             f"{self.num_params * self.dtype_bytes / 1e9:.0f} GB of weights, "
+                             f"{self.tp * hw.memory_bytes * memory_utilization / 1e9:.0f} GB "
+                             "usable; raise --tp")
+        return blocks
 
 
 class RooflineCostModel(CostModel):
@@ -107,15 +149,12 @@ class RooflineCostModel(CostModel):
         m = self.model
         linear = 2.0 * m.num_params * shape.num_tokens
         per_pair = 4.0 * m.num_layers * m.num_heads * m.head_dim
-        # A new token at position p attends to p + 1 context tokens.
-        pairs = sum(n * (length - n) + n * (n + 1) / 2
-                    for n, length in zip(shape.new_tokens, shape.seq_lens, strict=True))
-        return linear + per_pair * pairs
+        return linear + per_pair * shape.attention_pairs
 
     def memory_bytes(self, shape: StepShape) -> float:
         m = self.model
         weights = m.num_params * m.dtype_bytes
-        kv_read = sum(shape.seq_lens) * m.kv_bytes_per_token
+        kv_read = shape.context_tokens * m.kv_bytes_per_token
         kv_write = shape.num_tokens * m.kv_bytes_per_token
         return weights + kv_read + kv_write
 
@@ -127,12 +166,13 @@ class RooflineCostModel(CostModel):
 
 
 HARDWARE = {
-    "H100": HardwareSpec("H100 SXM", 989e12, 3.35e12, step_overhead_s=4e-3),
-    "H200": HardwareSpec("H200", 989e12, 4.8e12, step_overhead_s=4e-3),
-    "A100": HardwareSpec("A100 80GB", 312e12, 2.0e12, step_overhead_s=5e-3),
-    "L40S": HardwareSpec("L40S", 362e12, 0.864e12, step_overhead_s=5e-3),
+    "H100": HardwareSpec("H100 SXM", 989e12, 3.35e12, step_overhead_s=4e-3, memory_bytes=80e9),
+    "H200": HardwareSpec("H200", 989e12, 4.8e12, step_overhead_s=4e-3, memory_bytes=141e9),
+    "A100": HardwareSpec("A100 80GB", 312e12, 2.0e12, step_overhead_s=5e-3, memory_bytes=80e9),
+    "L40S": HardwareSpec("L40S", 362e12, 0.864e12, step_overhead_s=5e-3, memory_bytes=48e9),
     # This 2-core CPU in fp32, roughly: about 50 GFLOP/s achieved, about 20 GB/s.
-    "CPU": HardwareSpec("this CPU (fp32)", 100e9, 25e9, 0.5, 0.8, step_overhead_s=5e-3),
+    "CPU": HardwareSpec("this CPU (fp32)", 100e9, 25e9, 0.5, 0.8, step_overhead_s=5e-3,
+                        memory_bytes=24 * 2**30),
 }
 
 MODELS = {
@@ -142,3 +182,77 @@ MODELS = {
     "smollm2-135m": ModelSpec("SmolLM2-135M", 134.5e6, 30, 576, 9, 3, 64, 49152,
                               dtype_bytes=4),
 }
+
+
+LINEAR_FEATURES = ("step", "tokens", "seqs", "attention_pairs", "context_tokens")
+
+
+def linear_features(shape: StepShape) -> tuple[float, ...]:
+    """The terms a measured step time is fitted on, in :data:`LINEAR_FEATURES` order: a fixed
+    cost per step, per new token (the linear layers), per sequence (its logits row, sampling
+    and bookkeeping), per causal attention pair, per context token read."""
+    return (1.0, float(shape.num_tokens), float(shape.num_seqs), shape.attention_pairs,
+            float(shape.context_tokens))
+
+
+@dataclass(frozen=True)
+class LinearCostModel(CostModel):
+    """Step time as a non-negative linear combination of :func:`linear_features`, fitted to a
+    real engine's measured steps by ``kvflow simulate calibrate``. ``meta`` records where it
+    came from (engine, runner, grid, fit error)."""
+
+    coefficients: dict[str, float]
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        missing = set(LINEAR_FEATURES) - set(self.coefficients)
+        if missing:
+            raise ValueError(f"coefficients lack {sorted(missing)}")
+        negative = [k for k, v in self.coefficients.items() if v < 0]
+        if negative:
+            raise ValueError(f"coefficients must be >= 0, negative: {negative}")
+        object.__setattr__(self, "_coef", tuple(self.coefficients[k] for k in LINEAR_FEATURES))
+
+    def step_time_s(self, shape: StepShape) -> float:
+        coef: tuple[float, ...] = self._coef  # type: ignore[attr-defined]
+        return sum(c * x for c, x in zip(coef, linear_features(shape), strict=True))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"kind": "linear", "coefficients": self.coefficients,
+                                          "meta": self.meta}, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> LinearCostModel:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"cost model {path} not found; make one with `kvflow "
+                                    "simulate calibrate --engine DIR`") from None
+        if data.get("kind") != "linear":
+            raise ValueError(f"{path}: not a calibrated cost model (kind {data.get('kind')!r})")
+        return cls(dict(data["coefficients"]), data.get("meta", {}))
+
+
+def fit_nonnegative(rows: list[tuple[float, ...]], times_s: list[float],
+                    relative: bool = True) -> list[float]:
+    """Least squares with every coefficient >= 0 (features with a negative solution are
+    dropped and the rest refitted, until none is negative). ``relative`` weighs each row by
+    1/time, so that short decode steps count as much as long prefills."""
+    x = np.asarray(rows, dtype=np.float64)
+    y = np.asarray(times_s, dtype=np.float64)
+    if x.ndim != 2 or len(x) != len(y) or len(y) < x.shape[1]:
+        raise ValueError(f"need at least {x.shape[-1]} measured rows, got {len(y)}")
+    w = 1.0 / y if relative else np.ones_like(y)
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq((x[:, active] / scale[active]) * w[:, None], y * w,
+                                  rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol / scale[active]
+            break
+        active = [a for a, v in zip(active, sol, strict=True) if v >= 0]
+    return coef.tolist()

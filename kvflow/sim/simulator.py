@@ -10,7 +10,7 @@ as the real engine loop drains its inbox. No wall-clock sleeps anywhere.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,18 +70,66 @@ def sim_engine_config(block_size: int, max_model_len: int, max_num_tokens: int,
 
 @dataclass
 class SimResult:
-    """Per-request timings (on the simulated clock) and the engine's per-step stats."""
+    """Per-request timings and queue times (on the simulated clock), the engine's per-step
+    stats, the sampled server series, and (when recorded) each step's batch."""
 
     timings: list[RequestTiming]
+    queue_s: list[float | None]
     steps: list[StepStats]
+    series: list[dict[str, float]]
     batches: list[list[tuple[str, int]]]
     duration_s: float
 
 
+def kv_fragmentation(engine: LLMEngine) -> float:
+    """Fraction of the slots in used KV blocks that hold no token: the tail of each running
+    request's last block, and (static batching) blocks reserved ahead for its whole output."""
+    kv = engine.kv
+    used = kv.pool.num_used_blocks
+    if used == 0:
+        return 0.0
+    unfilled = 0
+    for request in engine.scheduler.running:
+        table = kv.block_tables.get(request.request_id)
+        if table:
+            unfilled += max(len(table) * kv.block_size - request.num_computed_tokens, 0)
+    return unfilled / (used * kv.block_size)
+
+
+def _sample_series(engine: LLMEngine, now: float) -> dict[str, float]:
+    """One row of server state, named as the server's metrics endpoint names it."""
+    sched = engine.scheduler
+    last = engine.step_stats[-1] if engine.step_stats else None
+    return {"t_s": now,
+            "kvflow_num_requests_running": float(sched.num_running),
+            "kvflow_num_requests_waiting": float(sched.num_waiting),
+            "kvflow_kv_cache_usage_ratio": engine.kv.usage,
+            "kv_fragmentation": kv_fragmentation(engine),
+            "batch_tokens": float(last.num_prefill_tokens + last.num_decode_tokens
+                                  if last else 0),
+            "batch_seqs": float(last.num_scheduled_seqs if last else 0)}
+
+
 def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: SchedulerConfig,
              num_blocks: int, block_size: int = 16,
-             record_batches: bool = False) -> SimResult:
-    """Run ``specs`` through the real scheduler in simulated time."""
+             record_batches: bool = False,
+             prompts: Sequence[list[int]] | None = None,
+             series_period_s: float = 0.25,
+             progress: Callable[[int], None] | None = None,
+             priorities: Sequence[int] | None = None) -> SimResult:
+    """Run ``specs`` through the real scheduler in simulated time.
+
+    ``prompts`` gives each request's token ids (default: ids no two requests share, except
+    a declared shared prefix), so that prefix caching sees what a real run would.
+    ``series_period_s``: simulated seconds between two samples of the server series.
+    ``progress(n)`` is called with the number of requests finished so far as they finish.
+    ``priorities``: each request's priority (lower first) for the ``priority`` policy.
+    """
+    for name, values in (("prompts", prompts), ("priorities", priorities)):
+        if values is not None and len(values) != len(specs):
+            raise ValueError(f"got {len(values)} {name} for {len(specs)} requests")
+    if not series_period_s > 0:
+        raise ValueError(f"series_period_s must be > 0, got {series_period_s}")
     clock = SimClock()
     engine_cfg = sim_engine_config(block_size, sched.max_model_len,
                                    sched.max_num_batched_tokens, sched.max_num_seqs)
@@ -102,16 +150,21 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: SchedulerConf
     arrivals = [(s.arrival_s, i) for i, s in enumerate(specs)]
     heapq.heapify(arrivals)
     finished: dict[int, RequestTiming] = {}
+    queue_s: list[float | None] = [None] * len(specs)
+    series: list[dict[str, float]] = []
+    next_sample = 0.0
     while arrivals or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
             clock.now = max(clock.now, arrivals[0][0])  # idle: jump to the next arrival
         while arrivals and arrivals[0][0] <= clock.now:
             t, i = heapq.heappop(arrivals)
             spec = specs[i]
+            prompt = _prompt_ids(spec, i) if prompts is None else prompts[i]
             request, rejected = engine.add_request(
-                _prompt_ids(spec, i), SamplingParams(max_tokens=spec.output_tokens,
-                                                     temperature=0.0, ignore_eos=True),
-                request_id=str(i), arrival_time=t)
+                prompt, SamplingParams(max_tokens=spec.output_tokens, temperature=0.0,
+                                       ignore_eos=True),
+                request_id=str(i), arrival_time=t,
+                priority=priorities[i] if priorities is not None else 0)
             if rejected is not None:
                 finished[i] = RequestTiming(t, [], spec.prompt_tokens, 0, ok=False)
         before = (clock.now, len(engine.step_stats))
@@ -120,14 +173,22 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: SchedulerConf
             if not arrivals:
                 raise RuntimeError("simulation stalled: requests wait, nothing can be scheduled")
             clock.now = max(clock.now, arrivals[0][0])
+        if clock.now >= next_sample:
+            series.append(_sample_series(engine, clock.now))
+            next_sample = clock.now + series_period_s
         for out in outputs:
             if out.finished:
                 m = out.metrics
-                finished[int(out.request_id)] = RequestTiming(
+                i = int(out.request_id)
+                finished[i] = RequestTiming(
                     m.arrival_time, list(m.token_times), out.num_prompt_tokens,
                     len(out.token_ids), ok=out.finish_reason in ("length", "stop"))
+                queue_s[i] = m.queue_time_s
+                if progress is not None:
+                    progress(len(finished))
+    series.append(_sample_series(engine, clock.now))
     timings = [finished[i] for i in range(len(specs))]
-    return SimResult(timings, list(engine.step_stats), batches, clock.now)
+    return SimResult(timings, queue_s, list(engine.step_stats), series, batches, clock.now)
 
 
 def _prompt_ids(spec: RequestSpec, index: int) -> list[int]:

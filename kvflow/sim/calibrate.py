@@ -1,0 +1,295 @@
+"""``kvflow simulate calibrate``: fit the simulator's step-time model to a real engine.
+
+Measurements, all on the real runner:
+
+1. **A grid** of step shapes (prefill tokens x decode batch x context length, and prefill
+   chunks mixed with decodes), each timed as the median of a few repeats.
+2. **A real engine run** (:class:`LLMEngine` on the same runner, a random workload, after a
+   warm-up run): every step's shape, its time in the model, and its time outside the model
+   (scheduling, building the step, sampling, detokenizing). Steps in a live engine cost more
+   than the same shape repeated in isolation (KV blocks scattered over the pool, caches cold),
+   so these steps join the grid in the fit of model time.
+3. **A second engine run** with another seed, held out: the check of the whole model.
+
+Model time is fitted on (1) and (2), the overhead on (2); the two add up to one
+:class:`LinearCostModel`, saved with the error of each fit and of the held-out check.
+
+4. **Served** (``--served``): the engine behind a real tritonserver pays for every streamed
+   token too (the Python backend's response, gRPC), and on a small machine that CPU time is
+   taken from the engine. A short decode-heavy closed-loop load (fixed, unlike anything
+   ``validate`` sends) is served, the same requests are simulated, and the TPOT difference per
+   sequence in a step is added to the per-sequence cost.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvflow.sim.cost_model import (
+    LINEAR_FEATURES,
+    LinearCostModel,
+    StepShape,
+    fit_nonnegative,
+    linear_features,
+)
+
+COST_MODEL_FILE = "cost_model.json"
+
+# (name, [(start, num_new), ...]) : one sequence per pair; start = tokens already in the cache.
+Shape = list[tuple[int, int]]
+
+
+def calibration_grid(max_len: int, max_batch: int, max_tokens: int) -> list[tuple[str, Shape]]:
+    """Step shapes to time, within the engine's limits."""
+    grid: list[tuple[str, Shape]] = []
+    for n in (16, 64, 128, 256, 512, 1024):
+        if n <= min(max_len, max_tokens):
+            grid.append((f"prefill {n}", [(0, n)]))
+    if max_tokens >= 512 and max_len >= 256:
+        grid.append(("prefill 2x256", [(0, 256), (0, 256)]))
+    for ctx in (32, 256, 768):
+        if ctx >= max_len:
+            continue
+        for b in (1, 2, 4, 8, 16, 32):
+            if b <= max_batch:
+                grid.append((f"decode b={b} ctx={ctx}", [(ctx, 1)] * b))
+    for b in (4, 16):
+        if b + 1 <= max_batch and 256 + b <= max_tokens and max_len >= 512:
+            grid.append((f"chunk 256@256 + {b} decodes ctx=256",
+                         [(256, 256)] + [(256, 1)] * b))
+    if max_len >= 896 and max_tokens >= 128:
+        grid.append(("chunk 128@768", [(768, 128)]))
+    return grid
+
+
+def _time_grid(runner: Any, grid: list[tuple[str, Shape]], repeats: int, vocab: int,
+               progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    from kvflow.kv_manager import KVCacheManager
+    from kvflow.runtime.step_builder import SeqChunk, build_step
+
+    rng = np.random.default_rng(0)
+    bs = runner.engine.limits.block_size
+    rows = []
+    for i, (name, seqs) in enumerate(grid):
+        kv = KVCacheManager(runner.num_blocks, bs)
+        chunks = []
+        for j, (start, new) in enumerate(seqs):
+            ids = rng.integers(10, vocab, size=start + new).tolist()
+            kv.allocate_slots(j, start + new)
+            chunks.append(SeqChunk(j, ids, start, new, True))
+        step = build_step(kv, chunks)
+        runner.execute(step)  # warm-up (and fills the cache positions read)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.execute(step)
+            times.append(time.perf_counter() - t0)
+        shape = StepShape.of(step)
+        rows.append({"name": name, "shape": shape, "time_s": statistics.median(times)})
+        progress(f"[calibrate] {i + 1}/{len(grid)} {name}: {rows[-1]['time_s'] * 1e3:.1f} ms")
+    return rows
+
+
+def _engine_run(runner: Any, engine_dir: str | Path, num_requests: int, seed: int,
+                rate: float | None) -> list[dict[str, Any]]:
+    """A real engine run on ``runner``: each step's shape, model and overhead time.
+
+    Requests (random prompts of 16-512 tokens, outputs of 8-128) arrive as a Poisson stream
+    at ``rate`` per second in real time, as a served stream would bring them, so the run mixes
+    decode batches of every size with prefill chunks (256-token budget per step). ``rate``
+    None adds them all at once (a warm-up)."""
+    from kvflow.bench.workloads import poisson_arrivals
+    from kvflow.orchestrator.engine import LLMEngine
+    from kvflow.orchestrator.llm import plan_engine
+    from kvflow.orchestrator.sampling_params import SamplingParams
+    from kvflow.orchestrator.tokenizer import EngineTokenizer
+
+    limits = runner.engine.limits
+    max_len = min(1024, limits.max_model_len)
+    plan = plan_engine(engine_dir, max_num_seqs=min(32, limits.max_batch_size),
+                       max_model_len=max_len,
+                       max_num_batched_tokens=min(256, limits.max_num_tokens))
+    has_tokenizer = (Path(engine_dir) / "tokenizer.json").is_file()
+    engine = LLMEngine(runner, EngineTokenizer(engine_dir) if has_tokenizer else None,
+                       plan.scheduler, plan.engine.model.eos_token_ids)
+    shapes: list[StepShape] = []
+    execute = runner.execute
+
+    def recording_execute(step):  # type: ignore[no-untyped-def]
+        shapes.append(StepShape.of(step))
+        return execute(step)
+
+    rng = np.random.default_rng(seed)
+    vocab = runner.engine.model.vocab_size
+    longest = max(min(512, max_len - 160), 17)
+    requests = [(rng.integers(10, vocab, size=int(rng.integers(16, longest))).tolist(),
+                 int(rng.integers(8, min(128, max_len - longest))))
+                for _ in range(num_requests)]
+    arrivals = [0.0] * num_requests if rate is None else poisson_arrivals(num_requests, rate,
+                                                                          seed)
+    runner.execute = recording_execute
+    try:
+        t0, i = time.monotonic(), 0
+        while i < num_requests or engine.has_unfinished_requests():
+            now = time.monotonic() - t0
+            while i < num_requests and arrivals[i] <= now:
+                prompt, out = requests[i]
+                engine.add_request(prompt, SamplingParams(max_tokens=out, temperature=0.0,
+                                                          ignore_eos=True))
+                i += 1
+            if engine.has_unfinished_requests():
+                engine.step()
+            elif i < num_requests:
+                time.sleep(max(0.0, arrivals[i] - now))
+    finally:
+        runner.execute = execute
+    stats = engine.step_stats
+    assert len(stats) == len(shapes), "one shape per model step"
+    return [{"shape": sh, "model_s": st.model_time_s, "overhead_s": st.overhead_time_s}
+            for sh, st in zip(shapes, stats, strict=True)]
+
+
+def _rel_errors(model: LinearCostModel, shapes: list[StepShape],
+                times: list[float]) -> dict[str, float]:
+    err = np.array([abs(model.step_time_s(s) - t) / t for s, t in zip(shapes, times,
+                                                                     strict=True)])
+    total = abs(sum(model.step_time_s(s) for s in shapes) - sum(times)) / sum(times)
+    return {"mean_abs_rel": float(err.mean()), "max_abs_rel": float(err.max()),
+            "total_time_rel": float(total)}
+
+
+def served_overhead(engine_dir: str | Path, cost: LinearCostModel,
+                    progress: Callable[[str], None]) -> dict[str, float]:
+    """Per-sequence cost of serving through tritonserver beyond the engine's (see module)."""
+    from kvflow.bench.serve import make_prompts, run_load
+    from kvflow.bench.workloads import RequestSpec
+    from kvflow.orchestrator.llm import plan_engine
+    from kvflow.orchestrator.tokenizer import EngineTokenizer
+    from kvflow.sim.simulator import simulate
+    from kvflow.triton_backend.client import stream_generate
+    from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+
+    concurrency, specs = 16, [RequestSpec(0.0, 32, 64) for _ in range(32)]
+    texts = make_prompts(specs, str(engine_dir), seed=7)
+    tok = EngineTokenizer(engine_dir)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    options = {"max_num_seqs": concurrency, "enable_prefix_caching": False}
+    plan = plan_engine(engine_dir, **options)
+    progress(f"[calibrate] served: {len(specs)} requests x {specs[0].output_tokens} tokens, "
+             f"{concurrency} at a time, through tritonserver ...")
+    cfg = ServerConfig(Path(engine_dir), http_port=free_port(), grpc_port=free_port(),
+                       metrics_port=free_port(), engine_args=options, ready_timeout_s=600)
+    with TritonServer(cfg) as server:
+        list(stream_generate(server.grpc_url, texts[0], {"max_tokens": 2}))  # warm-up
+        timings, _ = run_load(server.grpc_url, specs, texts, None, progress=False)
+    real_tpot = float(np.mean([t.tpot_s for t in timings if t.tpot_s is not None]))
+    sim = simulate(specs, cost, plan.scheduler, plan.num_blocks, plan.engine.limits.block_size,
+                   prompts=prompts)
+    sim_tpot = float(np.mean([t.tpot_s for t in sim.timings if t.tpot_s is not None]))
+    decode_seqs = [st.num_scheduled_seqs for st in sim.steps if st.num_prefill_tokens == 0]
+    per_seq = max(0.0, (real_tpot - sim_tpot) / float(np.mean(decode_seqs)))
+    return {"real_tpot_s": real_tpot, "engine_only_tpot_s": sim_tpot, "per_seq_s": per_seq}
+
+
+def calibrate(engine_dir: str | Path, runner_name: str | None = None, repeats: int = 3,
+              num_requests: int = 24, seed: int = 0, served: bool = False,
+              progress: Callable[[str], None] = print) -> LinearCostModel:
+    """Time ``engine_dir``'s runner and engine, fit, and return the cost model."""
+    from kvflow.build.engine_config import EngineConfig
+    from kvflow.runtime import create_runner
+
+    engine = EngineConfig.load(engine_dir)
+    limits = engine.limits
+    grid = calibration_grid(limits.max_model_len, limits.max_batch_size, limits.max_num_tokens)
+    bs = limits.block_size
+    need = max(sum(-(-(s + n + 1) // bs) for s, n in seqs) for _, seqs in grid)
+    need = max(need, 32 * -(-1024 // bs)) + 2  # also the engine runs' 32 x 1024 tokens
+    runner = create_runner(runner_name, engine_dir, need)
+    try:
+        progress(f"[calibrate] timing {len(grid)} step shapes on the {runner.name} runner "
+                 f"({repeats} repeats each) ...")
+        grid_rows = _time_grid(runner, grid, repeats, engine.model.vocab_size, progress)
+        # Request rates that keep about 1.5, 4 and (held out) 2.5 requests in flight, from
+        # the grid's estimate of one request's time alone (264-token prompt, 68 outputs).
+        rough = LinearCostModel(dict(zip(LINEAR_FEATURES, fit_nonnegative(
+            [linear_features(r["shape"]) for r in grid_rows],
+            [r["time_s"] for r in grid_rows]), strict=True)))
+        alone_s = (rough.step_time_s(StepShape((264,), (264,), 1))
+                   + 68 * rough.step_time_s(StepShape((1,), (300,), 1)))
+        rates = {"fit, light": 1.5 / alone_s, "fit, busy": 4.0 / alone_s,
+                 "held out": 2.5 / alone_s}
+        _engine_run(runner, engine_dir, min(num_requests, 8), seed + 1000, None)  # warm-up
+        runs = {}
+        for k, (name, rate) in enumerate(rates.items()):
+            progress(f"[calibrate] real engine run ({name}): {num_requests} requests at "
+                     f"{rate:.2f} req/s ...")
+            runs[name] = _engine_run(runner, engine_dir, num_requests, seed + k, rate)
+        run_rows = runs["fit, light"] + runs["fit, busy"]
+        check_rows = runs["held out"]
+    finally:
+        runner.close()
+
+    fit_rows = [(r["shape"], r["time_s"]) for r in grid_rows] + \
+        [(r["shape"], r["model_s"]) for r in run_rows]
+    model_coef = fit_nonnegative([linear_features(sh) for sh, _ in fit_rows],
+                                 [t for _, t in fit_rows])
+    # Overhead: per step, per token, per sequence (attention and context cost nothing here).
+    over_idx = [LINEAR_FEATURES.index(k) for k in ("step", "tokens", "seqs")]
+    over_rows = [tuple(linear_features(r["shape"])[i] for i in over_idx) for r in run_rows]
+    over_coef = fit_nonnegative(over_rows, [max(r["overhead_s"], 1e-6) for r in run_rows])
+    coef = dict(zip(LINEAR_FEATURES, model_coef, strict=True))
+    for i, c in zip(over_idx, over_coef, strict=True):
+        coef[LINEAR_FEATURES[i]] += c
+
+    grid_only = LinearCostModel(dict(zip(LINEAR_FEATURES, model_coef, strict=True)))
+    cost = LinearCostModel(coef)
+    meta = {
+        "engine": str(engine_dir), "runner": runner_name or engine.backend,
+        "engine_run_rates": rates,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,
+        "model_coefficients": grid_only.coefficients,
+        "overhead_coefficients": dict(zip(("step", "tokens", "seqs"), over_coef, strict=True)),
+        "grid": [{"name": r["name"], "measured_ms": r["time_s"] * 1e3,
+                  "fitted_ms": grid_only.step_time_s(r["shape"]) * 1e3} for r in grid_rows],
+        "grid_fit_error": _rel_errors(grid_only, [r["shape"] for r in grid_rows],
+                                      [r["time_s"] for r in grid_rows]),
+        "engine_run_error": _rel_errors(cost, [r["shape"] for r in run_rows],
+                                        [r["model_s"] + r["overhead_s"] for r in run_rows]),
+        "held_out_error": _rel_errors(cost, [r["shape"] for r in check_rows],
+                                      [r["model_s"] + r["overhead_s"] for r in check_rows]),
+        "engine_run_steps": len(run_rows),
+        "held_out_steps": len(check_rows),
+    }
+    if served:
+        meta["served"] = served_overhead(engine_dir, cost, progress)
+        coef["seqs"] += meta["served"]["per_seq_s"]
+    return LinearCostModel(coef, meta)
+
+
+def calibrate_main(args: Any) -> int:
+    cost = calibrate(args.engine, args.runner, args.repeats, args.num_requests, args.seed,
+                     served=args.served)
+    out = Path(args.output or Path(args.engine) / COST_MODEL_FILE)
+    cost.save(out)
+    m = cost.meta
+    print(f"[calibrate] wrote {out}")
+    print("  coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in cost.coefficients.items()))
+    g, e, h = m["grid_fit_error"], m["engine_run_error"], m["held_out_error"]
+    print(f"  grid (model time alone): mean |error| {g['mean_abs_rel']:.1%}, max "
+          f"{g['max_abs_rel']:.1%}")
+    print(f"  fitted engine run ({m['engine_run_steps']} steps, model + overhead): mean "
+          f"|error| {e['mean_abs_rel']:.1%}, total time {e['total_time_rel']:.1%}")
+    print(f"  held-out engine run ({m['held_out_steps']} steps): mean |error| "
+          f"{h['mean_abs_rel']:.1%}, total time {h['total_time_rel']:.1%}")
+    if "served" in m:
+        sv = m["served"]
+        print(f"  served: TPOT {sv['real_tpot_s'] * 1e3:.1f} ms through tritonserver vs "
+              f"{sv['engine_only_tpot_s'] * 1e3:.1f} ms simulated for the engine alone: "
+              f"+{sv['per_seq_s'] * 1e3:.2f} ms per sequence in a step")
+    return 0

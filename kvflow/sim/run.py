@@ -1,0 +1,278 @@
+"""``kvflow simulate``: the real scheduler and KV manager in simulated time, with reports.
+
+One run per (policy, rate): each writes the ``kvflow bench serve`` report, field for field
+(``report.json``, ``summary.md``, latency CDFs, server series), plus per-request queue time,
+KV usage and fragmentation and batch size over time (``kv_batch.png``). With several policies
+or rates, a sweep summary and chart (``sweep.png``) sit on top, as ``kvflow bench compare``
+writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvflow.bench.compare import MODE_LABELS, MODES, mode_scheduler_options, parse_rates
+from kvflow.bench.serve import add_workload_args, build_workload, parse_slo, write_serve_report
+from kvflow.bench.workloads import RequestSpec
+from kvflow.orchestrator.config import SchedulerConfig
+from kvflow.sim.cost_model import HARDWARE, MODELS, CostModel, LinearCostModel, RooflineCostModel
+from kvflow.sim.simulator import SimResult, simulate
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p)
+    p.set_defaults(workload="trace", num_prompts=1000, max_model_len=8192, engine=None)
+    p.add_argument("--hardware", choices=sorted(HARDWARE), default="H100")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--cost", default=None,
+                   help="a calibrated cost model (kvflow simulate calibrate) instead of the "
+                        "roofline of --hardware/--model")
+    p.add_argument("--policy", default="continuous",
+                   help=f"comma-separated batching modes: {', '.join(MODES)}")
+    p.add_argument("--rates", default=None,
+                   help="comma-separated request rates (req/s, or inf) to sweep; default one "
+                        "run at --request-rate")
+    p.add_argument("--request-rate", default=None,
+                   help="requests/s or inf; default: the trace's own timing, else inf")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--chunk-tokens", type=int, default=2048,
+                   help="chunked modes: token budget of one step")
+    p.add_argument("--num-priorities", type=int, default=2,
+                   help="priority mode: requests get priorities 0..N-1 uniformly at random")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool (default: what the devices hold after the weights at 90%% "
+                        "memory utilisation)")
+    p.add_argument("--prefix-caching", action="store_true", help="turn prefix caching on")
+    p.add_argument("--series-period-s", type=float, default=0.25)
+    p.add_argument("--out", default="reports/simulate")
+
+
+def make_cost(args: argparse.Namespace) -> tuple[CostModel, dict[str, Any]]:
+    """The cost model the arguments name, and how the report describes it."""
+    if args.cost:
+        cost = LinearCostModel.load(args.cost)
+        return cost, {"cost_model": "calibrated", "cost_file": str(args.cost),
+                      "coefficients": cost.coefficients, "engine": cost.meta.get("engine")}
+    model = replace(MODELS[args.model], tp=args.tp)
+    return RooflineCostModel(HARDWARE[args.hardware], model), {
+        "cost_model": "roofline", "hardware": HARDWARE[args.hardware].name,
+        "model": model.name, "tp": args.tp}
+
+
+def default_num_blocks(args: argparse.Namespace) -> int:
+    if args.num_kv_blocks is not None:
+        if args.num_kv_blocks < 2:
+            raise ValueError(f"--num-kv-blocks must be >= 2, got {args.num_kv_blocks}")
+        return args.num_kv_blocks
+    if args.cost:
+        raise ValueError("--num-kv-blocks is required with --cost (the KV pool of the "
+                         "calibrated engine); `kvflow simulate validate` sets it itself")
+    model = replace(MODELS[args.model], tp=args.tp)
+    return model.kv_blocks_for(HARDWARE[args.hardware], args.block_size)
+
+
+def priorities_for(n: int, num_priorities: int, seed: int) -> list[int]:
+    if num_priorities < 1:
+        raise ValueError(f"--num-priorities must be >= 1, got {num_priorities}")
+    return np.random.default_rng([seed, 3]).integers(0, num_priorities, size=n).tolist()
+
+
+def _plot_kv_batch(out: Path, result: SimResult) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["t_s"] for r in result.series]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    axes[0].plot(t, [r["kvflow_kv_cache_usage_ratio"] for r in result.series],
+                 label="KV blocks used")
+    axes[0].plot(t, [r["kv_fragmentation"] for r in result.series],
+                 label="fragmentation (unfilled slots / used slots)")
+    axes[0].set_ylim(0, 1.02)
+    axes[0].set_ylabel("fraction")
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("KV cache")
+    axes[1].plot(t, [r["batch_seqs"] for r in result.series], label="sequences in step")
+    axes[1].plot(t, [r["kvflow_num_requests_waiting"] for r in result.series],
+                 label="waiting requests")
+    ax2 = axes[1].twinx()
+    ax2.plot(t, [r["batch_tokens"] for r in result.series], color="grey", alpha=0.5,
+             linewidth=0.7)
+    ax2.set_ylabel("tokens in step (grey)")
+    axes[1].legend(fontsize=7, loc="upper left")
+    axes[1].set_title("Batch over time")
+    for ax in axes[:2]:
+        ax.set_xlabel("simulated time (s)")
+        ax.grid(alpha=0.3)
+    queue = np.sort([q for q in result.queue_s if q is not None])
+    if len(queue):
+        axes[2].plot(queue, np.arange(1, len(queue) + 1) / len(queue))
+        axes[2].set_xscale("symlog", linthresh=1e-3)
+    axes[2].set_xlabel("queue time (s)")
+    axes[2].set_ylabel("fraction of requests")
+    axes[2].set_title("Per-request queue time (CDF)")
+    axes[2].grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "kv_batch.png", dpi=110)
+    plt.close(fig)
+    return "kv_batch.png"
+
+
+def _thin(series: list[dict[str, float]], limit: int = 4000) -> list[dict[str, float]]:
+    if len(series) <= limit:
+        return series
+    idx = np.linspace(0, len(series) - 1, limit).round().astype(int)
+    return [series[i] for i in idx]
+
+
+def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse.Namespace,
+            num_blocks: int, config: dict[str, Any], out: Path, bar: Any,
+            prompts: list[list[int]] | None = None, echo: bool = True) -> dict[str, Any]:
+    """Simulate one (mode, workload) and write its report to ``out``."""
+    options = mode_scheduler_options(mode, args.max_num_seqs, args.max_model_len,
+                                     args.chunk_tokens, args.prefix_caching)
+    sched = SchedulerConfig(**options)
+    priorities = (priorities_for(len(specs), args.num_priorities, args.seed)
+                  if sched.policy == "priority" else None)
+    done = [0]
+
+    def progress(n: int) -> None:
+        if bar is not None:
+            bar.update(n - done[0])
+        done[0] = n
+
+    t0 = time.perf_counter()
+    result = simulate(specs, cost, sched, num_blocks, args.block_size, prompts=prompts,
+                      series_period_s=args.series_period_s, progress=progress,
+                      priorities=priorities)
+    wall = time.perf_counter() - t0
+    series = _thin(result.series)
+    frag = [r["kv_fragmentation"] for r in result.series]
+    usage = [r["kvflow_kv_cache_usage_ratio"] for r in result.series]
+    preempted = sum(s.num_preempted for s in result.steps)
+    sim_info = {"mode": mode, "scheduler": options, "num_kv_blocks": num_blocks,
+                "block_size": args.block_size, "steps": len(result.steps),
+                "preemptions": preempted, "wall_time_s": wall,
+                "kv_usage_mean": float(np.mean(usage)), "kv_usage_max": float(np.max(usage)),
+                "kv_fragmentation_mean": float(np.mean(frag))}
+    queue = [q for q in result.queue_s if q is not None]
+    lines = ["", f"Simulated {MODE_LABELS[mode]} ({config['cost_model']} cost model) in "
+             f"{wall:.1f} s of wall time: {len(result.steps)} steps, {preempted} preemptions, "
+             f"{num_blocks} KV blocks of {args.block_size} tokens; mean KV usage "
+             f"{sim_info['kv_usage_mean']:.0%} (max {sim_info['kv_usage_max']:.0%}), mean "
+             f"fragmentation {sim_info['kv_fragmentation_mean']:.0%}; queue time mean "
+             f"{(np.mean(queue) if queue else 0) * 1e3:.1f} ms, p99 "
+             f"{(np.percentile(queue, 99) if queue else 0) * 1e3:.1f} ms."]
+    out.mkdir(parents=True, exist_ok=True)
+    extra = [_plot_kv_batch(out, result)]
+    if priorities is not None:
+        for level in sorted(set(priorities)):
+            ttfts = [t.ttft_s for t, p in zip(result.timings, priorities, strict=True)
+                     if p == level and t.ttft_s is not None]
+            if ttfts:
+                lines.append(f"Priority {level}: {len(ttfts)} requests, TTFT mean "
+                             f"{np.mean(ttfts) * 1e3:.1f} ms, p99 "
+                             f"{np.percentile(ttfts, 99) * 1e3:.1f} ms.")
+    report = write_serve_report(out, "kvflow simulate", {**config, "simulation": sim_info},
+                                result.timings, result.duration_s, series,
+                                request_extra={"queue_s": result.queue_s,
+                                               **({"priority": priorities}
+                                                  if priorities else {})},
+                                extra_plots=extra, extra_lines=lines, echo=echo)
+    return report
+
+
+def simulate_main(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.policy.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"--policy: unknown mode(s) {unknown}; known: {list(MODES)}")
+    for name in ("max_num_seqs", "chunk_tokens", "block_size", "tp"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
+                             f"{getattr(args, name)}")
+    slo = parse_slo(args.slo)
+    cost, cost_info = make_cost(args)
+    num_blocks = default_num_blocks(args)
+    rates: list[float | None] = (list(parse_rates(args.rates)) if args.rates
+                                 else [None])
+    out = Path(args.out)
+    workloads = []
+    for rate in rates:
+        ns = copy.copy(args)
+        ns.request_rate = args.request_rate if rate is None else str(rate)
+        specs, info = build_workload(ns)
+        workloads.append((rate, specs, info))
+
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(len(w[1]) for w in workloads) * len(modes), desc="simulated",
+                   unit="req")
+    single = len(modes) == 1 and len(rates) == 1
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    try:
+        for mode in modes:
+            for rate, specs, info in workloads:
+                sub = out if single else out / mode / f"rate_{rate if rate else 'trace'}"
+                config = {**info, **cost_info, "num_prompts": len(specs), "slo": slo,
+                          "max_concurrency": None}
+                report = run_one(specs, mode, cost, args, num_blocks, config, sub, bar,
+                                 echo=single)
+                results[mode].append({"rate": info["request_rate"],
+                                      "summary": report["summary"],
+                                      "simulation": report["config"]["simulation"]})
+    finally:
+        if bar is not None:
+            bar.close()
+    if not single:
+        write_sweep(out, results, cost_info, slo, args)
+    return 0
+
+
+def write_sweep(out: Path, results: dict[str, list[dict[str, Any]]], cost_info: dict[str, Any],
+                slo: dict[str, float], args: argparse.Namespace) -> None:
+    """The sweep's summary table and ``sweep.png`` (latency vs throughput, per mode)."""
+    from kvflow.bench.compare import _fmt, _plot, max_sustained_rate
+    from kvflow.bench.report import write_report
+
+    what = (f"{cost_info['model']} (tp={cost_info['tp']}) on {cost_info['hardware']}"
+            if cost_info["cost_model"] == "roofline" else f"calibrated {cost_info['cost_file']}")
+    lines = [f"# kvflow simulate: {args.workload} workload, {what}", "",
+             "| mode | offered req/s | achieved req/s | output tok/s | mean TTFT ms | "
+             "P99 TTFT ms | mean TPOT ms | P99 E2E ms | mean KV usage | mean fragmentation | "
+             "preemptions |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, points in results.items():
+        for p in points:
+            s, sim = p["summary"], p["simulation"]
+            lines.append(
+                f"| {mode} | {p['rate']:.3g} | {s['request_throughput']:.2f} | "
+                f"{s['output_token_throughput']:.0f} | {_fmt(s['ttft_ms']['mean'])} | "
+                f"{_fmt(s['ttft_ms']['p99'])} | {_fmt(s['tpot_ms']['mean'], '.1f')} | "
+                f"{_fmt(s['e2e_ms']['p99'])} | {sim['kv_usage_mean']:.0%} | "
+                f"{sim['kv_fragmentation_mean']:.0%} | {sim['preemptions']} |")
+    if "ttft_ms" in slo:
+        lines += ["", f"Highest rate with P99 TTFT <= {slo['ttft_ms']:g} ms:"]
+        for mode, points in results.items():
+            rate = max_sustained_rate(points, slo["ttft_ms"])
+            lines.append(f"- {MODE_LABELS[mode]}: {_fmt(rate, '.3g') if rate else 'none'} "
+                         "req/s")
+    plot = _plot(out, {m: pts for m, pts in results.items()}, slo.get("ttft_ms", math.nan),
+                 None, filename="sweep.png")
+    lines += ["", f"![sweep]({plot})", "", "Each run's own report: `MODE/rate_R/summary.md`."]
+    (out / "sweep.json").write_text(json.dumps({"cost": cost_info, "slo": slo,
+                                                "results": results}, indent=1, default=float))
+    write_report(out / "summary.md", lines)

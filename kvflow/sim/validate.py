@@ -1,0 +1,125 @@
+"""``kvflow simulate validate``: the simulator against the real server on the same workload.
+
+The engine is served by a real tritonserver and driven with ``kvflow bench serve``'s load
+generator; then the simulator replays the very same requests (same token ids, arrival times
+and output lengths) with the engine's calibrated cost model, the same scheduler config and the
+same KV pool. Printed and written: the relative error of mean and P99 TTFT, mean TPOT and
+output throughput, and both runs' full reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvflow.bench.compare import MODE_LABELS, MODES, mode_scheduler_options
+from kvflow.bench.report import write_report
+from kvflow.bench.serve import (
+    MetricsScraper,
+    add_workload_args,
+    build_workload,
+    make_prompts,
+    parse_slo,
+    run_load,
+    write_serve_report,
+)
+from kvflow.sim.calibrate import COST_MODEL_FILE
+from kvflow.sim.cost_model import LinearCostModel
+from kvflow.sim.simulator import simulate
+
+COMPARED = (("mean TTFT", ("ttft_ms", "mean")), ("P99 TTFT", ("ttft_ms", "p99")),
+            ("mean TPOT", ("tpot_ms", "mean")), ("mean E2E", ("e2e_ms", "mean")),
+            ("output throughput", ("output_token_throughput", None)))
+TARGETED = ("mean TTFT", "mean TPOT", "output throughput")  # the issue's 10% target
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p)
+    p.set_defaults(num_prompts=48, max_model_len=1024, input_len=256, output_len=64,
+                   range_ratio=0.5)
+    p.add_argument("--request-rate", default="1",
+                   help="requests/s (the trace: stretched to this mean rate)")
+    p.add_argument("--cost", default=None,
+                   help=f"calibrated cost model (default: ENGINE/{COST_MODEL_FILE})")
+    p.add_argument("--policy", choices=list(MODES), default="chunked")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--out", default="reports/simulate_validate")
+
+
+def relative_errors(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """(sim - real) / real for each compared metric of two ``summarize`` results."""
+    out = {}
+    for name, (key, stat) in COMPARED:
+        r = real[key] if stat is None else real[key][stat]
+        s = sim[key] if stat is None else sim[key][stat]
+        if r is None or s is None:
+            continue
+        out[name] = {"real": r, "sim": s, "rel_error": (s - r) / r if r else float("nan")}
+    return out
+
+
+def validate_main(args: argparse.Namespace) -> int:
+    from kvflow.orchestrator.llm import plan_engine
+    from kvflow.orchestrator.tokenizer import EngineTokenizer
+    from kvflow.triton_backend.client import stream_generate
+    from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+
+    cost_path = Path(args.cost or Path(args.engine) / COST_MODEL_FILE)
+    cost = LinearCostModel.load(cost_path)
+    slo = parse_slo(args.slo)
+    specs, info = build_workload(args)
+    texts = make_prompts(specs, args.engine, args.seed)
+    tok = EngineTokenizer(args.engine)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]  # as the server does
+    options = mode_scheduler_options(args.policy, args.max_num_seqs, args.max_model_len,
+                                     args.chunk_tokens)
+    plan = plan_engine(args.engine, **options)  # the served engine's exact configuration
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**info, "engine": str(args.engine), "policy": args.policy,
+              "scheduler": options, "num_kv_blocks": plan.num_blocks,
+              "num_prompts": len(specs), "slo": slo, "max_concurrency": None}
+
+    print(f"[validate] serving {args.engine} ({MODE_LABELS[args.policy]}) ...", flush=True)
+    cfg = ServerConfig(Path(args.engine), http_port=free_port(), grpc_port=free_port(),
+                       metrics_port=free_port(), engine_args=options, ready_timeout_s=600)
+    with TritonServer(cfg, log_path=out / "tritonserver.log") as server:
+        list(stream_generate(server.grpc_url, texts[0], {"max_tokens": 2}))  # warm-up
+        scraper = MetricsScraper(server.metrics_url)
+        scraper.start()
+        try:
+            timings, duration = run_load(server.grpc_url, specs, texts, None,
+                                         progress=not args.no_progress, desc="real server")
+        finally:
+            scraper.stop()
+    real = write_serve_report(out / "real", "kvflow bench serve", config, timings, duration,
+                              scraper.samples, echo=False)
+
+    print("[validate] simulating the same requests ...", flush=True)
+    result = simulate(specs, cost, plan.scheduler, plan.num_blocks,
+                      plan.engine.limits.block_size, prompts=prompts)
+    sim = write_serve_report(out / "sim", "kvflow simulate", {**config, "cost_file":
+                                                             str(cost_path)},
+                             result.timings, result.duration_s, result.series,
+                             request_extra={"queue_s": result.queue_s}, echo=False)
+    errors = relative_errors(real["summary"], sim["summary"])
+    worst = max(abs(errors[k]["rel_error"]) for k in TARGETED if k in errors)
+    (out / "validate.json").write_text(json.dumps({"config": config, "errors": errors,
+                                                   "worst_targeted_abs_error": worst},
+                                                  indent=1, default=float))
+    lines = [f"# kvflow simulate validate: {info['workload']} workload, {len(specs)} "
+             f"requests at {info['request_rate']:.3g} req/s", "",
+             f"Engine `{args.engine}`, {MODE_LABELS[args.policy]}, {plan.num_blocks} KV "
+             f"blocks; cost model `{cost_path}`.", "",
+             "| metric | real server | simulator | relative error |", "|---|---|---|---|"]
+    for name, e in errors.items():
+        unit = " tok/s" if name == "output throughput" else " ms"
+        lines.append(f"| {name} | {e['real']:.1f}{unit} | {e['sim']:.1f}{unit} | "
+                     f"{e['rel_error']:+.1%} |")
+    lines += ["", f"Largest error on mean TTFT, mean TPOT and throughput: {worst:.1%} "
+              f"(target 10%). Full reports: `real/summary.md`, `sim/summary.md`."]
+    write_report(out / "summary.md", lines)
+    return 0
