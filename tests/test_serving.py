@@ -233,6 +233,8 @@ FAMILIES = [
     "kvflow_prompt_tokens_total", "kvflow_generation_tokens_total",
     "kvflow_num_preemptions_total", "kvflow_request_rejected_total",
     "kvflow_prefix_cache_queries_total", "kvflow_prefix_cache_hits_total",
+    "kvflow_engine_steps_total", "kvflow_engine_step_seconds_total",
+    "kvflow_serving_seconds_total",
 ]
 
 
@@ -261,6 +263,10 @@ def test_metrics_expose_every_family_consistently(triton_server):
     assert 0 <= delta("kvflow_prefix_cache_hits_total") <= delta(
         "kvflow_prefix_cache_queries_total")
     assert metric(after, "kvflow_num_requests_running") == 0
+    # Two requests of 5 and 7 tokens: at least 7 steps, each taking time; serving around them
+    # (responses, cancellation checks) takes some too, but less than the steps themselves.
+    assert delta("kvflow_engine_steps_total") >= 7
+    assert 0 < delta("kvflow_serving_seconds_total") < delta("kvflow_engine_step_seconds_total")
 
 
 def test_a_repeated_prompt_reports_cached_tokens(triton_server):

@@ -151,9 +151,10 @@ def test_nonnegative_fit_recovers_known_coefficients_and_drops_negative_ones():
     from kvflow.sim.cost_model import LINEAR_FEATURES, fit_nonnegative, linear_features
 
     truth = {"step": 2e-3, "tokens": 1e-4, "seqs": 5e-5, "attention_pairs": 0.0,
-             "context_tokens": 1e-6}
+             "context_tokens": 1e-6, "first_chunks": 3e-3}
     shapes = [StepShape((n,), (n,), 1) for n in (8, 64, 256, 512)]
     shapes += [StepShape((1,) * b, (c,) * b, b) for b in (1, 4, 16) for c in (32, 512)]
+    shapes += [StepShape((64, 1), (128, 40), 2), StepShape((32, 1, 1), (32, 9, 90), 3)]
     rows = [linear_features(s) for s in shapes]
     times = [sum(truth[k] * x for k, x in zip(LINEAR_FEATURES, r, strict=True)) for r in rows]
     coef = fit_nonnegative(rows, times)
@@ -167,11 +168,12 @@ def test_nonnegative_fit_recovers_known_coefficients_and_drops_negative_ones():
 def test_linear_cost_model_round_trips_and_rejects_bad_files(tmp_path):
     from kvflow.sim.cost_model import LINEAR_FEATURES, LinearCostModel
 
-    coef = dict(zip(LINEAR_FEATURES, (1e-3, 2e-4, 3e-5, 1e-9, 1e-7), strict=True))
+    coef = dict(zip(LINEAR_FEATURES, (1e-3, 2e-4, 3e-5, 1e-9, 1e-7, 5e-3), strict=True))
     model = LinearCostModel(coef, {"engine": "x"})
-    shape = StepShape((100, 1), (100, 50), 2)
+    shape = StepShape((100, 1), (100, 50), 2)  # one request starts, one decodes
+    assert shape.num_first_chunks == 1
     assert model.step_time_s(shape) == pytest.approx(
-        1e-3 + 2e-4 * 101 + 3e-5 * 2 + 1e-9 * shape.attention_pairs + 1e-7 * 150)
+        1e-3 + 2e-4 * 101 + 3e-5 * 2 + 1e-9 * shape.attention_pairs + 1e-7 * 150 + 5e-3)
     model.save(tmp_path / "c.json")
     again = LinearCostModel.load(tmp_path / "c.json")
     assert again.coefficients == coef and again.meta == {"engine": "x"}

@@ -261,9 +261,13 @@ def _plot(out: Path, results: dict[str, list[dict[str, Any]]], slo_ttft_ms: floa
     axes[2].set_ylabel("P99 TTFT (s)")
     axes[2].set_yscale("log")
     axes[2].set_title("P99 TTFT vs request rate")
+    from matplotlib.ticker import FormatStrFormatter
+
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     fig.tight_layout()
     fig.savefig(out / filename, dpi=110)
     plt.close(fig)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -135,9 +136,12 @@ class EngineLoop:
                 kind = payload = None
                 had_batch = bool(batch)
                 batch.clear()
+                t0 = time.perf_counter()
                 cancelled = self._poll_cancelled() if self._cancel_checks else False
                 if self.engine.has_unfinished_requests():
+                    t1 = time.perf_counter()
                     outputs = self.engine.step()
+                    t2 = time.perf_counter()
                     if self.step_hook is not None:  # first, so metrics lead the responses
                         self.step_hook(self.engine, outputs)
                     for out in outputs:
@@ -148,6 +152,11 @@ class EngineLoop:
                             callback = self._callbacks.get(out.request_id)
                         if callback is not None:
                             callback(out)
+                    # Where the loop's time goes: in the engine, or serving around it
+                    # (cancellation checks, the metrics snapshot, handing outputs to clients).
+                    counters = self.engine.counters
+                    counters["step_time_s"] += t2 - t1
+                    counters["serving_time_s"] += (t1 - t0) + (time.perf_counter() - t2)
                 elif self.step_hook is not None and (had_batch or cancelled):
                     # State changed without a step (an abort, a rejection): refresh the hook's
                     # view. NOTE: never on a timer: the Triton stub's metrics calls block while

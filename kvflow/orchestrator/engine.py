@@ -71,9 +71,12 @@ class LLMEngine:
         self.sampler = Sampler(runner.engine.model.vocab_size, self.eos_token_ids)
         self.states: dict[str, _RequestState] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=stats_window)
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0,
-                         "rejected": 0, "finished": 0, "steps": 0,
-                         "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        # NOTE: step_time_s / serving_time_s are kept by whoever loops over step() (the
+        # EngineLoop): the time inside steps, and the time serving around them.
+        self.counters: dict[str, float] = {
+            "prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "rejected": 0,
+            "finished": 0, "steps": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+            "step_time_s": 0.0, "serving_time_s": 0.0}
         self._ids = itertools.count()
 
     # --- requests ---------------------------------------------------------------------------

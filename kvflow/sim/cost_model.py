@@ -40,6 +40,12 @@ class StepShape:
         return len(self.new_tokens)
 
     @property
+    def num_first_chunks(self) -> int:
+        """Sequences whose chunk starts at position 0 (requests starting this step)."""
+        return sum(1 for n, length in zip(self.new_tokens, self.seq_lens, strict=True)
+                   if n == length)
+
+    @property
     def context_tokens(self) -> int:
         """KV positions the step's attention reads, summed over sequences."""
         return sum(self.seq_lens)
@@ -184,15 +190,18 @@ MODELS = {
 }
 
 
-LINEAR_FEATURES = ("step", "tokens", "seqs", "attention_pairs", "context_tokens")
+ENGINE_FEATURES = ("step", "tokens", "seqs", "attention_pairs", "context_tokens")
+LINEAR_FEATURES = (*ENGINE_FEATURES, "first_chunks")
 
 
 def linear_features(shape: StepShape) -> tuple[float, ...]:
     """The terms a measured step time is fitted on, in :data:`LINEAR_FEATURES` order: a fixed
     cost per step, per new token (the linear layers), per sequence (its logits row, sampling
-    and bookkeeping), per causal attention pair, per context token read."""
+    and bookkeeping), per causal attention pair, per context token read; and per request
+    starting in this step (its first chunk), which only serving makes costly (accepting the
+    request, tokenizing, opening its response stream)."""
     return (1.0, float(shape.num_tokens), float(shape.num_seqs), shape.attention_pairs,
-            float(shape.context_tokens))
+            float(shape.context_tokens), float(shape.num_first_chunks))
 
 
 @dataclass(frozen=True)

@@ -268,8 +268,8 @@ def write_sweep(out: Path, results: dict[str, list[dict[str, Any]]], cost_info: 
         lines += ["", f"Highest rate with P99 TTFT <= {slo['ttft_ms']:g} ms:"]
         for mode, points in results.items():
             rate = max_sustained_rate(points, slo["ttft_ms"])
-            lines.append(f"- {MODE_LABELS[mode]}: {_fmt(rate, '.3g') if rate else 'none'} "
-                         "req/s")
+            verdict = f"{rate:.3g} req/s" if rate else "none of the swept rates"
+            lines.append(f"- {MODE_LABELS[mode]}: {verdict}")
     plot = _plot(out, {m: pts for m, pts in results.items()}, slo.get("ttft_ms", math.nan),
                  None, filename="sweep.png")
     lines += ["", f"![sweep]({plot})", "", "Each run's own report: `MODE/rate_R/summary.md`."]

@@ -45,6 +45,12 @@ COUNTERS = {
                                           "prefix_cache_queries"),
     "kvflow_prefix_cache_hits_total": ("Prompt tokens found in the prefix cache",
                                        "prefix_cache_hits"),
+    "kvflow_engine_steps_total": ("Engine steps run", "steps"),
+    "kvflow_engine_step_seconds_total": ("Engine-thread seconds inside engine steps",
+                                         "step_time_s"),
+    "kvflow_serving_seconds_total": ("Engine-thread seconds serving around the steps: "
+                                     "cancellation checks, metrics snapshots, handing outputs "
+                                     "to the response senders", "serving_time_s"),
 }
 
 
