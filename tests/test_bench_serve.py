@@ -52,8 +52,9 @@ def test_max_sustained_rate_is_the_last_rate_of_an_unbroken_run_under_the_slo():
     assert max_sustained_rate([point(1, None)], 1000) is None
 
 
-def test_compare_arguments_are_checked_by_name():
+def test_compare_arguments_are_checked_by_name(default_engines, tmp_path):
     from kvflow.bench.compare import parse_modes, parse_rates
+    from kvflow.cli import make_parser
 
     assert parse_rates("inf,1,0.5,1") == [0.5, 1.0, float("inf")]
     with pytest.raises(ValueError, match="--rates"):
@@ -62,6 +63,14 @@ def test_compare_arguments_are_checked_by_name():
         parse_rates("0")
     with pytest.raises(ValueError, match="--modes"):
         parse_modes("static,turbo")
+    # Whole prompts need a budget of max_model_len, over this engine's 512-token steps:
+    # refused by name before any server starts.
+    args = make_parser().parse_args(["bench", "compare", "--engine",
+                                     str(default_engines["onnxruntime"]), "--max-model-len",
+                                     "1024", "--out", str(tmp_path / "never")])
+    with pytest.raises(ValueError, match="max_num_batched_tokens=1024 exceeds"):
+        args.func(args)
+    assert not (tmp_path / "never").exists()
 
 
 def test_short_bench_compare_serves_each_mode_and_measures_hf(default_engines, tmp_path):
@@ -73,6 +82,7 @@ def test_short_bench_compare_serves_each_mode_and_measures_hf(default_engines, t
         "--workload", "random", "--num-prompts", "6", "--input-len", "40", "--output-len", "6",
         "--range-ratio", "0.5", "--rates", "8,inf", "--modes", "static,chunked",
         "--chunk-tokens", "32", "--max-num-seqs", "4", "--hf-batch-size", "3",
+        "--max-model-len", "512",
         "--slo", "ttft_ms=60000", "--out", str(out), "--no-progress"])
     assert args.func(args) == 0
     report = json.loads((out / "compare.json").read_text())

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from kvflow.bench.metrics import RequestTiming, summarize
+from kvflow.bench.serve import default_trace
 from kvflow.bench.workloads import (
     CORPUS,
     RequestSpec,
@@ -21,7 +20,7 @@ from kvflow.bench.workloads import (
     shared_prefix_workload,
 )
 
-TRACE = Path("/work/shared/data/AzureLLMInferenceTrace_conv.csv")
+TRACE = default_trace()
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"Azure trace not found at {TRACE}")
 
 

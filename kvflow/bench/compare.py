@@ -285,6 +285,10 @@ def bench_compare(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                              f"{getattr(args, name)}")
+    from kvflow.orchestrator.llm import plan_engine
+
+    for mode in modes:  # every mode's options against the engine's limits, before serving
+        plan_engine(args.engine, **mode_engine_args(mode, args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workloads, info = {}, {}

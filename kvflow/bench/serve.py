@@ -28,8 +28,18 @@ from kvflow.bench.workloads import (
     shared_prefix_workload,
 )
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / \
-    "AzureLLMInferenceTrace_conv.csv"
+
+def default_trace() -> Path:
+    """The Azure conversation trace: ``../shared/data`` beside the checkout (where the team's
+    machines keep it), else ``/work/shared/data``; the first candidate when neither exists,
+    so that the error names where it was looked for."""
+    name = "AzureLLMInferenceTrace_conv.csv"
+    candidates = [Path(__file__).resolve().parents[3] / "shared" / "data" / name,
+                  Path("/work/shared/data") / name]
+    return next((c for c in candidates if c.is_file()), candidates[0])
+
+
+DEFAULT_TRACE = default_trace()
 SERIES = ("kvflow_num_requests_running", "kvflow_num_requests_waiting",
           "kvflow_kv_cache_usage_ratio")
 
