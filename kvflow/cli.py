@@ -66,7 +66,8 @@ def add_engine_option_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default=None)
     g.add_argument("--swap-space-bytes", type=_int, default=None)
-    g.add_argument("--runner", choices=["onnxruntime", "torch", "tensorrt"], default=None)
+    g.add_argument("--runner", choices=["onnxruntime", "torch", "triton", "tensorrt"],
+                   default=None)
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
@@ -178,7 +179,8 @@ def add_simulate_parsers(sub: argparse._SubParsersAction) -> None:
     c = modes.add_parser("calibrate", help="time a real engine over a grid of step shapes and "
                                            "fit the simulator's cost model")
     c.add_argument("--engine", required=True, help="engine folder")
-    c.add_argument("--runner", default=None, choices=["onnxruntime", "torch", "tensorrt"])
+    c.add_argument("--runner", default=None,
+                   choices=["onnxruntime", "torch", "triton", "tensorrt"])
     c.add_argument("--output", default=None,
                    help=f"where to save the model (default: ENGINE/{calibrate.COST_MODEL_FILE})")
     c.add_argument("--repeats", type=_int, default=3)

@@ -30,8 +30,10 @@ def _print_progress(msg: str) -> None:
 def tensorrt_available() -> str | None:
     """None when TensorRT and an NVIDIA GPU are usable; else the reason they are not."""
     try:
-        import tensorrt  # noqa: F401
+        import tensorrt
     except ImportError:
+        tensorrt = None
+    if getattr(tensorrt, "Builder", None) is None:  # missing, or only a namespace of stubs
         return "TensorRT is not installed (pip install 'kvflow[tensorrt]' on a GPU machine)"
     try:
         import torch

@@ -18,7 +18,8 @@ DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # What each backend can execute on its device; the build refuses anything else.
 BACKEND_DTYPES = {
     "onnxruntime": ("float32",),
-    "torch": ("float32",),  # the CUDA runner (GPU path) adds float16 / bfloat16
+    # float16 / bfloat16 torch engines are for the Triton runner on a GPU.
+    "torch": ("float32", "float16", "bfloat16"),
     "tensorrt": ("float16", "bfloat16"),
 }
 

@@ -1,21 +1,25 @@
-"""Host KV pools by address: how a PagedAttention kernel finds the pool it was handed.
+"""KV pools by address: how a PagedAttention kernel finds the pool it was handed.
 
 The engine graph never holds the KV pool as a tensor: it receives the pool's base addresses
 (``kv_cache_ptrs``, int64 ``[num_layers, 2]``), as TensorRT-LLM passes its pool pointers. A GPU
 kernel dereferences them directly. A host (CPU) implementation cannot safely turn an arbitrary
 integer into memory, so the owner of a host pool registers every K and V array here under its
 address, and the kernels look them up. An address that was never registered is an error, not a
-crash.
+crash. Device pools (torch tensors, on a GPU or, for the Triton interpreter, on the host) are
+registered apart: an implementation that finds the address there launches the Triton kernels
+on that tensor.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 
 _lock = threading.Lock()
 _arrays: dict[int, np.ndarray] = {}
+_device: dict[int, Any] = {}
 
 
 def address_of(array: np.ndarray) -> int:
@@ -47,3 +51,23 @@ def lookup(addr: int) -> np.ndarray:
             f"kv_cache_ptrs holds address {int(addr):#x}, which is no registered KV pool "
             "(was the pool freed, or built by another process?)"
         ) from None
+
+
+def register_device(tensor: Any) -> int:
+    """Register a contiguous torch tensor (a device pool's K or V); returns its address."""
+    if not tensor.is_contiguous():
+        raise ValueError("a KV cache tensor must be contiguous")
+    addr = int(tensor.data_ptr())
+    with _lock:
+        _device[addr] = tensor
+    return addr
+
+
+def unregister_device(tensor: Any) -> None:
+    with _lock:
+        _device.pop(int(tensor.data_ptr()), None)
+
+
+def lookup_device(addr: int) -> Any | None:
+    """The torch tensor registered at ``addr`` as a device pool, or None."""
+    return _device.get(int(addr))

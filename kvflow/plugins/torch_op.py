@@ -1,6 +1,7 @@
 """``torch.ops.kvflow.paged_attention``: the PagedAttention custom op, and its ONNX export.
 
-Eagerly the op runs the PyTorch reference on the host pool registered at ``kv_cache_ptrs``.
+Eagerly the op runs the PyTorch reference on the host pool registered at ``kv_cache_ptrs``,
+or the OpenAI Triton kernels on a device pool (``kv_registry.register_device``).
 Under ``torch.onnx.export(dynamo=True)`` it becomes exactly one node ``PagedAttention`` in the
 custom domain ``kvflow`` (no dot: TensorRT maps the domain to a plugin namespace), with the
 attributes below. The node's inputs and attributes are the engine I/O contract of one layer.
@@ -72,25 +73,25 @@ def paged_attention(
     block_size: int,
     scale: float,
 ) -> torch.Tensor:
-    """Write K/V into the registered host pool of ``layer_idx``, then attend (see module doc)."""
+    """Write K/V into the registered pool of ``layer_idx``, then attend (see module doc): a
+    device pool runs the Triton kernels, a host pool the PyTorch reference."""
     # NOTE: the op writes into memory outside its arguments (the pool, reached by address). That
     # is the contract TensorRT's plugin follows too; the output depends on the write, so no
     # compiler can drop or reorder it relative to this layer's attention.
-    k_cache = _host_cache(int(kv_cache_ptrs[layer_idx, 0]))
-    v_cache = _host_cache(int(kv_cache_ptrs[layer_idx, 1]))
     t = q.shape[0]
-    out = paged_attention_ref(
-        q.view(t, num_heads, head_dim),
-        k.view(t, num_kv_heads, head_dim),
-        v.view(t, num_kv_heads, head_dim),
-        k_cache,
-        v_cache,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-    )
+    k_addr, v_addr = (int(a) for a in kv_cache_ptrs[layer_idx])
+    args = (q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
+            v.view(t, num_kv_heads, head_dim))
+    k_dev = kv_registry.lookup_device(k_addr)
+    if k_dev is not None:  # a device pool: the Triton kernels
+        from kvflow.plugins.paged_attention_triton import paged_attention_triton
+
+        out = paged_attention_triton(*args, k_dev, kv_registry.lookup_device(v_addr),
+                                     slot_mapping, block_tables, seq_lens, query_start_loc,
+                                     scale)
+    else:
+        out = paged_attention_ref(*args, _host_cache(k_addr), _host_cache(v_addr),
+                                  slot_mapping, block_tables, seq_lens, query_start_loc, scale)
     return out.view(t, num_heads * head_dim)
 
 

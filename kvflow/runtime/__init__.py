@@ -7,7 +7,7 @@ from pathlib import Path
 from kvflow.build.engine_config import EngineConfig
 from kvflow.runtime.base import ModelRunner, StepInput
 
-RUNNERS = ("onnxruntime", "torch", "tensorrt")
+RUNNERS = ("onnxruntime", "torch", "triton", "tensorrt")
 
 __all__ = ["RUNNERS", "ModelRunner", "StepInput", "create_runner"]
 
@@ -26,8 +26,17 @@ def create_runner(name: str | None, engine_dir: str | Path, num_blocks: int,
         from kvflow.runtime.torch_runner import TorchRunner
 
         return TorchRunner(engine_dir, engine, num_blocks, num_host_blocks)
+    if name == "triton":
+        from kvflow.runtime.triton_runner import TritonRunner
+
+        return TritonRunner(engine_dir, engine, num_blocks, num_host_blocks)
     if name == "tensorrt":
-        raise RuntimeError(
-            "the TensorRT runner needs an NVIDIA GPU and TensorRT; neither is present here"
-        )
+        from kvflow.build.engine import tensorrt_available
+
+        reason = tensorrt_available()
+        if reason:
+            raise RuntimeError(f"the TensorRT runner cannot run here: {reason}")
+        from kvflow.runtime.tensorrt_runner import TensorRTRunner
+
+        return TensorRTRunner(engine_dir, engine, num_blocks, num_host_blocks)
     raise ValueError(f"runner must be one of {RUNNERS}, got {name!r}")

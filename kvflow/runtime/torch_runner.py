@@ -38,6 +38,9 @@ class TorchRunner(HostPoolRunner):
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
                  num_host_blocks: int = 0) -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
+        if engine.dtype != "float32":
+            raise ValueError(f"the torch runner computes in float32 on the CPU; this engine is "
+                             f"{engine.dtype}: run it with --runner triton (a CUDA GPU)")
         self.model = load_model(Path(engine_dir), engine)
         m = engine.model
         self.pool = HostKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,

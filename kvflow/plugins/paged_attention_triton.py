@@ -1,0 +1,177 @@
+"""PagedAttention as OpenAI Triton kernels: the GPU implementation of the PagedAttention node.
+
+Same semantics as :mod:`kvflow.plugins.paged_attention_ref` (docs/design.md, "Engine I/O
+contract"), in two launches per layer:
+
+1. ``_write_kv_kernel``: one program per (token, KV head) copies the new K/V row into the
+   pool at ``slot_mapping[t]`` (negative: skip).
+2. ``_paged_attention_kernel``: one program per (sequence, KV head, tile of ``BLOCK_M`` query
+   tokens). Prefill chunks and decodes go in the same launch; a decode is a sequence whose
+   single tile holds one token, and programs past a sequence's last token return at once.
+   The rows of a program are its tokens times the query heads of its KV head (GQA), so each
+   key and value is read once per group. Keys are visited ``BLOCK_N`` positions at a time,
+   each position's block found through the block table, with an online softmax in fp32
+   (flash attention). Inputs may be fp32, fp16 or bf16; accumulation is fp32.
+
+On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set
+before triton is imported), which is how CI checks them against the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_slot,
+                     stride_cache_h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK_D)
+        dm = d < HEAD_DIM
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dm)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dm)
+        dst = slot * stride_cache_slot + h * stride_cache_h + d
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=dm)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cache_slot, stride_cache_h,
+    stride_bt, block_size,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + s)
+    q_len = tl.load(qsl_ptr + s + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + s)
+    context = seq_len - q_len  # positions already cached before this step's tokens
+
+    # Rows: BLOCK_M tokens x GROUP_P query heads (heads past GROUP are padding).
+    rows = tl.arange(0, BLOCK_M * GROUP_P)
+    tok = tile * BLOCK_M + rows // GROUP_P
+    head = kvh * GROUP + rows % GROUP_P
+    row_ok = (tok < q_len) & (rows % GROUP_P < GROUP)
+    q_pos = context + tok
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    q_off = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & dm[None, :],
+                other=0.0).to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_P], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_P, BLOCK_D], tl.float32)
+    # The last key any row of this tile sees is the position of its last token.
+    last_tok = tl.minimum(tile * BLOCK_M + BLOCK_M, q_len) - 1
+    kv_end = context + last_tok + 1
+    table = block_tables_ptr + s.to(tl.int64) * stride_bt
+    for n0 in range(0, kv_end, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        k_ok = kpos < kv_end
+        block = tl.load(table + kpos // block_size, mask=k_ok, other=0).to(tl.int64)
+        slot = block * block_size + kpos % block_size
+        kv_off = slot[:, None] * stride_cache_slot + kvh * stride_cache_h + d[None, :]
+        kv_mask = k_ok[:, None] & dm[None, :]
+        keys = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        # Products in the cache dtype, sums in fp32 (fp32 caches: exact, not TF32).
+        if IS_FP32:
+            scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(keys)) * scale
+        visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # NOTE: padded rows see no key; keep their max finite so that no NaN appears.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        values = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if IS_FP32:
+            pv = tl.dot(p, values, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(values.dtype), values)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dm[None, :])
+
+
+def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V rows ``[T, KVH, D]`` into caches ``[num_blocks, block_size, KVH, D]``."""
+    num_tokens, kvh, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens, kvh)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1),
+        k_cache.stride(2), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    block_m: int = 16,
+    block_n: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write K/V, then attend: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` -> ``[T, H, D]``.
+
+    The arguments are those of :func:`kvflow.plugins.paged_attention_ref.paged_attention_ref`.
+    ``max_query_len`` (the most new tokens of any sequence) sizes the launch grid; given, it
+    saves a device-to-host copy, which CUDA graphs cannot contain. The cache layout must be
+    contiguous ``[num_blocks, block_size, KVH, D]``, K and V alike. ``out`` (``[T, H, D]``,
+    any strides) receives the result in place, as a TensorRT plugin's output buffer does.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, kvh, _ = k_cache.shape
+    if num_heads % kvh:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={kvh}")
+    if k_cache.stride() != v_cache.stride() or not k_cache.is_contiguous():
+        raise ValueError("k_cache and v_cache must be contiguous with the same layout")
+    write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    group = num_heads // kvh
+    group_p = triton.next_power_of_2(group)
+    # Rows per program: BLOCK_M tokens x the padded group; at least 16 for tl.dot on GPUs.
+    bm = max(triton.next_power_of_2(min(block_m, max_query_len)), max(1, 16 // group_p))
+    grid = (num_seqs, kvh, triton.cdiv(max_query_len, bm))
+    _paged_attention_kernel[grid](
+        q, out, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0), block_size,
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=bm, BLOCK_N=block_n,
+        IS_FP32=k_cache.dtype == torch.float32)
+    return out

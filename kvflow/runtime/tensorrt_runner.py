@@ -1,0 +1,87 @@
+"""The TensorRT runner: a built plan executed with ``execute_async_v3``, tensor addresses bound
+per step.
+
+Each step's inputs are copied to the GPU as torch tensors, their shapes set on the execution
+context and their addresses bound; the logits buffer is allocated for the step's
+``num_logits``. The KV pool is a :class:`~kvflow.runtime.triton_runner.DeviceKVPool` whose
+addresses go in ``kv_cache_ptrs``, which stays on the GPU for the engine's lifetime (and whose
+host copy the plugin is given, so a step reads no address back from the device).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import tensorrt as trt
+import torch
+
+from kvflow.build.engine_config import EngineConfig
+from kvflow.runtime.base import ModelRunner, StepInput
+from kvflow.runtime.triton_runner import TORCH_DTYPES, DeviceKVPool
+
+PLAN_FILE = "model.plan"
+
+
+class TensorRTRunner(ModelRunner):
+    """Runs an engine folder's ``model.plan`` on the current CUDA device."""
+
+    name = "tensorrt"
+
+    def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
+                 num_host_blocks: int = 0) -> None:
+        from kvflow.plugins import tensorrt_plugin  # the plan's PagedAttention plugin
+
+        super().__init__(engine, num_blocks, num_host_blocks)
+        plan = Path(engine_dir) / engine.files.get("plan", PLAN_FILE)
+        if not plan.is_file():
+            raise FileNotFoundError(f"{plan} is missing: build the engine with --backend "
+                                    "tensorrt")
+        self._plugin = tensorrt_plugin
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self._engine = self._runtime.deserialize_cuda_engine(plan.read_bytes())
+        if self._engine is None:
+            raise RuntimeError(f"TensorRT could not load {plan} (built for another TensorRT "
+                               "or GPU?)")
+        self._context = self._engine.create_execution_context()
+        m = engine.model
+        self.pool = DeviceKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
+                                 m.num_key_value_heads, m.head_dim, TORCH_DTYPES[engine.dtype],
+                                 torch.device("cuda"), num_host_blocks)
+        self._ptrs = self.pool.ptrs.cuda()
+        tensorrt_plugin.bind_pool_addresses(self._ptrs)
+        self._stream = torch.cuda.Stream()
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> np.ndarray:
+        inputs = {
+            "input_ids": step.input_ids, "positions": step.positions,
+            "slot_mapping": step.slot_mapping, "block_tables": step.block_tables,
+            "seq_lens": step.seq_lens, "query_start_loc": step.query_start_loc,
+            "logits_indices": step.logits_indices,
+        }
+        with torch.cuda.stream(self._stream):
+            bound = {name: torch.from_numpy(np.ascontiguousarray(a)).cuda(non_blocking=True)
+                     for name, a in inputs.items()}
+            bound["kv_cache_ptrs"] = self._ptrs
+            for name, tensor in bound.items():
+                self._context.set_input_shape(name, tuple(tensor.shape))
+                self._context.set_tensor_address(name, tensor.data_ptr())
+            logits = torch.empty((len(step.logits_indices), self.engine.model.vocab_size),
+                                 dtype=torch.float32, device="cuda")
+            self._context.set_tensor_address("logits", logits.data_ptr())
+            if not self._context.execute_async_v3(self._stream.cuda_stream):
+                raise RuntimeError("TensorRT failed to run the step")
+            result = logits.cpu()  # synchronizes the stream
+        return result.numpy()
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.swap_out(pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.swap_in(pairs)
+
+    def close(self) -> None:
+        self._plugin.unbind_pool_addresses(self._ptrs)
+        self.pool.close()

@@ -1,0 +1,106 @@
+"""The PyTorch + OpenAI Triton runner: the step model on a device pool, attention by the
+Triton kernels.
+
+On a CUDA GPU this is kvflow's CUDA runner: weights and the KV pool on the GPU, the model in
+PyTorch, each layer's PagedAttention launching the Triton kernels on the pool. Without CUDA it
+runs on the host with the kernels in Triton's interpreter (``TRITON_INTERPRET=1``), slowly,
+which is how CI checks the wiring against the other runners.
+
+Not done yet: CUDA graphs for decode steps (a decode step is a fixed-shape launch sequence
+once ``max_query_len`` is known, so it can be captured per batch size).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvflow.build.engine_config import EngineConfig
+from kvflow.plugins import kv_registry
+from kvflow.runtime.base import ModelRunner, StepInput
+from kvflow.runtime.torch_runner import load_model
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class DeviceKVPool:
+    """Per-layer K and V tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` on a
+    device, registered by address; a host swap space of the same layout (pinned on CUDA)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 num_host_blocks: int = 0) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.ptrs = torch.tensor([[kv_registry.register_device(k),
+                                   kv_registry.register_device(v)]
+                                  for k, v in zip(self.k, self.v, strict=True)],
+                                 dtype=torch.int64).reshape(num_layers, 2)
+        pin = device.type == "cuda"
+        host_shape = (num_host_blocks + 1, *shape[1:]) if num_host_blocks else (0, *shape[1:])
+        self.host_k = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+                       for _ in range(num_layers)]
+        self.host_v = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+                       for _ in range(num_layers)]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """``(device_block, host_block)`` copies, every layer, K and V."""
+        src, dst = (torch.tensor(x) for x in zip(*pairs, strict=True))
+        for k, v, hk, hv in zip(self.k, self.v, self.host_k, self.host_v, strict=True):
+            hk[dst] = k[src.to(k.device)].cpu()
+            hv[dst] = v[src.to(v.device)].cpu()
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """``(host_block, device_block)`` copies, every layer, K and V."""
+        src, dst = (torch.tensor(x) for x in zip(*pairs, strict=True))
+        for k, v, hk, hv in zip(self.k, self.v, self.host_k, self.host_v, strict=True):
+            k[dst.to(k.device)] = hk[src].to(k.device, non_blocking=True)
+            v[dst.to(v.device)] = hv[src].to(v.device, non_blocking=True)
+
+    def close(self) -> None:
+        for t in (*self.k, *self.v):
+            kv_registry.unregister_device(t)
+        self.k, self.v, self.host_k, self.host_v = [], [], [], []
+
+
+class TritonRunner(ModelRunner):
+    """:class:`LlamaForCausalLM` on ``device`` (CUDA when there is one), PagedAttention by the
+    Triton kernels over a device KV pool. Needs an engine built with ``--backend torch``."""
+
+    name = "triton"
+
+    def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
+                 num_host_blocks: int = 0, device: str | None = None) -> None:
+        super().__init__(engine, num_blocks, num_host_blocks)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = TORCH_DTYPES[engine.dtype]
+        self.model = load_model(Path(engine_dir), engine).to(self.device)
+        for param in self.model.parameters():  # NOTE: the RoPE tables (buffers) stay fp32
+            param.data = param.data.to(dtype)
+        m = engine.model
+        self.pool = DeviceKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
+                                 m.num_key_value_heads, m.head_dim, dtype, self.device,
+                                 num_host_blocks)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> np.ndarray:
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+        logits = self.model(dev(step.input_ids), dev(step.positions), self.pool.ptrs,
+                            dev(step.slot_mapping), dev(step.block_tables),
+                            dev(step.seq_lens), dev(step.query_start_loc),
+                            dev(step.logits_indices))
+        return logits.float().cpu().numpy()
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.swap_out(pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.swap_in(pairs)
+
+    def close(self) -> None:
+        self.pool.close()

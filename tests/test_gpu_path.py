@@ -1,0 +1,79 @@
+"""The GPU path where this machine can check it: the fp16/bf16 export TensorRT parses, the
+optimization profile, and (on a GPU with TensorRT) the TensorRT engine against ONNX Runtime.
+
+The Triton kernels and the Triton runner are in test_triton_kernels.py (interpreter on CPU).
+The TensorRT code is type-checked against tensorrt-stubs by `make typecheck`.
+"""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+from kvflow.build.engine import tensorrt_available
+from kvflow.build.engine_config import BuildLimits
+from kvflow.build.export import export_onnx
+from kvflow.model.config import ModelConfig
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
+
+TINY = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, eos_token_ids=(2,))
+
+
+@pytest.mark.parametrize(("dtype", "onnx_type"), [(torch.float16, onnx.TensorProto.FLOAT16),
+                                                  (torch.bfloat16, onnx.TensorProto.BFLOAT16)])
+def test_half_precision_export_is_valid_and_typed_for_a_strongly_typed_network(
+        tmp_path, dtype, onnx_type):
+    net = LlamaForCausalLM(TINY, 16, 256).to(dtype).eval()
+    graph = export_onnx(net, 16, tmp_path / "model.onnx")
+    onnx.checker.check_model(str(tmp_path / "model.onnx"))
+    typed = onnx.shape_inference.infer_shapes(onnx.load(str(tmp_path / "model.onnx")))
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in [*typed.graph.value_info, *typed.graph.output]}
+    nodes = [n for n in graph.graph.node if (n.domain, n.op_type) == (ONNX_DOMAIN, ONNX_OP_TYPE)]
+    assert len(nodes) == TINY.num_hidden_layers
+    # TensorRT's strongly typed network keeps these types: the plugin gets half precision.
+    assert all(types[n.input[0]] == onnx_type for n in nodes)
+    assert types["logits"] == onnx.TensorProto.FLOAT  # the contract: fp32 logits
+
+
+def test_optimization_profile_spans_the_build_limits():
+    from kvflow.build.tensorrt_build import profile_shapes
+
+    shapes = profile_shapes(BuildLimits(1024, 512, 32, 16), TINY)
+    assert shapes["input_ids"] == ((1,), (16,), (512,))
+    assert shapes["block_tables"] == ((1, 1), (16, 32), (32, 64))
+    assert shapes["query_start_loc"][2] == (33,)
+    assert shapes["kv_cache_ptrs"][0] == (2, 2)
+    for lo, opt, hi in shapes.values():
+        assert all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True))
+
+
+@pytest.mark.skipif(tensorrt_available() is not None,
+                    reason=f"TensorRT engine test: {tensorrt_available()}")
+def test_tensorrt_engine_matches_onnx_runtime(tiny_models, tmp_path):  # pragma: no cover
+    import numpy as np
+
+    from kvflow import LLM, SamplingParams
+    from kvflow.build.engine import build_engine
+
+    folder = tiny_models["llama-gqa4"][0]
+    engines = {}
+    for backend in ("onnxruntime", "tensorrt"):
+        engines[backend] = tmp_path / backend
+        build_engine(str(folder), engines[backend], backend=backend,
+                     dtype="float32" if backend == "onnxruntime" else "float16",
+                     max_model_len=256, max_num_tokens=256, max_batch_size=16, block_size=16,
+                     progress=lambda _m: None)
+    prompts = [[5, 9, 13, 2, 7], list(range(3, 40))]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = {b: LLM(e).generate(prompts, params) for b, e in engines.items()}
+    for ref, got in zip(outs["onnxruntime"], outs["tensorrt"], strict=True):
+        first_ref, first_got = ref.logprobs[0], got.logprobs[0]
+        assert max(first_got, key=first_got.get) == max(first_ref, key=first_ref.get)
+        common = first_ref.keys() & first_got.keys()
+        np.testing.assert_allclose([first_got[t] for t in common],
+                                   [first_ref[t] for t in common], atol=5e-2)

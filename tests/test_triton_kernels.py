@@ -1,0 +1,124 @@
+"""The OpenAI Triton PagedAttention kernels against the PyTorch reference.
+
+On a GPU they run compiled; without one they run in Triton's interpreter (numerically the same
+program, on NumPy), which is how CI checks them. Speed is measured in benchmarks/gpu_check.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # NOTE: must be set before triton is imported: it picks the interpreter at jit time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="OpenAI Triton is not installed")
+
+from kvflow.plugins.paged_attention_ref import paged_attention_ref  # noqa: E402
+from kvflow.plugins.paged_attention_triton import paged_attention_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_step(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
+              block_size: int, dtype: torch.dtype, seed: int = 0):
+    """A packed step of sequences given as (cached tokens, new tokens), with a pool whose
+    cached positions hold random K/V and block tables scattered over the pool."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-(c + n) // block_size) for c, n in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 is null
+    width = max(blocks_per_seq)
+    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    slots, lens, qsl = [], [], [0]
+    for s, ((c, n), nb) in enumerate(zip(seqs, blocks_per_seq, strict=True)):
+        ids = [perm.pop() for _ in range(nb)]
+        tables[s, :nb] = torch.tensor(ids)
+        slots += [ids[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+        lens.append(c + n)
+        qsl.append(qsl[-1] + n)
+    t = qsl[-1]
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    return dict(q=rnd(t, heads, head_dim), k=rnd(t, kv_heads, head_dim),
+                v=rnd(t, kv_heads, head_dim), k_cache=rnd(*cache_shape),
+                v_cache=rnd(*cache_shape), slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32), scale=head_dim ** -0.5)
+
+
+def run_both(step):
+    ref_in = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in step.items()}
+    ref = paged_attention_ref(**ref_in)
+    dev_in = {k: (v.to(DEVICE) if torch.is_tensor(v) else v) for k, v in step.items()}
+    out = paged_attention_triton(**dev_in)
+    return ref, ref_in, out.cpu(), {k: v.cpu() for k, v in dev_in.items() if torch.is_tensor(v)}
+
+
+MIXED = [(0, 37), (5, 1), (100, 1), (64, 20), (0, 1), (31, 33), (16, 1)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [
+    (4, 4, 32, 16),   # MHA
+    (9, 3, 64, 16),   # SmolLM2's GQA group of 3 (padded to 4 rows per token)
+    (8, 2, 32, 4),    # small blocks: several per key tile
+])
+def test_prefill_chunks_and_decodes_in_one_launch_match_the_reference(heads, kv_heads,
+                                                                      head_dim, block_size):
+    step = make_step(MIXED, heads, kv_heads, head_dim, block_size, torch.float32)
+    ref, ref_in, out, dev = run_both(step)
+    assert not torch.isnan(out).any(), "every output element is written"
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    # The new K/V landed where the reference put them, and nowhere else changed.
+    torch.testing.assert_close(dev["k_cache"], ref_in["k_cache"], rtol=0, atol=0)
+    torch.testing.assert_close(dev["v_cache"], ref_in["v_cache"], rtol=0, atol=0)
+
+
+def test_padding_slots_are_not_written_and_fp16_stays_within_its_precision():
+    step = make_step([(10, 3), (0, 1), (40, 1)], 8, 2, 64, 16, torch.float16, seed=3)
+    step["slot_mapping"][1] = -1  # a padded token: its K/V must not be written
+    ref, ref_in, out, dev = run_both(step)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(dev["k_cache"], ref_in["k_cache"], rtol=0, atol=0)
+
+
+def test_decode_only_batch_of_long_contexts():
+    step = make_step([(300, 1), (17, 1), (511, 1), (128, 1)], 8, 2, 32, 16, torch.float32,
+                     seed=7)
+    ref, _, out, _ = run_both(step)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_group_that_does_not_divide_the_heads_is_refused():
+    step = make_step([(0, 2)], 6, 4, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="num_heads=6"):
+        paged_attention_triton(**step)
+
+
+def test_triton_runner_matches_the_torch_runner_step_by_step(tiny_engines):
+    """The whole step model with the Triton kernels on a device pool (the interpreter on the
+    host without CUDA) gives the torch runner's logits over prefill, decode and mixed steps."""
+    import numpy as np
+
+    from kvflow import LLM, SamplingParams
+
+    engine = tiny_engines["llama-gqa4", "torch"]
+    prompts = [[5, 9, 13, 2, 7, 31, 8], [4, 4, 6], list(range(3, 40))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = {}
+    for runner in ("torch", "triton"):
+        llm = LLM(engine, runner=runner, max_num_seqs=2, max_num_batched_tokens=16)
+        try:
+            outs[runner] = llm.generate(prompts, params)
+        finally:
+            llm.engine.runner.close()
+    for ref, got in zip(outs["torch"], outs["triton"], strict=True):
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(ref.logprobs, got.logprobs, strict=True):
+            assert a.keys() == b.keys()
+            np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
