@@ -12,12 +12,14 @@ once ``max_query_len`` is known, so it can be captured per batch size).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvflow.build.engine_config import EngineConfig
+from kvflow.model.llama import LlamaForCausalLM
 from kvflow.plugins import kv_registry
 from kvflow.runtime.base import ModelRunner, StepInput
 from kvflow.runtime.torch_runner import load_model
@@ -72,18 +74,32 @@ class TritonRunner(ModelRunner):
 
     name = "triton"
 
-    def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
-                 num_host_blocks: int = 0, device: str | None = None) -> None:
+    def __init__(self, engine_dir: str | Path | None, engine: EngineConfig, num_blocks: int,
+                 num_host_blocks: int = 0, device: str | None = None,
+                 model: LlamaForCausalLM | None = None) -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("the triton runner needs a CUDA GPU, or TRITON_INTERPRET=1 to run "
+                               "its kernels in Triton's interpreter on the CPU (slowly)")
         dtype = TORCH_DTYPES[engine.dtype]
-        self.model = load_model(Path(engine_dir), engine).to(self.device)
+        if model is None:
+            if engine_dir is None:
+                raise ValueError("give an engine folder or a model")
+            model = load_model(Path(engine_dir), engine)
+        self.model = model.eval().to(self.device)
         for param in self.model.parameters():  # NOTE: the RoPE tables (buffers) stay fp32
             param.data = param.data.to(dtype)
         m = engine.model
         self.pool = DeviceKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
                                  m.num_key_value_heads, m.head_dim, dtype, self.device,
                                  num_host_blocks)
+
+    @classmethod
+    def from_model(cls, engine: EngineConfig, model: LlamaForCausalLM, num_blocks: int,
+                   device: str | None = None) -> TritonRunner:
+        """A runner over an in-memory model (benchmarks with random weights)."""
+        return cls(None, engine, num_blocks, device=device, model=model)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> np.ndarray:

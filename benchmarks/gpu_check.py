@@ -1,0 +1,258 @@
+"""One script for one NVIDIA GPU: kernels, bandwidth, the CUDA runner, TensorRT.
+
+    python benchmarks/gpu_check.py --out reports/gpu_check.json   # ~5 minutes on an H100
+
+1. **Kernels**: the Triton paged-attention kernel against the PyTorch reference on fresh
+   random steps of varied lengths (prefill chunks and decodes mixed), fp16 and bf16. The output
+   buffer starts as NaN, so an element the kernel never writes fails the check.
+2. **Bandwidth**: decode attention at batch 64, context 2,048 (Llama-3-8B's 8 KV heads of 128,
+   32 query heads, bf16): bytes of K/V read per second, against the device's measured
+   device-to-device copy bandwidth. Target: at least 60%.
+3. **CUDA runner**: the Triton runner end to end on a random-weight 1B-parameter Llama (and on
+   the default model when its engine folder is given): decode step times at batch 1-64 and
+   decode throughput at batch 64, next to HF transformers' ``generate`` on the same GPU when
+   transformers is installed. Target: at least 5x at batch 64.
+4. **TensorRT**: the build and the engine when TensorRT is importable; otherwise it says so.
+
+It writes every figure to ``--out`` (JSON) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS: dict[str, Any] = {}
+
+
+def cuda_time_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` on the GPU, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def random_step(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
+                block_size: int, dtype: torch.dtype, gen: torch.Generator) -> dict[str, Any]:
+    """A packed step on the GPU: (cached, new) per sequence, blocks scattered over the pool."""
+    per_seq = [-(-(c + n) // block_size) for c, n in seqs]
+    num_blocks = sum(per_seq) + 1
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(seqs), max(per_seq), dtype=torch.int32)
+    slots, lens, qsl = [], [], [0]
+    for s, ((c, n), nb) in enumerate(zip(seqs, per_seq, strict=True)):
+        ids = [perm.pop() for _ in range(nb)]
+        tables[s, :nb] = torch.tensor(ids)
+        slots += [ids[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+        lens.append(c + n)
+        qsl.append(qsl[-1] + n)
+    t = qsl[-1]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen).to(dtype).cuda()
+
+    return dict(q=rnd(t, heads, head_dim), k=rnd(t, kv_heads, head_dim),
+                v=rnd(t, kv_heads, head_dim), k_cache=rnd(*shape), v_cache=rnd(*shape),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64).cuda(),
+                block_tables=tables.cuda(), seq_lens=torch.tensor(lens, dtype=torch.int32).cuda(),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32).cuda(),
+                scale=head_dim ** -0.5)
+
+
+def check_kernels(trials: int) -> None:
+    from kvflow.plugins.paged_attention_ref import paged_attention_ref
+    from kvflow.plugins.paged_attention_triton import paged_attention_triton
+
+    gen = torch.Generator().manual_seed(0)
+    worst: dict[str, float] = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        name = str(dtype).split(".")[-1]
+        worst[name] = 0.0
+        for trial in range(trials):
+            n = int(torch.randint(1, 24, (1,), generator=gen))
+            seqs = [(int(torch.randint(0, 1500, (1,), generator=gen)),
+                     1 if torch.rand(1, generator=gen) < 0.7
+                     else int(torch.randint(2, 300, (1,), generator=gen))) for _ in range(n)]
+            heads, kv_heads = [(32, 8), (9, 3), (16, 16)][trial % 3]
+            step = random_step(seqs, heads, kv_heads, 128 if trial % 2 else 64, 16, dtype, gen)
+            ref_in = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in step.items()}
+            ref = paged_attention_ref(**{k: (v.cpu() if torch.is_tensor(v) else v)
+                                         for k, v in ref_in.items()})
+            out = torch.full_like(step["q"], float("nan"))
+            paged_attention_triton(**step, out=out)
+            torch.cuda.synchronize()
+            out = out.cpu().float()
+            if torch.isnan(out).any():
+                raise AssertionError(f"{name} trial {trial}: output elements left unwritten")
+            err = ((out - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))
+            worst[name] = max(worst[name], float(err))
+        bound = 2 ** -7 if dtype is torch.bfloat16 else 2 ** -10
+        RESULTS[f"kernel {name} max rel error"] = worst[name]
+        RESULTS[f"kernel {name} bound"] = 4 * bound
+        if worst[name] > 4 * bound:
+            raise AssertionError(f"{name}: max relative error {worst[name]:.2e} > {4 * bound:.2e}")
+
+
+def copy_bandwidth_gbs() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = cuda_time_ms(lambda: b.copy_(a), repeats=10)
+    return 2 * a.numel() / (ms / 1e3) / 1e9  # read + write
+
+
+def check_bandwidth() -> None:
+    from kvflow.plugins.paged_attention_triton import paged_attention_triton
+
+    gen = torch.Generator().manual_seed(1)
+    batch, context, heads, kv_heads, head_dim = 64, 2048, 32, 8, 128
+    step = random_step([(context - 1, 1)] * batch, heads, kv_heads, head_dim, 16,
+                       torch.bfloat16, gen)
+    best = math.inf
+    for block_n in (32, 64, 128):
+        ms = cuda_time_ms(lambda bn=block_n: paged_attention_triton(**step, max_query_len=1,
+                                                                    block_n=bn))
+        RESULTS[f"decode attention ms (block_n={block_n})"] = ms
+        best = min(best, ms)
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+    achieved = kv_bytes / (best / 1e3) / 1e9
+    copy = copy_bandwidth_gbs()
+    RESULTS.update({"decode attention GB/s": achieved, "copy GB/s": copy,
+                    "decode attention / copy bandwidth": achieved / copy})
+
+
+def llama_1b_config():
+    from kvflow.model.config import ModelConfig
+
+    return ModelConfig(architecture="llama", vocab_size=32000, hidden_size=2048,
+                       intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                       num_key_value_heads=4, head_dim=64, eos_token_ids=(2,),
+                       max_position_embeddings=4096)
+
+
+def check_runner(engine_dir: str | None) -> None:
+    from kvflow.build.engine_config import BuildLimits, EngineConfig
+    from kvflow.kv_manager import KVCacheManager
+    from kvflow.model.llama import LlamaForCausalLM
+    from kvflow.runtime.step_builder import SeqChunk, build_step
+    from kvflow.runtime.triton_runner import TritonRunner
+
+    cfg = llama_1b_config()
+    limits = BuildLimits(2048, 4096, 64, 16)
+    engine = EngineConfig(cfg, "torch", "bfloat16", limits, "random weights", {})
+    model = LlamaForCausalLM(cfg, 16, 2048)
+    context, batches = 512, (1, 8, 32, 64)
+    num_blocks = 64 * (-(-(context + 130) // 16)) + 2
+    runner = TritonRunner.from_model(engine, model, num_blocks)
+    RESULTS["1B params (M)"] = cfg.num_parameters / 1e6
+    try:
+        for b in batches:
+            kv = KVCacheManager(num_blocks, 16)
+            chunks = []
+            for i in range(b):
+                kv.allocate_slots(i, context)
+                chunks.append(SeqChunk(i, [5] * context, context - 1, 1, True))
+            step = build_step(kv, chunks)
+            ms = cuda_time_ms(lambda s=step: runner.execute(s), repeats=10)
+            RESULTS[f"1B decode step ms b={b}"] = ms
+        RESULTS["1B decode tok/s b=64"] = 64 / (RESULTS["1B decode step ms b=64"] / 1e3)
+    finally:
+        runner.close()
+    try:
+        from transformers import LlamaConfig
+        from transformers import LlamaForCausalLM as HFLlama
+    except ImportError:
+        RESULTS["HF generate"] = "transformers not installed: no baseline"
+        return
+    hf = HFLlama(LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                             intermediate_size=cfg.intermediate_size,
+                             num_hidden_layers=cfg.num_hidden_layers,
+                             num_attention_heads=cfg.num_attention_heads,
+                             num_key_value_heads=cfg.num_key_value_heads)).to("cuda",
+                                                                              torch.bfloat16)
+    ids = torch.randint(3, cfg.vocab_size, (64, context), device="cuda")
+    new = 64
+
+    def generate_s(tokens: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        hf.generate(ids[:, :16], max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        # Decode alone: generating 1 + new tokens minus generating 1 (the prefill).
+        decode_s = generate_s(1 + new) - generate_s(1)
+    RESULTS["HF generate decode tok/s b=64"] = 64 * new / decode_s
+    RESULTS["CUDA runner / HF decode throughput"] = (RESULTS["1B decode tok/s b=64"]
+                                                     / RESULTS["HF generate decode tok/s b=64"])
+    if engine_dir:
+        RESULTS["default model"] = f"engine {engine_dir}: see kvflow bench step --runners triton"
+
+
+def check_tensorrt() -> None:
+    from kvflow.build.engine import tensorrt_available
+
+    reason = tensorrt_available()
+    if reason:
+        RESULTS["TensorRT"] = f"not run: {reason}"
+        return
+    RESULTS["TensorRT"] = "importable: run tests/test_gpu_path.py::test_tensorrt_engine_*"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="reports/gpu_check.json")
+    p.add_argument("--engine", default=None, help="a --backend torch engine of the default model")
+    p.add_argument("--trials", type=int, default=12)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing to check here")
+        return 2
+    RESULTS["device"] = torch.cuda.get_device_name()
+    status = 0
+    for name, fn in (("kernels", lambda: check_kernels(args.trials)),
+                     ("bandwidth", check_bandwidth),
+                     ("runner", lambda: check_runner(args.engine)),
+                     ("tensorrt", check_tensorrt)):
+        t0 = time.perf_counter()
+        print(f"[gpu_check] {name} ...", flush=True)
+        try:
+            fn()
+            RESULTS[f"{name} check"] = f"ok ({time.perf_counter() - t0:.0f} s)"
+        except Exception as e:  # noqa: BLE001  report every part, then fail
+            traceback.print_exc()
+            RESULTS[f"{name} check"] = f"FAILED: {e}"
+            status = 1
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(RESULTS, indent=1, default=str))
+    width = max(len(k) for k in RESULTS)
+    print("\n".join(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}"
+                    for k, v in RESULTS.items()))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
