@@ -187,9 +187,16 @@ def add_simulate_parsers(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--num-requests", type=_int, default=24,
                    help="requests of the engine run that measures the overhead")
     c.add_argument("--seed", type=_int, default=0)
-    c.add_argument("--served", action="store_true",
-                   help="also measure what serving through tritonserver adds per streamed "
-                        "token (for `simulate validate` against the real server)")
+    c.add_argument("--served", nargs="?", const="random", choices=["random", "trace"],
+                   default=None,
+                   help="also measure how much slower the engine runs behind tritonserver, on "
+                        "a served load of its own: random (default) or rows 1000+ of the "
+                        "trace; calibrate on the kind of traffic you will simulate")
+    from kvflow.bench.serve import DEFAULT_TRACE
+
+    c.add_argument("--trace", default=str(DEFAULT_TRACE), help="--served trace: the CSV")
+    c.add_argument("--length-scale", type=float, default=0.25,
+                   help="--served trace: lengths multiplied by this")
     c.set_defaults(func=calibrate.calibrate_main)
     v = modes.add_parser("validate", help="the real server and the calibrated simulator on "
                                           "the same workload: relative errors")

@@ -106,6 +106,19 @@ def test_calibrate_fits_the_real_engine(calibrated):
     assert meta["engine_run_error"]["total_time_rel"] < 0.25
 
 
+def test_served_calibration_reproduces_the_served_mean_e2e(calibrated, default_engines):
+    pytest.importorskip("tritonclient.grpc")
+    from kvflow.sim.calibrate import served_slowdown
+    from kvflow.sim.cost_model import LinearCostModel
+
+    cost = LinearCostModel.load(calibrated)
+    served = served_slowdown(default_engines["onnxruntime"], cost, rate=4.0,
+                             progress=print, workload="random", num_requests=10)
+    assert served["requests"] == 10 and 0.5 < served["slowdown"] < 2.0
+    # The factor found by bisection makes the simulated mean E2E the served one.
+    assert served["fitted_mean_e2e_s"] == pytest.approx(served["real_mean_e2e_s"], rel=0.02)
+
+
 def test_simulate_with_a_calibrated_model(calibrated, tmp_path):
     assert run_cli("simulate", "--cost", str(calibrated), "--num-kv-blocks", "400",
                    "--workload", "random", "--num-prompts", "20", "--input-len", "64",

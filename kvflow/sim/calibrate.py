@@ -177,21 +177,43 @@ def _rel_errors(model: LinearCostModel, shapes: list[StepShape],
             "total_time_rel": float(total)}
 
 
+SERVED_TRACE_SKIP = 1000  # the served trace load starts at this row: validate uses the first
+
+
 def served_slowdown(engine_dir: str | Path, cost: LinearCostModel, rate: float,
-                    progress: Callable[[str], None]) -> dict[str, Any]:
+                    progress: Callable[[str], None], workload: str = "random",
+                    trace: str | Path | None = None,
+                    length_scale: float = 0.25,
+                    num_requests: int | None = None) -> dict[str, Any]:
     """How much slower the engine runs behind tritonserver with a load generator on the same
     machine (see the module docstring): the factor on every step cost that makes the
-    simulator reproduce the mean E2E latency of a served open-loop load (its own workload,
-    none of those ``validate`` sends)."""
+    simulator reproduce the mean E2E latency of a served open-loop load of its own.
+
+    ``workload``: ``random`` (``num_requests`` or 40 requests, prompts 50-350, outputs
+    16-112) or ``trace`` (``num_requests`` or 48 requests of the Azure trace from row 1000 on,
+    none of those ``validate`` replays by default, lengths times ``length_scale``), both at
+    ``rate``. The serving cost depends on
+    the request mix, so calibrate on the kind of traffic you will simulate."""
     from kvflow.bench.serve import make_prompts, run_load
-    from kvflow.bench.workloads import random_workload
+    from kvflow.bench.workloads import load_azure_trace, random_workload, retime
     from kvflow.orchestrator.llm import plan_engine
     from kvflow.orchestrator.tokenizer import EngineTokenizer
     from kvflow.sim.simulator import simulate
     from kvflow.triton_backend.client import stream_generate
     from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
 
-    specs = random_workload(40, 200, 64, rate, 1.0, seed=12345, range_ratio=0.75)
+    if workload == "trace":
+        if trace is None:
+            raise ValueError("a served trace calibration needs the trace file")
+        rows, _ = load_azure_trace(trace, limit=SERVED_TRACE_SKIP + (num_requests or 48),
+                                   max_prompt_tokens=768, max_output_tokens=256,
+                                   length_scale=length_scale)
+        specs = retime(rows[SERVED_TRACE_SKIP:], rate)
+    elif workload == "random":
+        specs = random_workload(num_requests or 40, 200, 64, rate, 1.0, seed=12345,
+                                range_ratio=0.75)
+    else:
+        raise ValueError(f"served workload must be random or trace, got {workload!r}")
     options = {"max_num_seqs": 32, "max_num_batched_tokens": 256,
                "enable_prefix_caching": False}
     plan = plan_engine(engine_dir, **options)
@@ -219,14 +241,15 @@ def served_slowdown(engine_dir: str | Path, cost: LinearCostModel, rate: float,
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if sim_e2e(mid) < real else (lo, mid)
     factor = (lo + hi) / 2
-    return {"slowdown": factor, "rate": rate, "requests": len(specs),
+    return {"slowdown": factor, "workload": workload, "rate": rate, "requests": len(specs),
             "real_mean_e2e_s": real, "engine_only_mean_e2e_s": sim_e2e(1.0),
             "fitted_mean_e2e_s": sim_e2e(factor)}
 
 
 def calibrate(engine_dir: str | Path, runner_name: str | None = None, repeats: int = 3,
-              num_requests: int = 24, seed: int = 0, served: bool = False,
-              progress: Callable[[str], None] = print) -> LinearCostModel:
+              num_requests: int = 24, seed: int = 0, served: str | None = None,
+              progress: Callable[[str], None] = print, trace: str | Path | None = None,
+              length_scale: float = 0.25) -> LinearCostModel:
     """Time ``engine_dir``'s runner and engine, fit, and return the cost model."""
     from kvflow.build.engine_config import EngineConfig
     from kvflow.runtime import create_runner
@@ -293,14 +316,15 @@ def calibrate(engine_dir: str | Path, runner_name: str | None = None, repeats: i
         "held_out_steps": len(check_rows),
     }
     if served:
-        meta["served"] = served_slowdown(engine_dir, cost, rates["held out"], progress)
+        meta["served"] = served_slowdown(engine_dir, cost, rates["held out"], progress,
+                                         served, trace, length_scale)
         coef = {k: v * meta["served"]["slowdown"] for k, v in coef.items()}
     return LinearCostModel(coef, meta)
 
 
 def calibrate_main(args: Any) -> int:
     cost = calibrate(args.engine, args.runner, args.repeats, args.num_requests, args.seed,
-                     served=args.served)
+                     served=args.served, trace=args.trace, length_scale=args.length_scale)
     out = Path(args.output or Path(args.engine) / COST_MODEL_FILE)
     cost.save(out)
     m = cost.meta
@@ -315,7 +339,8 @@ def calibrate_main(args: Any) -> int:
           f"{h['mean_abs_rel']:.1%}, total time {h['total_time_rel']:.1%}")
     if "served" in m:
         sv = m["served"]
-        print(f"  served: mean E2E {sv['real_mean_e2e_s'] * 1e3:.0f} ms through tritonserver, "
+        print(f"  served ({sv['workload']} load): mean E2E "
+              f"{sv['real_mean_e2e_s'] * 1e3:.0f} ms through tritonserver, "
               f"{sv['engine_only_mean_e2e_s'] * 1e3:.0f} ms simulated for the engine alone: "
               f"every step cost x{sv['slowdown']:.3f} "
               f"({sv['fitted_mean_e2e_s'] * 1e3:.0f} ms simulated)")
