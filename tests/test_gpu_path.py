@@ -77,3 +77,24 @@ def test_tensorrt_engine_matches_onnx_runtime(tiny_models, tmp_path):  # pragma:
         common = first_ref.keys() & first_got.keys()
         np.testing.assert_allclose([first_got[t] for t in common],
                                    [first_ref[t] for t in common], atol=5e-2)
+
+
+def test_gpu_check_script_runs_every_part_in_a_dry_run(tmp_path):
+    """benchmarks/gpu_check.py at toy sizes on the CPU, so that the script the next GPU session
+    runs is known to work end to end (its figures here mean nothing)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton", reason="OpenAI Triton is not installed")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for part in ("kernels", "bandwidth", "runner", "tensorrt"):
+        assert results[f"{part} check"].startswith("ok"), results[f"{part} check"]
+    assert results["kernel float16 max rel error"] < results["kernel float16 bound"]
+    assert "TensorRT" in results
