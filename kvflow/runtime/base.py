@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from kvflow.build.engine_config import EngineConfig
-from kvflow.runtime.kv_cache import HostKVPool
 
 
 @dataclass
@@ -85,10 +85,21 @@ class ModelRunner(ABC):
         self.close()
 
 
-class HostPoolRunner(ModelRunner):
-    """A runner whose KV pool (and swap space) is a :class:`HostKVPool` in ``self.pool``."""
+class KVPool(Protocol):
+    """What a runner's KV pool does besides holding the cache: block swaps and release
+    (:class:`HostKVPool` on the host, ``DeviceKVPool`` on a GPU)."""
 
-    pool: HostKVPool
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class PoolRunner(ModelRunner):
+    """A runner whose KV pool (and swap space) is ``self.pool``: swaps and close go to it."""
+
+    pool: KVPool
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         self.pool.swap_out(pairs)

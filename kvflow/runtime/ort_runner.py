@@ -21,7 +21,7 @@ from onnx import helper
 from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins.paged_attention_host import paged_attention_host
 from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
-from kvflow.runtime.base import HostPoolRunner, StepInput
+from kvflow.runtime.base import PoolRunner, StepInput
 from kvflow.runtime.kv_cache import HostKVPool
 
 ONNX_FILE = "model.onnx"
@@ -107,7 +107,7 @@ def _value_info(known: dict, name: str) -> onnx.ValueInfoProto:
     return helper.make_empty_tensor_value_info(name)
 
 
-class OnnxRuntimeRunner(HostPoolRunner):
+class OnnxRuntimeRunner(PoolRunner):
     """Executes the engine's ONNX graph with ONNX Runtime over a host KV pool."""
 
     name = "onnxruntime"

@@ -17,13 +17,13 @@ import tensorrt as trt
 import torch
 
 from kvflow.build.engine_config import EngineConfig
-from kvflow.runtime.base import ModelRunner, StepInput
+from kvflow.runtime.base import PoolRunner, StepInput
 from kvflow.runtime.triton_runner import TORCH_DTYPES, DeviceKVPool
 
 PLAN_FILE = "model.plan"
 
 
-class TensorRTRunner(ModelRunner):
+class TensorRTRunner(PoolRunner):
     """Runs an engine folder's ``model.plan`` on the current CUDA device."""
 
     name = "tensorrt"
@@ -76,12 +76,6 @@ class TensorRTRunner(ModelRunner):
             result = logits.cpu()  # synchronizes the stream
         return result.numpy()
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self.pool.swap_out(pairs)
-
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self.pool.swap_in(pairs)
-
     def close(self) -> None:
         self._plugin.unbind_pool_addresses(self._ptrs)
-        self.pool.close()
+        super().close()

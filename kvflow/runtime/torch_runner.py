@@ -9,7 +9,7 @@ import torch
 
 from kvflow.build.engine_config import EngineConfig
 from kvflow.model.llama import LlamaForCausalLM
-from kvflow.runtime.base import HostPoolRunner, StepInput
+from kvflow.runtime.base import PoolRunner, StepInput
 from kvflow.runtime.kv_cache import HostKVPool
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -30,7 +30,7 @@ def load_model(engine_dir: Path, engine: EngineConfig) -> LlamaForCausalLM:
     return model.eval()
 
 
-class TorchRunner(HostPoolRunner):
+class TorchRunner(PoolRunner):
     """Runs :class:`LlamaForCausalLM` eagerly on the CPU over a host KV pool."""
 
     name = "torch"

@@ -21,7 +21,7 @@ import torch
 from kvflow.build.engine_config import EngineConfig
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.plugins import kv_registry
-from kvflow.runtime.base import ModelRunner, StepInput
+from kvflow.runtime.base import PoolRunner, StepInput
 from kvflow.runtime.torch_runner import load_model
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -68,7 +68,7 @@ class DeviceKVPool:
         self.k, self.v, self.host_k, self.host_v = [], [], [], []
 
 
-class TritonRunner(ModelRunner):
+class TritonRunner(PoolRunner):
     """:class:`LlamaForCausalLM` on ``device`` (CUDA when there is one), PagedAttention by the
     Triton kernels over a device KV pool. Needs an engine built with ``--backend torch``."""
 
@@ -111,12 +111,3 @@ class TritonRunner(ModelRunner):
                             dev(step.seq_lens), dev(step.query_start_loc),
                             dev(step.logits_indices))
         return logits.float().cpu().numpy()
-
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self.pool.swap_out(pairs)
-
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self.pool.swap_in(pairs)
-
-    def close(self) -> None:
-        self.pool.close()
