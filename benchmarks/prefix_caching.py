@@ -19,7 +19,7 @@ from kvflow.bench.serve import run_load
 from kvflow.bench.workloads import RequestSpec
 from kvflow.orchestrator.tokenizer import EngineTokenizer
 from kvflow.triton_backend.client import StreamingClient
-from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+from kvflow.triton_backend.server import ServerConfig, TritonServer
 
 PARAGRAPH = (
     "You are a meticulous assistant for a company that builds serving infrastructure for large "
@@ -50,9 +50,8 @@ def load_stats(url: str, prompts: list[str], concurrency: int, max_tokens: int) 
 
 def serve_and_run(engine: Path, caching: bool, prompts: list[str], concurrency: int,
                   max_tokens: int) -> dict:
-    cfg = ServerConfig(engine, http_port=free_port(), grpc_port=free_port(),
-                       metrics_port=free_port(),
-                       engine_args={"enable_prefix_caching": caching, "max_model_len": 2048})
+    cfg = ServerConfig.on_free_ports(engine, {"enable_prefix_caching": caching,
+                                              "max_model_len": 2048})
     with TritonServer(cfg, log_path=Path("/tmp/kvflow-prefix-bench.log")) as server:
         with StreamingClient(server.grpc_url) as warm:  # warm-up, not cached content
             list(warm.generate("Hello", {"max_tokens": 2}))

@@ -18,7 +18,7 @@ from kvflow.bench.report import write_report
 from kvflow.bench.serve import run_load
 from kvflow.bench.workloads import RequestSpec
 from kvflow.triton_backend.client import stream_generate
-from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+from kvflow.triton_backend.server import ServerConfig, TritonServer
 
 TOPICS = ["rivers", "castles", "bicycles", "volcanoes", "owls", "libraries", "glaciers", "tea"]
 
@@ -41,8 +41,7 @@ def offline(engine: str, ps: list[str], out_tokens: int, **overrides) -> float:
 
 def served(engine: str, ps: list[str], out_tokens: int, concurrency: int,
            **overrides) -> float:
-    cfg = ServerConfig(Path(engine), http_port=free_port(), grpc_port=free_port(),
-                       metrics_port=free_port(), engine_args=overrides)
+    cfg = ServerConfig.on_free_ports(engine, overrides)
     with TritonServer(cfg, log_path=Path("/tmp/kvflow-triton-overhead.log")) as server:
         list(stream_generate(server.grpc_url, ps[0], {"max_tokens": 2}))  # warm-up
         # Closed loop: everyone arrives at once, at most `concurrency` in flight.

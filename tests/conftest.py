@@ -127,13 +127,12 @@ def default_hf():
 @pytest.fixture(scope="session")
 def triton_server(default_engines, tmp_path_factory):
     """A real tritonserver serving the default model (ONNX Runtime engine), once per session."""
-    from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+    from kvflow.triton_backend.server import ServerConfig, TritonServer
 
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    cfg = ServerConfig(default_engines["onnxruntime"], http_port=free_port(),
-                       grpc_port=free_port(), metrics_port=free_port(),
-                       engine_args={"max_waiting_requests": 40, "kv_cache_bytes": 256 << 20},
-                       ready_timeout_s=300)
+    cfg = ServerConfig.on_free_ports(
+        default_engines["onnxruntime"], {"max_waiting_requests": 40, "kv_cache_bytes": 256 << 20},
+        ready_timeout_s=300)
     server = TritonServer(cfg, log_path=log)
     try:
         server.start()

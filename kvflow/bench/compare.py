@@ -141,24 +141,18 @@ def run_mode(mode: str, args: argparse.Namespace, workloads: dict[float, list[Re
              texts: list[str], slo: dict[str, float], out: Path) -> list[dict[str, Any]]:
     """Serve the engine in ``mode`` and replay every rate's workload against it."""
     from kvflow.triton_backend.client import stream_generate
-    from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+    from kvflow.triton_backend.server import ServerConfig, TritonServer
 
-    cfg = ServerConfig(Path(args.engine), http_port=free_port(), grpc_port=free_port(),
-                       metrics_port=free_port(), engine_args=mode_engine_args(mode, args),
-                       ready_timeout_s=600)
+    cfg = ServerConfig.on_free_ports(args.engine, mode_engine_args(mode, args))
     points = []
     print(f"[bench compare] {MODE_LABELS[mode]}: starting tritonserver ...", flush=True)
     with TritonServer(cfg, log_path=out / f"tritonserver-{mode}.log") as server:
         list(stream_generate(server.grpc_url, texts[0], {"max_tokens": 2}))  # warm-up
         for rate, specs in workloads.items():
-            scraper = MetricsScraper(server.metrics_url)
-            scraper.start()
-            try:
+            with MetricsScraper(server.metrics_url) as scraper:
                 timings, duration = run_load(server.grpc_url, specs, texts, None,
                                              progress=not args.no_progress,
                                              desc=f"{mode} @ {rate:g} req/s")
-            finally:
-                scraper.stop()
             summary = summarize(timings, duration, slo.get("ttft_ms"), slo.get("tpot_ms"))
             points.append({"rate": rate, "summary": summary, "server_series": scraper.samples})
             print(f"[bench compare] {mode} @ {rate:g} req/s: "

@@ -163,7 +163,8 @@ def make_prompts(specs: list[RequestSpec], engine_dir: str, seed: int) -> list[s
 
 
 class MetricsScraper(threading.Thread):
-    """Samples the server's running batch, waiting queue and KV usage every ``period_s``."""
+    """Samples the server's running batch, waiting queue and KV usage every ``period_s``;
+    a context manager that scrapes while its block runs."""
 
     def __init__(self, url: str, period_s: float = 0.25) -> None:
         super().__init__(name="kvflow-bench-scraper", daemon=True)
@@ -189,6 +190,13 @@ class MetricsScraper(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join(5)
+
+    def __enter__(self) -> MetricsScraper:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def run_load(url: str, specs: list[RequestSpec], texts: list[str],
@@ -312,13 +320,9 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(specs, args.engine, args.seed)
     host = args.url.rsplit(":", 1)[0]
     metrics_url = args.metrics_url or f"http://{host}:8002/metrics"
-    scraper = MetricsScraper(metrics_url)
-    scraper.start()
-    try:
+    with MetricsScraper(metrics_url) as scraper:
         timings, duration = run_load(args.url, specs, prompts, args.max_concurrency,
                                      progress=not args.no_progress)
-    finally:
-        scraper.stop()
     config = {**info, "url": args.url, "max_concurrency": args.max_concurrency,
               "num_prompts": len(specs), "slo": slo}
     return write_serve_report(Path(args.out), "kvflow bench serve", config, timings, duration,

@@ -200,7 +200,7 @@ def served_slowdown(engine_dir: str | Path, cost: LinearCostModel, rate: float,
     from kvflow.orchestrator.tokenizer import EngineTokenizer
     from kvflow.sim.simulator import simulate
     from kvflow.triton_backend.client import stream_generate
-    from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+    from kvflow.triton_backend.server import ServerConfig, TritonServer
 
     if workload == "trace":
         if trace is None:
@@ -220,8 +220,7 @@ def served_slowdown(engine_dir: str | Path, cost: LinearCostModel, rate: float,
     texts = make_prompts(specs, str(engine_dir), seed=12345)
     tok = EngineTokenizer(engine_dir)
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
-    cfg = ServerConfig(Path(engine_dir), http_port=free_port(), grpc_port=free_port(),
-                       metrics_port=free_port(), engine_args=options, ready_timeout_s=600)
+    cfg = ServerConfig.on_free_ports(engine_dir, options)
     progress(f"[calibrate] served: {len(specs)} requests at {rate:.2f} req/s through "
              "tritonserver ...")
     log = Path(tempfile.mkdtemp(prefix="kvflow-calibrate-")) / "tritonserver.log"

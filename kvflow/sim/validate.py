@@ -103,7 +103,7 @@ def validate_main(args: argparse.Namespace) -> int:
     from kvflow.orchestrator.llm import plan_engine
     from kvflow.orchestrator.tokenizer import EngineTokenizer
     from kvflow.triton_backend.client import stream_generate
-    from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+    from kvflow.triton_backend.server import ServerConfig, TritonServer
 
     cost_path = Path(args.cost or Path(args.engine) / COST_MODEL_FILE)
     cost = LinearCostModel.load(cost_path)
@@ -122,17 +122,12 @@ def validate_main(args: argparse.Namespace) -> int:
               "num_prompts": len(specs), "slo": slo, "max_concurrency": None}
 
     print(f"[validate] serving {args.engine} ({MODE_LABELS[args.policy]}) ...", flush=True)
-    cfg = ServerConfig(Path(args.engine), http_port=free_port(), grpc_port=free_port(),
-                       metrics_port=free_port(), engine_args=options, ready_timeout_s=600)
+    cfg = ServerConfig.on_free_ports(args.engine, options)
     with TritonServer(cfg, log_path=out / "tritonserver.log") as server:
         list(stream_generate(server.grpc_url, texts[0], {"max_tokens": 2}))  # warm-up
-        scraper = MetricsScraper(server.metrics_url)
-        scraper.start()
-        try:
+        with MetricsScraper(server.metrics_url) as scraper:
             timings, duration = run_load(server.grpc_url, specs, texts, None,
                                          progress=not args.no_progress, desc="real server")
-        finally:
-            scraper.stop()
     real = write_serve_report(out / "real", "kvflow bench serve", config, timings, duration,
                               scraper.samples, echo=False)
 

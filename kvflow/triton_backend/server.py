@@ -50,6 +50,13 @@ class ServerConfig:
     # How long tritonserver waits for the model to unload at shutdown before it exits anyway.
     exit_timeout_s: int = 15
 
+    @classmethod
+    def on_free_ports(cls, engine_dir: str | Path, engine_args: dict[str, Any] | None = None,
+                      **options: Any) -> ServerConfig:
+        """A loopback server on ports nobody uses: benchmarks, calibration, tests."""
+        return cls(Path(engine_dir), http_port=free_port(), grpc_port=free_port(),
+                   metrics_port=free_port(), engine_args=dict(engine_args or {}), **options)
+
     def __post_init__(self) -> None:
         self.engine_dir = Path(self.engine_dir).resolve()
         if not (self.engine_dir / "engine_config.json").is_file():
