@@ -112,6 +112,7 @@ def _engine_run(runner: Any, engine_dir: str | Path, num_requests: int, seed: in
     from kvflow.orchestrator.llm import plan_engine
     from kvflow.orchestrator.sampling_params import SamplingParams
     from kvflow.orchestrator.tokenizer import EngineTokenizer
+    from kvflow.sim.simulator import run_in_real_time
 
     limits = runner.engine.limits
     max_len = min(1024, limits.max_model_len)
@@ -136,20 +137,15 @@ def _engine_run(runner: Any, engine_dir: str | Path, num_requests: int, seed: in
                 for _ in range(num_requests)]
     arrivals = [0.0] * num_requests if rate is None else poisson_arrivals(num_requests, rate,
                                                                           seed)
+
+    def add(i: int, _arrival: float) -> None:
+        prompt, out = requests[i]
+        engine.add_request(prompt, SamplingParams(max_tokens=out, temperature=0.0,
+                                                  ignore_eos=True))
+
     runner.execute = recording_execute
     try:
-        t0, i = time.monotonic(), 0
-        while i < num_requests or engine.has_unfinished_requests():
-            now = time.monotonic() - t0
-            while i < num_requests and arrivals[i] <= now:
-                prompt, out = requests[i]
-                engine.add_request(prompt, SamplingParams(max_tokens=out, temperature=0.0,
-                                                          ignore_eos=True))
-                i += 1
-            if engine.has_unfinished_requests():
-                engine.step()
-            elif i < num_requests:
-                time.sleep(max(0.0, arrivals[i] - now))
+        run_in_real_time(engine, arrivals, add)
     finally:
         runner.execute = execute
     stats = engine.step_stats

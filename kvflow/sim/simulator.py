@@ -10,6 +10,7 @@ as the real engine loop drains its inbox. No wall-clock sleeps anywhere.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from kvflow.build.engine_config import BuildLimits, EngineConfig
 from kvflow.model.config import ModelConfig
 from kvflow.orchestrator.config import SchedulerConfig
 from kvflow.orchestrator.engine import LLMEngine
-from kvflow.orchestrator.outputs import StepStats
+from kvflow.orchestrator.outputs import RequestOutput, StepStats
 from kvflow.orchestrator.sampling_params import SamplingParams
 from kvflow.runtime.base import ModelRunner, StepInput
 from kvflow.sim.cost_model import CostModel, StepShape
@@ -178,17 +179,41 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: SchedulerConf
             next_sample = clock.now + series_period_s
         for out in outputs:
             if out.finished:
-                m = out.metrics
                 i = int(out.request_id)
-                finished[i] = RequestTiming(
-                    m.arrival_time, list(m.token_times), out.num_prompt_tokens,
-                    len(out.token_ids), ok=out.finish_reason in ("length", "stop"))
-                queue_s[i] = m.queue_time_s
+                finished[i] = timing_of(out)
+                queue_s[i] = out.metrics.queue_time_s
                 if progress is not None:
                     progress(len(finished))
     series.append(_sample_series(engine, clock.now))
     timings = [finished[i] for i in range(len(specs))]
     return SimResult(timings, queue_s, list(engine.step_stats), series, batches, clock.now)
+
+
+def timing_of(out: RequestOutput) -> RequestTiming:
+    """A finished request's timing, as a client would have measured it on the engine's clock."""
+    m = out.metrics
+    return RequestTiming(m.arrival_time, list(m.token_times), out.num_prompt_tokens,
+                         len(out.token_ids), ok=out.finish_reason in ("length", "stop"))
+
+
+def run_in_real_time(engine: LLMEngine, arrivals_s: Sequence[float],
+                     add: Callable[[int, float], None]) -> tuple[list[RequestOutput], float]:
+    """The wall-clock twin of :func:`simulate`: request ``i`` is submitted by
+    ``add(i, arrival)`` (``arrival`` on the engine's monotonic clock) once ``arrivals_s[i]``
+    seconds (ascending) have passed; the engine steps while it has work and sleeps until the
+    next arrival when idle. Returns the finished outputs and the duration."""
+    finished: list[RequestOutput] = []
+    t0, i, n = time.monotonic(), 0, len(arrivals_s)
+    while i < n or engine.has_unfinished_requests():
+        now = time.monotonic() - t0
+        while i < n and arrivals_s[i] <= now:
+            add(i, t0 + arrivals_s[i])
+            i += 1
+        if engine.has_unfinished_requests():
+            finished += [out for out in engine.step() if out.finished]
+        elif i < n:
+            time.sleep(max(0.0, arrivals_s[i] - now))
+    return finished, time.monotonic() - t0
 
 
 def _prompt_ids(spec: RequestSpec, index: int) -> list[int]:

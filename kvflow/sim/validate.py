@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from kvflow.bench.serve import (
 from kvflow.bench.workloads import RequestSpec
 from kvflow.sim.calibrate import COST_MODEL_FILE
 from kvflow.sim.cost_model import LinearCostModel
-from kvflow.sim.simulator import simulate
+from kvflow.sim.simulator import run_in_real_time, simulate, timing_of
 
 COMPARED = (("mean TTFT", ("ttft_ms", "mean")), ("P99 TTFT", ("ttft_ms", "p99")),
             ("mean TPOT", ("tpot_ms", "mean")), ("mean E2E", ("e2e_ms", "mean")),
@@ -76,25 +75,15 @@ def replay_offline(engine_dir: str, options: dict[str, Any], specs: list[Request
         engine.add_request(prompts[0][:8], SamplingParams(max_tokens=2))  # warm-up
         while engine.has_unfinished_requests():
             engine.step()
-        done: dict[int, RequestTiming] = {}
-        t0, i = time.monotonic(), 0
-        while i < len(specs) or engine.has_unfinished_requests():
-            now = time.monotonic() - t0
-            while i < len(specs) and specs[i].arrival_s <= now:
-                engine.add_request(prompts[i], SamplingParams(
-                    max_tokens=specs[i].output_tokens, temperature=0.0, ignore_eos=True),
-                    request_id=str(i), arrival_time=t0 + specs[i].arrival_s)
-                i += 1
-            if engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        m = out.metrics
-                        done[int(out.request_id)] = RequestTiming(
-                            m.arrival_time, list(m.token_times), out.num_prompt_tokens,
-                            len(out.token_ids), ok=out.finish_reason in ("length", "stop"))
-            elif i < len(specs):
-                time.sleep(max(0.0, specs[i].arrival_s - now))
-        return [done[k] for k in range(len(specs))], time.monotonic() - t0
+
+        def add(i: int, arrival: float) -> None:
+            engine.add_request(prompts[i], SamplingParams(
+                max_tokens=specs[i].output_tokens, temperature=0.0, ignore_eos=True),
+                request_id=str(i), arrival_time=arrival)
+
+        outputs, duration = run_in_real_time(engine, [s.arrival_s for s in specs], add)
+        done = {int(out.request_id): timing_of(out) for out in outputs}
+        return [done[k] for k in range(len(specs))], duration
     finally:
         engine.runner.close()
 
