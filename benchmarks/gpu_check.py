@@ -66,31 +66,10 @@ def cuda_time_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
 
 def random_step(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
                 block_size: int, dtype: torch.dtype, gen: torch.Generator) -> dict[str, Any]:
-    """A packed step on the GPU: (cached, new) per sequence, blocks scattered over the pool."""
-    per_seq = [-(-(c + n) // block_size) for c, n in seqs]
-    num_blocks = sum(per_seq) + 1
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables = torch.zeros(len(seqs), max(per_seq), dtype=torch.int32)
-    slots, lens, qsl = [], [], [0]
-    for s, ((c, n), nb) in enumerate(zip(seqs, per_seq, strict=True)):
-        ids = [perm.pop() for _ in range(nb)]
-        tables[s, :nb] = torch.tensor(ids)
-        slots += [ids[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
-        lens.append(c + n)
-        qsl.append(qsl[-1] + n)
-    t = qsl[-1]
-    shape = (num_blocks, block_size, kv_heads, head_dim)
+    """A packed step on the device under check (see ``paged_attention_ref.random_step``)."""
+    from kvflow.plugins.paged_attention_ref import random_step as make
 
-    def rnd(*s):
-        return torch.randn(*s, generator=gen).to(dtype).to(DEVICE)
-
-    return dict(q=rnd(t, heads, head_dim), k=rnd(t, kv_heads, head_dim),
-                v=rnd(t, kv_heads, head_dim), k_cache=rnd(*shape), v_cache=rnd(*shape),
-                slot_mapping=torch.tensor(slots, dtype=torch.int64).to(DEVICE),
-                block_tables=tables.to(DEVICE),
-                seq_lens=torch.tensor(lens, dtype=torch.int32).to(DEVICE),
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(DEVICE),
-                scale=head_dim ** -0.5)
+    return make(seqs, heads, kv_heads, head_dim, block_size, dtype, gen, DEVICE)
 
 
 def check_kernels(trials: int) -> None:

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="OpenAI Triton is not installed")
 
-from kvflow.plugins.paged_attention_ref import paged_attention_ref  # noqa: E402
+from kvflow.plugins.paged_attention_ref import paged_attention_ref, random_step  # noqa: E402
 from kvflow.plugins.paged_attention_triton import paged_attention_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,30 +26,8 @@ def make_step(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: 
               block_size: int, dtype: torch.dtype, seed: int = 0):
     """A packed step of sequences given as (cached tokens, new tokens), with a pool whose
     cached positions hold random K/V and block tables scattered over the pool."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-(c + n) // block_size) for c, n in seqs]
-    num_blocks = sum(blocks_per_seq) + 3
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 is null
-    width = max(blocks_per_seq)
-    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
-    slots, lens, qsl = [], [], [0]
-    for s, ((c, n), nb) in enumerate(zip(seqs, blocks_per_seq, strict=True)):
-        ids = [perm.pop() for _ in range(nb)]
-        tables[s, :nb] = torch.tensor(ids)
-        slots += [ids[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
-        lens.append(c + n)
-        qsl.append(qsl[-1] + n)
-    t = qsl[-1]
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
-    return dict(q=rnd(t, heads, head_dim), k=rnd(t, kv_heads, head_dim),
-                v=rnd(t, kv_heads, head_dim), k_cache=rnd(*cache_shape),
-                v_cache=rnd(*cache_shape), slot_mapping=torch.tensor(slots, dtype=torch.int64),
-                block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32), scale=head_dim ** -0.5)
+    return random_step(seqs, heads, kv_heads, head_dim, block_size, dtype,
+                       torch.Generator().manual_seed(seed))
 
 
 def run_both(step):

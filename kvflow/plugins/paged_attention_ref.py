@@ -97,3 +97,36 @@ def paged_attention_ref(
         os_ = torch.einsum("hgqk,khd->qhgd", probs, values)
         out[qsl[s] : qsl[s + 1]] = os_.reshape(n, num_heads, head_dim).to(q.dtype)
     return out
+
+
+def random_step(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
+                block_size: int, dtype: torch.dtype, generator: torch.Generator,
+                device: str | torch.device = "cpu") -> dict:
+    """The arguments of one PagedAttention call on random data, for checking and timing
+    implementations: sequences given as (cached tokens, new tokens), random K/V in the pool,
+    block tables scattered over it (block 0 null, a few blocks nobody owns)."""
+    blocks_per_seq = [-(-(c + n) // block_size) for c, n in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.int32)
+    slots, lens, qsl = [], [], [0]
+    for s, ((c, n), nb) in enumerate(zip(seqs, blocks_per_seq, strict=True)):
+        ids = [perm.pop() for _ in range(nb)]
+        tables[s, :nb] = torch.tensor(ids)
+        slots += [ids[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+        lens.append(c + n)
+        qsl.append(qsl[-1] + n)
+    t = qsl[-1]
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype).to(device)
+
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    return dict(q=rnd(t, heads, head_dim), k=rnd(t, kv_heads, head_dim),
+                v=rnd(t, kv_heads, head_dim), k_cache=rnd(*cache_shape),
+                v_cache=rnd(*cache_shape),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+                block_tables=tables.to(device),
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+                scale=head_dim ** -0.5)
