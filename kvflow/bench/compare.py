@@ -157,7 +157,7 @@ def run_mode(mode: str, args: argparse.Namespace, workloads: dict[float, list[Re
             points.append({"rate": rate, "summary": summary, "server_series": scraper.samples})
             print(f"[bench compare] {mode} @ {rate:g} req/s: "
                   f"{summary['output_token_throughput']:.1f} output tok/s, P99 TTFT "
-                  f"{_fmt(summary['ttft_ms']['p99'])} ms, {summary['failed']} failed",
+                  f"{fmt_value(summary['ttft_ms']['p99'])} ms, {summary['failed']} failed",
                   flush=True)
     return points
 
@@ -213,12 +213,15 @@ def hf_static_generate(model: str, engine_dir: str, texts: list[str],
             "total_token_throughput": (useful + sum(len(x) for x in ids)) / duration}
 
 
-def _fmt(value: float | None, spec: str = ".0f") -> str:
+def fmt_value(value: float | None, spec: str = ".0f") -> str:
+    """``value`` formatted, or "-" for a statistic no request contributed to."""
     return "-" if value is None else format(value, spec)
 
 
-def _plot(out: Path, results: dict[str, list[dict[str, Any]]], slo_ttft_ms: float,
-          hf: dict[str, Any] | None, filename: str = "compare.png") -> str:
+def plot_sweep(out: Path, results: dict[str, list[dict[str, Any]]], slo_ttft_ms: float,
+               hf: dict[str, Any] | None, filename: str = "compare.png") -> str:
+    """P99 TTFT and E2E against throughput, and P99 TTFT against the offered rate, one curve
+    per mode (``bench compare`` and ``simulate`` sweeps); returns the file name."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -347,7 +350,7 @@ def finish_report(out: Path, config: dict[str, Any], results: dict[str, list[dic
     if hf is not None:
         report["throughput_vs_hf"] = {m: best_tput[m] / hf["output_token_throughput"]
                                       for m in results}
-    report["plots"] = [_plot(out, results, slo["ttft_ms"], hf)]
+    report["plots"] = [plot_sweep(out, results, slo["ttft_ms"], hf)]
     (out / "compare.json").write_text(json.dumps(report, indent=1, default=float))
     write_report(out / "summary.md", summary_lines(report))
     return report
@@ -390,8 +393,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     for mode in cfg["modes"]:
         rate = report["max_sustained_rate"][mode]
         ratio = vs_static.get(mode)
-        row = (f"| {MODE_LABELS[mode]} | {_fmt(rate, 'g') if rate else 'none swept'} | "
-               f"{_fmt(ratio, '.2f') + 'x' if ratio else '-'} | "
+        row = (f"| {MODE_LABELS[mode]} | {fmt_value(rate, 'g') if rate else 'none swept'} | "
+               f"{fmt_value(ratio, '.2f') + 'x' if ratio else '-'} | "
                f"{report['best_output_token_throughput'][mode]:.1f} |")
         if report["hf_baseline"]:
             row += f" {vs_hf[mode]:.2f}x |"
@@ -403,7 +406,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                   "|---|" + "---|" * len(cfg["modes"])]
         for slo_ms, rates in sens.items():
             lines.append(f"| {slo_ms} | " + " | ".join(
-                _fmt(rates[m], "g") if rates[m] else "none" for m in cfg["modes"]) + " |")
+                fmt_value(rates[m], "g") if rates[m] else "none" for m in cfg["modes"]) + " |")
     hf = report["hf_baseline"]
     if hf:
         lines += ["", f"HF transformers `generate`, static batches of {hf['batch_size']} in "
@@ -419,8 +422,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             s = p["summary"]
             lines.append(
                 f"| {mode} | {p['rate']:g} | {s['request_throughput']:.2f} | "
-                f"{s['output_token_throughput']:.1f} | {_fmt(s['ttft_ms']['p99'])} | "
-                f"{_fmt(s['e2e_ms']['p99'])} | {_fmt(s['tpot_ms']['mean'], '.1f')} | "
+                f"{s['output_token_throughput']:.1f} | {fmt_value(s['ttft_ms']['p99'])} | "
+                f"{fmt_value(s['e2e_ms']['p99'])} | {fmt_value(s['tpot_ms']['mean'], '.1f')} | "
                 f"{s['goodput']:.2f} | {s['failed']} |")
     lines += ["", "![latency vs throughput](compare.png)"]
     return lines

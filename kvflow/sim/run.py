@@ -246,7 +246,7 @@ def simulate_main(args: argparse.Namespace) -> int:
 def write_sweep(out: Path, results: dict[str, list[dict[str, Any]]], cost_info: dict[str, Any],
                 slo: dict[str, float], args: argparse.Namespace) -> None:
     """The sweep's summary table and ``sweep.png`` (latency vs throughput, per mode)."""
-    from kvflow.bench.compare import _fmt, _plot, max_sustained_rate
+    from kvflow.bench.compare import fmt_value, max_sustained_rate, plot_sweep
     from kvflow.bench.report import write_report
 
     what = (f"{cost_info['model']} (tp={cost_info['tp']}) on {cost_info['hardware']}"
@@ -260,9 +260,9 @@ def write_sweep(out: Path, results: dict[str, list[dict[str, Any]]], cost_info: 
             s, sim = p["summary"], p["simulation"]
             lines.append(
                 f"| {mode} | {p['rate']:.3g} | {s['request_throughput']:.2f} | "
-                f"{s['output_token_throughput']:.0f} | {_fmt(s['ttft_ms']['mean'])} | "
-                f"{_fmt(s['ttft_ms']['p99'])} | {_fmt(s['tpot_ms']['mean'], '.1f')} | "
-                f"{_fmt(s['e2e_ms']['p99'])} | {sim['kv_usage_mean']:.0%} | "
+                f"{s['output_token_throughput']:.0f} | {fmt_value(s['ttft_ms']['mean'])} | "
+                f"{fmt_value(s['ttft_ms']['p99'])} | {fmt_value(s['tpot_ms']['mean'], '.1f')} | "
+                f"{fmt_value(s['e2e_ms']['p99'])} | {sim['kv_usage_mean']:.0%} | "
                 f"{sim['kv_fragmentation_mean']:.0%} | {sim['preemptions']} |")
     if "ttft_ms" in slo:
         lines += ["", f"Highest rate with P99 TTFT <= {slo['ttft_ms']:g} ms:"]
@@ -270,8 +270,7 @@ def write_sweep(out: Path, results: dict[str, list[dict[str, Any]]], cost_info: 
             rate = max_sustained_rate(points, slo["ttft_ms"])
             verdict = f"{rate:.3g} req/s" if rate else "none of the swept rates"
             lines.append(f"- {MODE_LABELS[mode]}: {verdict}")
-    plot = _plot(out, {m: pts for m, pts in results.items()}, slo.get("ttft_ms", math.nan),
-                 None, filename="sweep.png")
+    plot = plot_sweep(out, results, slo.get("ttft_ms", math.nan), None, filename="sweep.png")
     lines += ["", f"![sweep]({plot})", "", "Each run's own report: `MODE/rate_R/summary.md`."]
     (out / "sweep.json").write_text(json.dumps({"cost": cost_info, "slo": slo,
                                                 "results": results}, indent=1, default=float))
