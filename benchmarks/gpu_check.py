@@ -8,10 +8,11 @@
 2. **Bandwidth**: decode attention at batch 64, context 2,048 (Llama-3-8B's 8 KV heads of 128,
    32 query heads, bf16): bytes of K/V read per second, against the device's measured
    device-to-device copy bandwidth. Target: at least 60%.
-3. **CUDA runner**: the Triton runner end to end on a random-weight 1B-parameter Llama (and on
-   the default model when its engine folder is given): decode step times at batch 1-64 and
-   decode throughput at batch 64, next to HF transformers' ``generate`` on the same GPU when
-   transformers is installed. Target: at least 5x at batch 64.
+3. **CUDA runner**: the Triton runner end to end, with random weights, on the default model's
+   shape (SmolLM2-135M) and on a 1B-parameter Llama: decode step times at batch 1-64 and 512
+   tokens of context, replayed from CUDA graphs and launched eagerly (and the two steps'
+   logits compared), and decode throughput at batch 64 next to HF transformers' ``generate``
+   on the same GPU when transformers is installed. Target: at least 5x for the 1B model.
 4. **TensorRT**: the build and the engine when TensorRT is importable; otherwise it says so.
 
 It writes every figure to ``--out`` (JSON) and prints a table last. ``--dry-run`` runs every
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS: dict[str, Any] = {}
 DEVICE = "cuda"
 DRY = False  # --dry-run: toy sizes on the CPU
+CONTEXT = 512  # tokens of context of every sequence in the timed decode steps
 
 
 def sync() -> None:
@@ -125,10 +127,11 @@ def check_bandwidth() -> None:
     step = random_step([(context - 1, 1)] * batch, heads, kv_heads, head_dim, 16,
                        torch.bfloat16, gen)
     best = math.inf
-    for block_n in (64,) if DRY else (32, 64, 128):
-        ms = cuda_time_ms(lambda bn=block_n: paged_attention_triton(**step, max_query_len=1,
-                                                                    block_n=bn))
-        RESULTS[f"decode attention ms (block_n={block_n})"] = ms
+    for block_n, warps in ((64, 4),) if DRY else ((32, 4), (64, 4), (128, 4), (64, 8),
+                                                   (128, 8)):
+        ms = cuda_time_ms(lambda bn=block_n, w=warps: paged_attention_triton(
+            **step, max_query_len=1, block_n=bn, num_warps=w))
+        RESULTS[f"decode attention ms (block_n={block_n}, num_warps={warps})"] = ms
         best = min(best, ms)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * 2  # K and V, 2 bytes each
     achieved = kv_bytes / (best / 1e3) / 1e9
@@ -137,60 +140,100 @@ def check_bandwidth() -> None:
                     "decode attention / copy bandwidth": achieved / copy})
 
 
-def llama_1b_config():
+def model_configs() -> dict[str, Any]:
+    """The models the runner is timed on: the default model's shape and a 1B Llama, both with
+    random weights (timing depends on the shape only; the default model's 98 MB GGUF cannot
+    be carried to the device, and its numerics are checked against HF on the CPU in CI)."""
     from kvflow.model.config import ModelConfig
 
     if DRY:
-        return ModelConfig(architecture="llama", vocab_size=256, hidden_size=64,
+        tiny = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64,
                            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, eos_token_ids=(2,))
-    return ModelConfig(architecture="llama", vocab_size=32000, hidden_size=2048,
-                       intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                       num_key_value_heads=4, head_dim=64, eos_token_ids=(2,),
-                       max_position_embeddings=4096)
+        return {"1B": tiny}
+    smollm2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576,
+                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                          tie_word_embeddings=True, eos_token_ids=(2,),
+                          max_position_embeddings=8192)
+    llama_1b = ModelConfig(architecture="llama", vocab_size=32000, hidden_size=2048,
+                           intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                           num_key_value_heads=4, head_dim=64, eos_token_ids=(2,),
+                           max_position_embeddings=4096)
+    return {"SmolLM2-135M": smollm2, "1B": llama_1b}
 
 
-def check_runner(engine_dir: str | None) -> None:
+def check_runner() -> None:
+    for label, cfg in model_configs().items():
+        time_runner(label, cfg)
+        hf_baseline(label, cfg)
+
+
+def time_runner(label: str, cfg: Any) -> None:
+    """Decode step times of the Triton runner, from CUDA graphs and launched eagerly."""
+    import numpy as np
+
     from kvflow.build.engine_config import BuildLimits, EngineConfig
     from kvflow.kv_manager import KVCacheManager
     from kvflow.model.llama import LlamaForCausalLM
     from kvflow.runtime.step_builder import SeqChunk, build_step
     from kvflow.runtime.triton_runner import TritonRunner
 
-    cfg = llama_1b_config()
     limits = BuildLimits(2048, 4096, 64, 16)
     engine = EngineConfig(cfg, "torch", "bfloat16", limits, "random weights", {})
     model = LlamaForCausalLM(cfg, 16, 2048)
-    context, batches = (32, (1, 64)) if DRY else (512, (1, 8, 32, 64))
-    num_blocks = 64 * (-(-(context + 130) // 16)) + 2
-    runner = TritonRunner.from_model(engine, model, num_blocks, device=DEVICE)
-    RESULTS["1B params (M)"] = cfg.num_parameters / 1e6
+    batches = (1, 64) if DRY else (1, 8, 32, 64)
+    num_blocks = 64 * (-(-(CONTEXT + 130) // 16)) + 2
+    t0 = time.perf_counter()
+    runner = TritonRunner.from_model(engine, model, num_blocks, device=DEVICE,
+                                     cuda_graphs=True)
+    RESULTS[f"{label} params (M)"] = cfg.num_parameters / 1e6
+    RESULTS[f"{label} runner setup s (incl. graph capture)"] = time.perf_counter() - t0
     try:
         for b in batches:
             kv = KVCacheManager(num_blocks, 16)
             chunks = []
             for i in range(b):
-                kv.allocate_slots(i, context)
-                chunks.append(SeqChunk(i, [5] * context, context - 1, 1, True))
+                kv.allocate_slots(i, CONTEXT)
+                chunks.append(SeqChunk(i, [5] * CONTEXT, CONTEXT - 1, 1, True))
             step = build_step(kv, chunks)
-            ms = cuda_time_ms(lambda s=step: runner.execute(s), repeats=10)
-            RESULTS[f"1B decode step ms b={b}"] = ms
-        RESULTS["1B decode tok/s b=64"] = 64 / (RESULTS["1B decode step ms b=64"] / 1e3)
+            for mode, fn in (("graphs", runner.execute), ("eager", runner.execute_eager)):
+                RESULTS[f"{label} decode step ms b={b} ({mode})"] = cuda_time_ms(
+                    lambda s=step, f=fn: f(s), repeats=10)
+            if b == batches[-1]:
+                # Same step, same KV writes: the captured graphs must give the eager logits.
+                graphed, eager = runner.execute(step), runner.execute_eager(step)
+                diff = float(np.abs(graphed - eager).max() / np.abs(eager).max())
+                RESULTS[f"{label} graphs vs eager max rel logit diff"] = diff
+                if diff > 1e-2:
+                    raise AssertionError(f"{label}: decode graphs differ from eager by {diff}")
+        ms = RESULTS[f"{label} decode step ms b={batches[-1]} (graphs)"]
+        RESULTS[f"{label} decode tok/s b={batches[-1]}"] = batches[-1] / (ms / 1e3)
     finally:
         runner.close()
+        del runner, model
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+def hf_baseline(label: str, cfg: Any) -> None:
+    """HF transformers ``generate`` decode throughput at the same batch and context."""
     try:
         from transformers import LlamaConfig
         from transformers import LlamaForCausalLM as HFLlama
     except ImportError:
-        RESULTS["HF generate"] = "transformers not installed: no baseline"
+        RESULTS[f"{label} HF generate"] = "transformers not installed: no baseline"
         return
+    batch = 64
     hf = HFLlama(LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                              intermediate_size=cfg.intermediate_size,
                              num_hidden_layers=cfg.num_hidden_layers,
                              num_attention_heads=cfg.num_attention_heads,
-                             num_key_value_heads=cfg.num_key_value_heads)).to(DEVICE,
+                             num_key_value_heads=cfg.num_key_value_heads,
+                             head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
+                             tie_word_embeddings=cfg.tie_word_embeddings)).to(DEVICE,
                                                                               torch.bfloat16)
-    ids = torch.randint(3, cfg.vocab_size, (64, context), device=DEVICE)
+    ids = torch.randint(3, cfg.vocab_size, (batch, CONTEXT), device=DEVICE)
     mask = torch.ones_like(ids)
     new = 4 if DRY else 64
 
@@ -207,11 +250,10 @@ def check_runner(engine_dir: str | None) -> None:
                     min_new_tokens=2, do_sample=False, pad_token_id=0)
         # Decode alone: generating 1 + new tokens minus generating 1 (the prefill).
         decode_s = generate_s(1 + new) - generate_s(1)
-    RESULTS["HF generate decode tok/s b=64"] = 64 * new / decode_s
-    RESULTS["CUDA runner / HF decode throughput"] = (RESULTS["1B decode tok/s b=64"]
-                                                     / RESULTS["HF generate decode tok/s b=64"])
-    if engine_dir:
-        RESULTS["default model"] = f"engine {engine_dir}: see kvflow bench step --runners triton"
+    hf_tps = batch * new / decode_s
+    RESULTS[f"{label} HF generate decode tok/s b={batch}"] = hf_tps
+    RESULTS[f"{label} CUDA runner / HF decode throughput"] = (
+        RESULTS[f"{label} decode tok/s b={batch}"] / hf_tps)
 
 
 def check_tensorrt() -> None:
@@ -228,17 +270,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="reports/gpu_check.json")
-    p.add_argument("--engine", default=None, help="a --backend torch engine of the default model")
     p.add_argument("--trials", type=int, default=12)
     p.add_argument("--dry-run", action="store_true",
                    help="toy sizes on the CPU, kernels in Triton's interpreter")
     args = p.parse_args()
-    global DEVICE, DRY
+    global DEVICE, DRY, CONTEXT
     if args.dry_run:
         import os
 
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-        DEVICE, DRY = "cpu", True
+        DEVICE, DRY, CONTEXT = "cpu", True, 32
         RESULTS["device"] = "cpu (dry run: the figures mean nothing)"
     elif not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to check here (--dry-run checks the script)")
@@ -248,7 +289,7 @@ def main() -> int:
     status = 0
     for name, fn in (("kernels", lambda: check_kernels(2 if DRY else args.trials)),
                      ("bandwidth", check_bandwidth),
-                     ("runner", lambda: check_runner(args.engine)),
+                     ("runner", check_runner),
                      ("tensorrt", check_tensorrt)):
         t0 = time.perf_counter()
         print(f"[gpu_check] {name} ...", flush=True)

@@ -68,6 +68,8 @@ def add_engine_option_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space-bytes", type=_int, default=None)
     g.add_argument("--runner", choices=["onnxruntime", "torch", "triton", "tensorrt"],
                    default=None)
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="the triton runner launches decode steps eagerly, no CUDA graphs")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
@@ -79,6 +81,8 @@ def engine_overrides(args: argparse.Namespace) -> dict:
         out["enable_chunked_prefill"] = False
     if getattr(args, "no_prefix_caching", False):
         out["enable_prefix_caching"] = False
+    if getattr(args, "enforce_eager", False):
+        out["cuda_graphs"] = False
     return out
 
 

@@ -97,4 +97,19 @@ def test_gpu_check_script_runs_every_part_in_a_dry_run(tmp_path):
     for part in ("kernels", "bandwidth", "runner", "tensorrt"):
         assert results[f"{part} check"].startswith("ok"), results[f"{part} check"]
     assert results["kernel float16 max rel error"] < results["kernel float16 bound"]
+    assert results["1B graphs vs eager max rel logit diff"] < 1e-4
     assert "TensorRT" in results
+
+
+def test_enforce_eager_reaches_the_engine_plan(tiny_engines):
+    """``--enforce-eager`` becomes the engine option ``cuda_graphs=False``; unset, the runner
+    decides (graphs on a CUDA device)."""
+    from kvflow.cli import engine_overrides, make_parser
+    from kvflow.orchestrator.llm import plan_engine
+
+    engine = tiny_engines["llama-gqa4", "torch"]
+    parser = make_parser()
+    args = parser.parse_args(["serve", "--engine", str(engine), "--enforce-eager"])
+    assert plan_engine(engine, **engine_overrides(args)).cuda_graphs is False
+    args = parser.parse_args(["serve", "--engine", str(engine)])
+    assert plan_engine(engine, **engine_overrides(args)).cuda_graphs is None

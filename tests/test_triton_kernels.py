@@ -100,3 +100,57 @@ def test_triton_runner_matches_the_torch_runner_step_by_step(tiny_engines):
         for a, b in zip(ref.logprobs, got.logprobs, strict=True):
             assert a.keys() == b.keys()
             np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
+
+
+def test_decode_batch_size_buckets():
+    from kvflow.runtime.cuda_graphs import decode_batch_sizes
+
+    assert decode_batch_sizes(1) == [1]
+    assert decode_batch_sizes(6) == [1, 2, 4, 6]
+    assert decode_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert decode_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_decode_graph_buffers_pad_decodes_and_leave_other_steps_eager(tiny_engines):
+    """The decode-graph path (static buffers, steps padded to a bucket with sequences that
+    read and write nothing) gives the eager runner's tokens and logprobs. On a GPU the graphs
+    are captured and replayed; without CUDA the same buffers run uncaptured in the
+    interpreter, which checks everything but the capture."""
+    import numpy as np
+
+    from kvflow import LLM, SamplingParams
+
+    engine = tiny_engines["llama-gqa4", "torch"]
+    # 3 and then 2 running sequences: decode buckets 4 and 2 with padding rows; a prompt
+    # longer than the token budget makes mixed prefill/decode steps that must stay eager.
+    prompts = [[5, 9, 13, 2, 7, 31, 8], [4, 4, 6], list(range(3, 40)), [7, 7]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3)
+              for n in (9, 4, 7, 5)]
+    outs, decode_steps = {}, {}
+    for graphs in (False, True):
+        llm = LLM(engine, runner="triton", cuda_graphs=graphs, max_num_seqs=3,
+                  max_num_batched_tokens=16)
+        runner = llm.engine.runner
+        if graphs:
+            assert runner.graphs is not None
+            assert runner.graphs.captured == torch.cuda.is_available()
+            run = runner.graphs.run
+            used = []
+
+            def counted(step, b, run=run, used=used):
+                used.append((step.num_seqs, b))
+                return run(step, b)
+
+            runner.graphs.run = counted
+        try:
+            outs[graphs] = llm.generate(prompts, params)
+        finally:
+            runner.close()
+        if graphs:
+            decode_steps = dict(used)
+    assert decode_steps.get(3) == 4 and decode_steps.get(1) == 1  # padded 3 -> 4
+    for ref, got in zip(outs[False], outs[True], strict=True):
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(ref.logprobs, got.logprobs, strict=True):
+            assert a.keys() == b.keys()
+            np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)

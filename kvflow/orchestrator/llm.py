@@ -18,7 +18,8 @@ from kvflow.orchestrator.tokenizer import EngineTokenizer
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_SWAP_SPACE_BYTES = 256 << 20
 
-ENGINE_OPTIONS = ("runner", "kv_cache_bytes", "num_kv_blocks", "swap_space_bytes")
+ENGINE_OPTIONS = ("runner", "kv_cache_bytes", "num_kv_blocks", "swap_space_bytes",
+                  "cuda_graphs")
 
 
 def kv_blocks_for(engine: EngineConfig, sched: SchedulerConfig, kv_cache_bytes: int | None,
@@ -48,6 +49,7 @@ class EnginePlan:
     num_blocks: int
     num_host_blocks: int
     runner: str | None
+    cuda_graphs: bool | None = None
 
 
 def plan_engine(engine_dir: str | Path, **overrides: Any) -> EnginePlan:
@@ -70,7 +72,8 @@ def plan_engine(engine_dir: str | Path, **overrides: Any) -> EnginePlan:
                                engine_opts.get("num_kv_blocks"))
     swap_bytes = engine_opts.get("swap_space_bytes", DEFAULT_SWAP_SPACE_BYTES)
     num_host_blocks = int(swap_bytes) // engine.kv_bytes_per_block
-    return EnginePlan(engine, sched, num_blocks, num_host_blocks, engine_opts.get("runner"))
+    return EnginePlan(engine, sched, num_blocks, num_host_blocks, engine_opts.get("runner"),
+                      engine_opts.get("cuda_graphs"))
 
 
 def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
@@ -78,12 +81,14 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
 
     ``overrides``: any :class:`SchedulerConfig` field, plus ``runner`` (default: the engine's
     backend), ``kv_cache_bytes`` or ``num_kv_blocks`` (KV pool size) and ``swap_space_bytes``
-    (host swap pool for preemption by swap; default 256 MiB, 0 for none).
+    (host swap pool for preemption by swap; default 256 MiB, 0 for none), ``cuda_graphs``
+    (the triton runner's decode graphs; default: on a CUDA GPU).
     """
     from kvflow.runtime import create_runner  # the one place that reaches the runtimes
 
     plan = plan_engine(engine_dir, **overrides)
-    runner = create_runner(plan.runner, engine_dir, plan.num_blocks, plan.num_host_blocks)
+    runner = create_runner(plan.runner, engine_dir, plan.num_blocks, plan.num_host_blocks,
+                           cuda_graphs=plan.cuda_graphs)
     return LLMEngine(runner, EngineTokenizer(engine_dir), plan.scheduler,
                      plan.engine.model.eos_token_ids)
 

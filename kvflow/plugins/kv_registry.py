@@ -8,11 +8,18 @@ address, and the kernels look them up. An address that was never registered is a
 crash. Device pools (torch tensors, on a GPU or, for the Triton interpreter, on the host) are
 registered apart: an implementation that finds the address there launches the Triton kernels
 on that tensor.
+
+The runner also leaves here what it knows on the host about the step it is running
+(:func:`step_hints`): the most new tokens of any sequence sizes the attention grid, and a
+kernel that had to read it from ``query_start_loc`` would copy it off the device once per layer,
+a synchronisation that CUDA graphs cannot even contain.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -71,3 +78,23 @@ def unregister_device(tensor: Any) -> None:
 def lookup_device(addr: int) -> Any | None:
     """The torch tensor registered at ``addr`` as a device pool, or None."""
     return _device.get(int(addr))
+
+
+_hints = threading.local()
+
+
+@contextmanager
+def step_hints(max_query_len: int) -> Iterator[None]:
+    """Within the block, PagedAttention implementations of this thread may take
+    ``max_query_len`` (the most new tokens of any sequence in the step) as given."""
+    before = getattr(_hints, "max_query_len", None)
+    _hints.max_query_len = int(max_query_len)
+    try:
+        yield
+    finally:
+        _hints.max_query_len = before
+
+
+def max_query_len_hint() -> int | None:
+    """The ``max_query_len`` of the step this thread is running, when its runner said."""
+    return getattr(_hints, "max_query_len", None)

@@ -87,6 +87,9 @@ def _paged_attention_kernel(
         kv_off = slot[:, None] * stride_cache_slot + kvh * stride_cache_h + d[None, :]
         kv_mask = k_ok[:, None] & dm[None, :]
         keys = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        # Both loads are issued before any math, so that a decode (all memory traffic) has
+        # the values in flight while the scores are computed.
+        values = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         # Products in the cache dtype, sums in fp32 (fp32 caches: exact, not TF32).
         if IS_FP32:
             scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
@@ -99,7 +102,6 @@ def _paged_attention_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        values = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if IS_FP32:
             pv = tl.dot(p, values, input_precision="ieee")
         else:
@@ -140,6 +142,7 @@ def paged_attention_triton(
     block_m: int = 16,
     block_n: int = 64,
     out: torch.Tensor | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Write K/V, then attend: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` -> ``[T, H, D]``.
 
@@ -148,6 +151,8 @@ def paged_attention_triton(
     saves a device-to-host copy, which CUDA graphs cannot contain. The cache layout must be
     contiguous ``[num_blocks, block_size, KVH, D]``, K and V alike. ``out`` (``[T, H, D]``,
     any strides) receives the result in place, as a TensorRT plugin's output buffer does.
+    ``block_n`` (keys per inner iteration) and ``num_warps`` are the tuning knobs that
+    ``benchmarks/gpu_check.py`` sweeps.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, kvh, _ = k_cache.shape
@@ -173,5 +178,5 @@ def paged_attention_triton(
         k_cache.stride(2), block_tables.stride(0), block_size,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=bm, BLOCK_N=block_n,
-        IS_FP32=k_cache.dtype == torch.float32)
+        IS_FP32=k_cache.dtype == torch.float32, num_warps=num_warps)
     return out

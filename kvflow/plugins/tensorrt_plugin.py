@@ -117,4 +117,5 @@ def paged_attention_impl(
             as_torch(q).view(t, num_heads, head_dim), as_torch(k).view(t, num_kv_heads, head_dim),
             as_torch(v).view(t, num_kv_heads, head_dim), k_cache, v_cache,
             as_torch(slot_mapping), as_torch(block_tables), as_torch(seq_lens),
-            as_torch(query_start_loc), scale, out=out.view(t, num_heads, head_dim))
+            as_torch(query_start_loc), scale, out=out.view(t, num_heads, head_dim),
+            max_query_len=kv_registry.max_query_len_hint())

@@ -88,7 +88,7 @@ def paged_attention(
 
         out = paged_attention_triton(*args, k_dev, kv_registry.lookup_device(v_addr),
                                      slot_mapping, block_tables, seq_lens, query_start_loc,
-                                     scale)
+                                     scale, max_query_len=kv_registry.max_query_len_hint())
     else:
         out = paged_attention_ref(*args, _host_cache(k_addr), _host_cache(v_addr),
                                   slot_mapping, block_tables, seq_lens, query_start_loc, scale)

@@ -13,9 +13,10 @@ __all__ = ["RUNNERS", "ModelRunner", "StepInput", "create_runner"]
 
 
 def create_runner(name: str | None, engine_dir: str | Path, num_blocks: int,
-                  num_host_blocks: int = 0) -> ModelRunner:
+                  num_host_blocks: int = 0, cuda_graphs: bool | None = None) -> ModelRunner:
     """The runner ``name`` (default: the engine's backend) over a pool of ``num_blocks`` blocks
-    and a host swap pool of ``num_host_blocks``."""
+    and a host swap pool of ``num_host_blocks``. ``cuda_graphs``: the triton runner's decode
+    graphs (default: on a CUDA GPU); the other runners have none."""
     engine = EngineConfig.load(engine_dir)
     name = name or engine.backend
     if name == "onnxruntime":
@@ -29,7 +30,8 @@ def create_runner(name: str | None, engine_dir: str | Path, num_blocks: int,
     if name == "triton":
         from kvflow.runtime.triton_runner import TritonRunner
 
-        return TritonRunner(engine_dir, engine, num_blocks, num_host_blocks)
+        return TritonRunner(engine_dir, engine, num_blocks, num_host_blocks,
+                            cuda_graphs=cuda_graphs)
     if name == "tensorrt":
         from kvflow.build.engine import tensorrt_available
 

@@ -48,6 +48,18 @@ class StepInput:
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
+    @property
+    def max_query_len(self) -> int:
+        """The most new tokens of any sequence (1 in a decode step)."""
+        return int(np.diff(self.query_start_loc).max()) if self.num_seqs else 0
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds one token and has it sampled, in order: a decode step."""
+        s = self.num_seqs
+        return (s > 0 and self.num_tokens == s and len(self.logits_indices) == s
+                and bool((self.logits_indices == np.arange(s)).all()))
+
 
 class ModelRunner(ABC):
     """Executes engine steps against a KV pool of ``num_blocks`` blocks it allocated.

@@ -17,6 +17,7 @@ import tensorrt as trt
 import torch
 
 from kvflow.build.engine_config import EngineConfig
+from kvflow.plugins import kv_registry
 from kvflow.runtime.base import PoolRunner, StepInput
 from kvflow.runtime.triton_runner import TORCH_DTYPES, DeviceKVPool
 
@@ -71,8 +72,11 @@ class TensorRTRunner(PoolRunner):
             logits = torch.empty((len(step.logits_indices), self.engine.model.vocab_size),
                                  dtype=torch.float32, device="cuda")
             self._context.set_tensor_address("logits", logits.data_ptr())
-            if not self._context.execute_async_v3(self._stream.cuda_stream):
-                raise RuntimeError("TensorRT failed to run the step")
+            # The plugins run inside execute_async_v3, in this thread: they take the grid
+            # size from the hint instead of reading query_start_loc back per layer.
+            with kv_registry.step_hints(step.max_query_len):
+                if not self._context.execute_async_v3(self._stream.cuda_stream):
+                    raise RuntimeError("TensorRT failed to run the step")
             result = logits.cpu()  # synchronizes the stream
         return result.numpy()
 

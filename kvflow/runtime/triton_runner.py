@@ -6,8 +6,9 @@ PyTorch, each layer's PagedAttention launching the Triton kernels on the pool. W
 runs on the host with the kernels in Triton's interpreter (``TRITON_INTERPRET=1``), slowly,
 which is how CI checks the wiring against the other runners.
 
-Not done yet: CUDA graphs for decode steps (a decode step is a fixed-shape launch sequence
-once ``max_query_len`` is known, so it can be captured per batch size).
+Decode steps replay CUDA graphs captured per batch-size bucket (:mod:`.cuda_graphs`); prefill
+and mixed steps run eagerly. Either way the runner tells the kernels the step's
+``max_query_len`` (``kv_registry.step_hints``), so no layer reads it back from the GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvflow.build.engine_config import EngineConfig
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.plugins import kv_registry
 from kvflow.runtime.base import PoolRunner, StepInput
+from kvflow.runtime.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from kvflow.runtime.torch_runner import load_model
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -70,13 +72,19 @@ class DeviceKVPool:
 
 class TritonRunner(PoolRunner):
     """:class:`LlamaForCausalLM` on ``device`` (CUDA when there is one), PagedAttention by the
-    Triton kernels over a device KV pool. Needs an engine built with ``--backend torch``."""
+    Triton kernels over a device KV pool. Needs an engine built with ``--backend torch``.
+
+    ``cuda_graphs``: replay decode steps of up to the engine's ``max_batch_size`` sequences
+    from CUDA graphs (default: on a CUDA device). True without CUDA runs the graphs' padded
+    static buffers eagerly, which is how CI checks them.
+    """
 
     name = "triton"
 
     def __init__(self, engine_dir: str | Path | None, engine: EngineConfig, num_blocks: int,
                  num_host_blocks: int = 0, device: str | None = None,
-                 model: LlamaForCausalLM | None = None) -> None:
+                 model: LlamaForCausalLM | None = None, cuda_graphs: bool | None = None,
+                 ) -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -94,20 +102,54 @@ class TritonRunner(PoolRunner):
         self.pool = DeviceKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
                                  m.num_key_value_heads, m.head_dim, dtype, self.device,
                                  num_host_blocks)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
+            lim = engine.limits
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self._forward, self.device,
+                                           decode_batch_sizes(lim.max_batch_size),
+                                           -(-lim.max_model_len // lim.block_size),
+                                           capture=self.device.type == "cuda")
 
     @classmethod
     def from_model(cls, engine: EngineConfig, model: LlamaForCausalLM, num_blocks: int,
-                   device: str | None = None) -> TritonRunner:
+                   device: str | None = None, cuda_graphs: bool | None = None,
+                   ) -> TritonRunner:
         """A runner over an in-memory model (benchmarks with random weights)."""
-        return cls(None, engine, num_blocks, device=device, model=model)
+        return cls(None, engine, num_blocks, device=device, model=model,
+                   cuda_graphs=cuda_graphs)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self.pool.ptrs, slot_mapping, block_tables,
+                          seq_lens, query_start_loc, logits_indices)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> np.ndarray:
+        bucket = self.graphs.bucket(step) if self.graphs is not None else None
+        if bucket is not None:
+            assert self.graphs is not None
+            return self.graphs.run(step, bucket).cpu().numpy()
+        return self.execute_eager(step)
+
+    @torch.inference_mode()
+    def execute_eager(self, step: StepInput) -> np.ndarray:
+        """Run a step by launching its kernels one by one, never from a graph (what
+        :meth:`execute` does for prefill and mixed steps; benchmarks time both)."""
+
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device, non_blocking=True)
 
-        logits = self.model(dev(step.input_ids), dev(step.positions), self.pool.ptrs,
-                            dev(step.slot_mapping), dev(step.block_tables),
-                            dev(step.seq_lens), dev(step.query_start_loc),
-                            dev(step.logits_indices))
+        with kv_registry.step_hints(step.max_query_len):
+            logits = self._forward(dev(step.input_ids), dev(step.positions),
+                                   dev(step.slot_mapping), dev(step.block_tables),
+                                   dev(step.seq_lens), dev(step.query_start_loc),
+                                   dev(step.logits_indices))
         return logits.float().cpu().numpy()
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        super().close()
