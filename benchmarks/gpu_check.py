@@ -7,7 +7,8 @@
    buffer starts as NaN, so an element the kernel never writes fails the check.
 2. **Bandwidth**: decode attention at batch 64, context 2,048 (Llama-3-8B's 8 KV heads of 128,
    32 query heads, bf16): bytes of K/V read per second, against the device's measured
-   device-to-device copy bandwidth. Target: at least 60%.
+   device-to-device copy bandwidth. Target: at least 60%. Then batch 1 and 4 at context
+   32,768, with split KV (the default split count) and without.
 3. **CUDA runner**: the Triton runner end to end, with random weights, on the default model's
    shape (SmolLM2-135M) and on a 1B-parameter Llama: decode step times at batch 1-64 and 512
    tokens of context, replayed from CUDA graphs and launched eagerly (and the two steps'
@@ -97,7 +98,8 @@ def check_kernels(trials: int) -> None:
             ref = paged_attention_ref(**{k: (v.cpu() if torch.is_tensor(v) else v)
                                          for k, v in ref_in.items()})
             out = torch.full_like(step["q"], float("nan"))
-            paged_attention_triton(**step, out=out)
+            # Every fourth trial splits the keys (flash decoding), prefill tiles included.
+            paged_attention_triton(**step, out=out, num_splits=4 if trial % 4 == 3 else None)
             sync()
             out = out.cpu().float()
             if torch.isnan(out).any():
@@ -138,6 +140,21 @@ def check_bandwidth() -> None:
     copy = copy_bandwidth_gbs()
     RESULTS.update({"decode attention GB/s": achieved, "copy GB/s": copy,
                     "decode attention / copy bandwidth": achieved / copy})
+    # Few long sequences: too few (sequence, KV head) programs for the GPU unless the keys
+    # are split (flash decoding). The default split count against none.
+    from kvflow.plugins.paged_attention_triton import decode_splits
+
+    long_context = 256 if DRY else 32768
+    for batch in (1, 4):
+        long = random_step([(long_context - 1, 1)] * batch, heads, kv_heads, head_dim, 16,
+                           torch.bfloat16, gen)
+        auto = 4 if DRY else decode_splits(batch * kv_heads, torch.device(DEVICE))
+        for splits in sorted({1, auto}):
+            ms = cuda_time_ms(lambda sp=splits, st=long: paged_attention_triton(
+                **st, max_query_len=1, num_splits=sp))
+            gbs = 2 * batch * long_context * kv_heads * head_dim * 2 / (ms / 1e3) / 1e9
+            RESULTS[f"decode b={batch} ctx={long_context} GB/s (splits={splits})"] = gbs
+        del long
 
 
 def model_configs() -> dict[str, Any]:
@@ -287,7 +304,7 @@ def main() -> int:
     else:
         RESULTS["device"] = torch.cuda.get_device_name()
     status = 0
-    for name, fn in (("kernels", lambda: check_kernels(2 if DRY else args.trials)),
+    for name, fn in (("kernels", lambda: check_kernels(4 if DRY else args.trials)),
                      ("bandwidth", check_bandwidth),
                      ("runner", check_runner),
                      ("tensorrt", check_tensorrt)):

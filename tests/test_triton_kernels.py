@@ -30,11 +30,11 @@ def make_step(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: 
                        torch.Generator().manual_seed(seed))
 
 
-def run_both(step):
+def run_both(step, **options):
     ref_in = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in step.items()}
     ref = paged_attention_ref(**ref_in)
     dev_in = {k: (v.to(DEVICE) if torch.is_tensor(v) else v) for k, v in step.items()}
-    out = paged_attention_triton(**dev_in)
+    out = paged_attention_triton(**dev_in, **options)
     return ref, ref_in, out.cpu(), {k: v.cpu() for k, v in dev_in.items() if torch.is_tensor(v)}
 
 
@@ -70,6 +70,31 @@ def test_decode_only_batch_of_long_contexts():
                      seed=7)
     ref, _, out, _ = run_both(step)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+def test_split_kv_merges_to_the_reference(num_splits):
+    """Split KV (flash decoding): keys cut into ranges, partial results merged. Contexts
+    shorter than the splits leave some ranges empty; a sequence with no context at all
+    (``seq_len`` 1, its own key only) and prefill tiles go through the same path."""
+    step = make_step([(300, 1), (0, 1), (511, 1), (40, 1), (70, 9)], 8, 2, 32, 16,
+                     torch.float32, seed=11)
+    ref, _, out, _ = run_both(step, num_splits=num_splits)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_split_kv_counts_are_powers_of_two_and_only_for_gpu_decodes():
+    from kvflow.plugins.paged_attention_triton import decode_splits
+
+    step = make_step([(30, 1)], 4, 4, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="num_splits must be a power of two, got 3"):
+        paged_attention_triton(**step, num_splits=3)
+    assert decode_splits(1, torch.device("cpu")) == 1
+    if torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert decode_splits(1, torch.device("cuda")) == 16
+        assert decode_splits(2 * sms, torch.device("cuda")) == 1
 
 
 def test_group_that_does_not_divide_the_heads_is_refused():

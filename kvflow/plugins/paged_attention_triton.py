@@ -12,6 +12,12 @@ contract"), in two launches per layer:
    key and value is read once per group. Keys are visited ``BLOCK_N`` positions at a time,
    each position's block found through the block table, with an online softmax in fp32
    (flash attention). Inputs may be fp32, fp16 or bf16; accumulation is fp32.
+3. Split KV (flash decoding), for decode steps with too few (sequence, KV head) programs to
+   fill the GPU, such as one long sequence: each program's keys are cut into ``NUM_SPLITS``
+   ranges, one program each, which write partial results (output, running max, sum) to a
+   scratch buffer; ``_combine_splits_kernel`` merges them per (token, head). The number of
+   splits depends on the batch size and the GPU only (the ranges are cut in the kernel from
+   each sequence's length), so a decode step captured in a CUDA graph keeps it.
 
 On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set
 before triton is imported), which is how CI checks them against the reference.
@@ -45,14 +51,15 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 def _paged_attention_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cache_slot, stride_cache_h,
-    stride_bt, block_size,
+    stride_bt, block_size, part_o_ptr, part_ml_ptr, num_tokens, num_heads,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_FP32: tl.constexpr,
+    IS_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
-    tile = tl.program_id(2)
+    tile = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -78,10 +85,14 @@ def _paged_attention_kernel(
     # The last key any row of this tile sees is the position of its last token.
     last_tok = tl.minimum(tile * BLOCK_M + BLOCK_M, q_len) - 1
     kv_end = context + last_tok + 1
+    # This program's keys: all of them, or its split's range (whole BLOCK_N tiles).
+    per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_start = split * per_split
+    n_stop = tl.minimum(n_start + per_split, kv_end)
     table = block_tables_ptr + s.to(tl.int64) * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(n_start, n_stop, BLOCK_N):
         kpos = n0 + tl.arange(0, BLOCK_N)
-        k_ok = kpos < kv_end
+        k_ok = kpos < n_stop
         block = tl.load(table + kpos // block_size, mask=k_ok, other=0).to(tl.int64)
         slot = block * block_size + kpos % block_size
         kv_off = slot[:, None] * stride_cache_slot + kvh * stride_cache_h + d[None, :]
@@ -110,9 +121,39 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dm[None, :])
+    if NUM_SPLITS == 1:
+        o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dm[None, :])
+    else:  # partials [NUM_SPLITS, T, H, D] (normalised) and [2, NUM_SPLITS, T, H] (max, sum)
+        prow = (split * num_tokens + q_start + tok).to(tl.int64) * num_heads + head
+        tl.store(part_o_ptr + prow[:, None] * HEAD_DIM + d[None, :], out,
+                 mask=row_ok[:, None] & dm[None, :])
+        tl.store(part_ml_ptr + prow, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + NUM_SPLITS * num_tokens * num_heads + prow, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_tokens,
+                           num_heads, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    prow = (tl.arange(0, NUM_SPLITS) * num_tokens + t).to(tl.int64) * num_heads + h
+    m = tl.load(part_ml_ptr + prow)
+    l = tl.load(part_ml_ptr + NUM_SPLITS * num_tokens * num_heads + prow)  # noqa: E741
+    m_max = tl.max(m, 0)
+    # NOTE: a split that saw no key has max -inf and sum 0: weight 0, and no NaN when every
+    # split is empty (a padding row).
+    w = l * tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(w, 0)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    parts = tl.load(part_o_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=dm[None, :],
+                    other=0.0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
+             out.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -143,6 +184,7 @@ def paged_attention_triton(
     block_n: int = 64,
     out: torch.Tensor | None = None,
     num_warps: int = 4,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Write K/V, then attend: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` -> ``[T, H, D]``.
 
@@ -152,7 +194,9 @@ def paged_attention_triton(
     contiguous ``[num_blocks, block_size, KVH, D]``, K and V alike. ``out`` (``[T, H, D]``,
     any strides) receives the result in place, as a TensorRT plugin's output buffer does.
     ``block_n`` (keys per inner iteration) and ``num_warps`` are the tuning knobs that
-    ``benchmarks/gpu_check.py`` sweeps.
+    ``benchmarks/gpu_check.py`` sweeps. ``num_splits`` (a power of two) cuts each program's
+    keys into that many ranges (split KV); by default :func:`decode_splits` decides for decode
+    steps on a GPU, and other steps are not split.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, kvh, _ = k_cache.shape
@@ -171,12 +215,45 @@ def paged_attention_triton(
     group_p = triton.next_power_of_2(group)
     # Rows per program: BLOCK_M tokens x the padded group; at least 16 for tl.dot on GPUs.
     bm = max(triton.next_power_of_2(min(block_m, max_query_len)), max(1, 16 // group_p))
-    grid = (num_seqs, kvh, triton.cdiv(max_query_len, bm))
+    if num_splits is None:
+        num_splits = decode_splits(num_seqs * kvh, q.device) if max_query_len == 1 else 1
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    grid = (num_seqs, kvh, triton.cdiv(max_query_len, bm) * num_splits)
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        part_o = torch.empty((num_splits, num_tokens, num_heads, head_dim),
+                             dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((2, num_splits, num_tokens, num_heads), dtype=torch.float32,
+                              device=q.device)
+    else:
+        part_o = part_ml = out  # not read: the kernel writes its result directly
     _paged_attention_kernel[grid](
         q, out, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), block_size,
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=bm, BLOCK_N=block_n,
-        IS_FP32=k_cache.dtype == torch.float32, num_warps=num_warps)
+        k_cache.stride(2), block_tables.stride(0), block_size, part_o, part_ml, num_tokens,
+        num_heads, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=bm, BLOCK_N=block_n, IS_FP32=k_cache.dtype == torch.float32,
+        NUM_SPLITS=num_splits, num_warps=num_warps)
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            part_o, part_ml, out, out.stride(0), out.stride(1), num_tokens, num_heads,
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d)
     return out
+
+
+MAX_SPLITS = 16
+_sm_counts: dict[int, int] = {}
+
+
+def decode_splits(programs: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head) for a decode launch of ``programs`` of them: enough for
+    two programs per streaming multiprocessor, a power of two, at most ``MAX_SPLITS``; 1 off a
+    GPU (the interpreter gains nothing from splitting)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    want = -(-2 * _sm_counts[index] // max(programs, 1))
+    return min(MAX_SPLITS, triton.next_power_of_2(want)) if want > 1 else 1
