@@ -218,6 +218,12 @@ def time_runner(label: str, cfg: Any) -> None:
                 RESULTS[f"{label} decode step ms b={b} ({mode})"] = cuda_time_ms(
                     lambda s=step, f=fn: f(s), repeats=10)
             if b == batches[-1]:
+                # What the logits' trip to the host costs: the graph alone, logits left on
+                # the device (sampling on the GPU would save the difference).
+                graphs, bucket = runner.graphs, runner.graphs.bucket(step)
+                assert graphs is not None and bucket is not None
+                RESULTS[f"{label} decode step ms b={b} (graphs, logits on device)"] = (
+                    cuda_time_ms(lambda s=step, g=graphs, k=bucket: g.run(s, k), repeats=10))
                 # Same step, same KV writes: the captured graphs must give the eager logits.
                 graphed, eager = runner.execute(step), runner.execute_eager(step)
                 diff = float(np.abs(graphed - eager).max() / np.abs(eager).max())

@@ -117,6 +117,7 @@ class DecodeGraphs:
         s = step.num_seqs
         return next((b for b in self.sizes if b >= s), None)
 
+    @torch.inference_mode()
     def run(self, step: StepInput, b: int) -> torch.Tensor:
         """Logits ``[S, vocab]`` (on the device) of a decode step in bucket ``b``."""
         s = step.num_seqs
