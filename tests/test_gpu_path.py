@@ -113,3 +113,28 @@ def test_enforce_eager_reaches_the_engine_plan(tiny_engines):
     assert plan_engine(engine, **engine_overrides(args)).cuda_graphs is False
     args = parser.parse_args(["serve", "--engine", str(engine)])
     assert plan_engine(engine, **engine_overrides(args)).cuda_graphs is None
+
+
+def test_tensorrt_plugin_signatures_survive_trtp_validation():
+    """``tensorrt.plugin`` checks the registered functions with ``issubclass`` on their raw
+    annotations (``inspect.signature``, strings not evaluated): a ``from __future__ import
+    annotations`` or a ``tuple[Tensor, ...]`` would make importing the plugin fail on a GPU.
+    TensorRT is not installable here, so the source is checked for both."""
+    import ast
+    from pathlib import Path
+
+    import kvflow.plugins
+
+    source = Path(kvflow.plugins.__file__).parent / "tensorrt_plugin.py"
+    tree = ast.parse(source.read_text())
+    futures = [a.name for node in tree.body if isinstance(node, ast.ImportFrom)
+               and node.module == "__future__" for a in node.names]
+    assert "annotations" not in futures
+    decorated = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)
+                 and any("trtp" in ast.unparse(d) for d in node.decorator_list)}
+    assert set(decorated) == {"paged_attention_desc", "paged_attention_impl"}
+    impl = decorated["paged_attention_impl"]
+    impl_args = {a.arg: ast.unparse(a.annotation) for a in impl.args.args}
+    assert impl_args["outputs"] == "tuple[trtp.Tensor]"
+    assert impl_args["stream"] == "int"
+    assert list(impl_args)[-2:] == ["outputs", "stream"]

@@ -13,9 +13,13 @@ the address table with :func:`bind_pool_addresses`, so that a step needs no devi
 At build time TensorRT may run plugins on inputs filled with arbitrary data; block tables and
 addresses of arbitrary data would send the kernels reading anywhere. Builds therefore run
 inside :func:`building`, during which the implementation only zeroes its output.
-"""
 
-from __future__ import annotations
+NOTE: no ``from __future__ import annotations`` here. ``tensorrt.plugin`` validates the
+registered functions from ``inspect.signature`` without evaluating string annotations
+(``issubclass(annotation, TensorDesc)``), so the annotations must be real classes, and
+``outputs`` must be ``tuple[trtp.Tensor]``: the ``...`` of ``tuple[trtp.Tensor, ...]`` fails
+the same check.
+"""
 
 import contextlib
 import threading
@@ -94,7 +98,7 @@ def paged_attention_impl(
     q: trtp.Tensor, k: trtp.Tensor, v: trtp.Tensor, kv_cache_ptrs: trtp.Tensor,
     slot_mapping: trtp.Tensor, block_tables: trtp.Tensor, seq_lens: trtp.Tensor,
     query_start_loc: trtp.Tensor, layer_idx: int, num_heads: int, num_kv_heads: int,
-    head_dim: int, block_size: int, scale: float, outputs: tuple[trtp.Tensor, ...],
+    head_dim: int, block_size: int, scale: float, outputs: tuple[trtp.Tensor],
     stream: int,
 ) -> None:
     """Write this layer's new K/V into the pool and attend, on TensorRT's ``stream``."""

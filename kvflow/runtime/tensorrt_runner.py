@@ -45,6 +45,8 @@ class TensorRTRunner(PoolRunner):
         if self._engine is None:
             raise RuntimeError(f"TensorRT could not load {plan} (built for another TensorRT "
                                "or GPU?)")
+        if self._engine.get_tensor_dtype("logits") != trt.DataType.FLOAT:
+            raise RuntimeError(f"{plan}: the engine's logits are not float32 (the I/O contract)")
         self._context = self._engine.create_execution_context()
         m = engine.model
         self.pool = DeviceKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
@@ -56,28 +58,38 @@ class TensorRTRunner(PoolRunner):
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> np.ndarray:
+        num_logits = len(step.logits_indices)
         inputs = {
             "input_ids": step.input_ids, "positions": step.positions,
             "slot_mapping": step.slot_mapping, "block_tables": step.block_tables,
             "seq_lens": step.seq_lens, "query_start_loc": step.query_start_loc,
-            "logits_indices": step.logits_indices,
+            # A step of middle prefill chunks samples nothing, but the profile's smallest
+            # logits_indices is one row: ask for row 0 and return none.
+            "logits_indices": step.logits_indices if num_logits else np.zeros(1, np.int64),
         }
+        # Swaps (DeviceKVPool) copy on the current stream; this stream must see them.
+        self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             bound = {name: torch.from_numpy(np.ascontiguousarray(a)).cuda(non_blocking=True)
                      for name, a in inputs.items()}
             bound["kv_cache_ptrs"] = self._ptrs
             for name, tensor in bound.items():
-                self._context.set_input_shape(name, tuple(tensor.shape))
-                self._context.set_tensor_address(name, tensor.data_ptr())
-            logits = torch.empty((len(step.logits_indices), self.engine.model.vocab_size),
+                if not self._context.set_input_shape(name, tuple(tensor.shape)):
+                    raise ValueError(f"TensorRT refused {name} of shape {tuple(tensor.shape)}: "
+                                     "outside the engine's optimization profile (its build "
+                                     "limits)")
+                if not self._context.set_tensor_address(name, tensor.data_ptr()):
+                    raise RuntimeError(f"TensorRT refused the address of {name}")
+            logits = torch.empty((len(inputs["logits_indices"]), self.engine.model.vocab_size),
                                  dtype=torch.float32, device="cuda")
-            self._context.set_tensor_address("logits", logits.data_ptr())
+            if not self._context.set_tensor_address("logits", logits.data_ptr()):
+                raise RuntimeError("TensorRT refused the address of logits")
             # The plugins run inside execute_async_v3, in this thread: they take the grid
             # size from the hint instead of reading query_start_loc back per layer.
             with kv_registry.step_hints(step.max_query_len):
                 if not self._context.execute_async_v3(self._stream.cuda_stream):
                     raise RuntimeError("TensorRT failed to run the step")
-            result = logits.cpu()  # synchronizes the stream
+            result = logits[:num_logits].cpu()  # synchronizes the stream
         return result.numpy()
 
     def close(self) -> None:
