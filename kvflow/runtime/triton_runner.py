@@ -105,11 +105,15 @@ class TritonRunner(PoolRunner):
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
             lim = engine.limits
-            with torch.inference_mode():
-                self.graphs = DecodeGraphs(self._forward, self.device,
-                                           decode_batch_sizes(lim.max_batch_size),
-                                           -(-lim.max_model_len // lim.block_size),
-                                           capture=self.device.type == "cuda")
+            try:
+                with torch.inference_mode():
+                    self.graphs = DecodeGraphs(self._forward, self.device,
+                                               decode_batch_sizes(lim.max_batch_size),
+                                               -(-lim.max_model_len // lim.block_size),
+                                               capture=self.device.type == "cuda")
+            except BaseException:
+                self.pool.close()  # the pool is not leaked by a failed capture
+                raise
 
     @classmethod
     def from_model(cls, engine: EngineConfig, model: LlamaForCausalLM, num_blocks: int,
