@@ -138,3 +138,24 @@ def test_tensorrt_plugin_signatures_survive_trtp_validation():
     assert impl_args["outputs"] == "tuple[trtp.Tensor]"
     assert impl_args["stream"] == "int"
     assert list(impl_args)[-2:] == ["outputs", "stream"]
+
+
+def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
+    """Every launch the runners make, compiled for sm_90 by the triton wheel's own ptxas:
+    what the interpreter cannot check (tl.dot's minimum sizes, shared memory per block)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton", reason="OpenAI Triton is not installed")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_resources.py"
+    out = tmp_path / "kernel_resources.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launches = json.loads(out.read_text())["launches"]
+    assert len(launches) == 2 * 2 * 5  # shapes x dtypes x (3 attention, KV write, merge)
+    assert all("error" not in row and row["shared"] <= 232448 for row in launches)

@@ -97,6 +97,24 @@ def test_split_kv_counts_are_powers_of_two_and_only_for_gpu_decodes():
         assert decode_splits(2 * sms, torch.device("cuda")) == 1
 
 
+def test_head_dim_below_the_dot_minimum_is_padded_and_masked():
+    """tl.dot needs an inner dimension of 16 on GPUs: a head dim of 8 (the tiny test models')
+    runs in 16-wide tiles whose upper half is masked off."""
+    step = make_step([(20, 1), (0, 5), (9, 3)], 4, 2, 8, 4, torch.float32, seed=5)
+    ref, ref_in, out, dev = run_both(step)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dev["k_cache"], ref_in["k_cache"], rtol=0, atol=0)
+
+
+def test_bad_tile_or_strides_are_refused_by_name():
+    step = make_step([(10, 2)], 4, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 8"):
+        paged_attention_triton(**step, block_n=8)
+    out = torch.empty(32, 4, 3)[:, :, :1].expand(32, 4, 32)[:2]  # last stride 0
+    with pytest.raises(ValueError, match="out must be contiguous in its last dimension"):
+        paged_attention_triton(**step, out=out)
+
+
 def test_group_that_does_not_divide_the_heads_is_refused():
     step = make_step([(0, 2)], 6, 4, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="num_heads=6"):

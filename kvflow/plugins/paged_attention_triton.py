@@ -25,6 +25,8 @@ before triton is imported), which is how CI checks them against the reference.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -168,6 +170,70 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(2), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
 
 
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """What one attention launch is compiled for: the kernel's constexprs and ``num_warps``
+    (the host-side choices of :func:`paged_attention_triton`, also what
+    ``benchmarks/kernel_resources.py`` compiles ahead of time)."""
+
+    group: int
+    head_dim: int
+    block_m: int
+    block_n: int
+    is_fp32: bool
+    num_splits: int
+    num_warps: int
+
+    @property
+    def group_p(self) -> int:
+        return triton.next_power_of_2(self.group)
+
+    @property
+    def block_d(self) -> int:
+        # tl.dot needs an inner dimension of at least 16 on GPUs (head dims below are masked).
+        return max(16, triton.next_power_of_2(self.head_dim))
+
+    @property
+    def rows(self) -> int:
+        return self.block_m * self.group_p
+
+    def constexprs(self) -> dict[str, int | bool]:
+        return dict(GROUP=self.group, GROUP_P=self.group_p, HEAD_DIM=self.head_dim,
+                    BLOCK_D=self.block_d, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+                    IS_FP32=self.is_fp32, NUM_SPLITS=self.num_splits)
+
+
+def attention_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     max_query_len: int, block_m: int = 16, block_n: int = 64,
+                     num_warps: int | None = None, num_splits: int = 1) -> AttentionLaunch:
+    """The launch :func:`paged_attention_triton` makes for these shapes and knobs."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of "
+                         f"num_kv_heads={num_kv_heads}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    # Rows per program: BLOCK_M tokens x the padded group; at least 16 for tl.dot on GPUs.
+    bm = max(triton.next_power_of_2(min(block_m, max(max_query_len, 1))),
+             max(1, 16 // group_p))
+    is_fp32 = dtype == torch.float32
+    rows = bm * group_p
+    # Register budgets, from compiling every launch for sm_90 (benchmarks/kernel_resources.py):
+    # a program holds a K and a V tile and their 64-bit addresses, so fp32 tiles of 64 rows
+    # or more spill unless keys come 32 at a time, and tiles of 16 KiB or more of K (or 64
+    # rows or more) spill with 4 warps but not with 8.
+    if is_fp32 and rows >= 64:
+        block_n = min(block_n, 32)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_warps is None:
+        big = rows >= 64 or block_n * block_d * dtype.itemsize >= 16384
+        num_warps = 8 if big else 4
+    return AttentionLaunch(group, head_dim, bm, block_n, is_fp32, num_splits, num_warps)
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -183,7 +249,7 @@ def paged_attention_triton(
     block_m: int = 16,
     block_n: int = 64,
     out: torch.Tensor | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Write K/V, then attend: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` -> ``[T, H, D]``.
@@ -192,35 +258,36 @@ def paged_attention_triton(
     ``max_query_len`` (the most new tokens of any sequence) sizes the launch grid; given, it
     saves a device-to-host copy, which CUDA graphs cannot contain. The cache layout must be
     contiguous ``[num_blocks, block_size, KVH, D]``, K and V alike. ``out`` (``[T, H, D]``,
-    any strides) receives the result in place, as a TensorRT plugin's output buffer does.
-    ``block_n`` (keys per inner iteration) and ``num_warps`` are the tuning knobs that
-    ``benchmarks/gpu_check.py`` sweeps. ``num_splits`` (a power of two) cuts each program's
-    keys into that many ranges (split KV); by default :func:`decode_splits` decides for decode
-    steps on a GPU, and other steps are not split.
+    any token and head strides) receives the result in place, as a TensorRT plugin's output
+    buffer does; every tensor's last dimension must be contiguous.
+    ``block_n`` (keys per inner iteration, a power of two >= 16) and ``num_warps`` (default:
+    what :func:`attention_launch` picks so that no launch spills registers on Hopper) are the
+    tuning knobs that ``benchmarks/gpu_check.py`` sweeps. ``num_splits`` (a power of two)
+    cuts each program's keys into that many ranges (split KV); by default
+    :func:`decode_splits` decides for decode steps on a GPU, and other steps are not split.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, kvh, _ = k_cache.shape
-    if num_heads % kvh:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={kvh}")
     if k_cache.stride() != v_cache.stride() or not k_cache.is_contiguous():
         raise ValueError("k_cache and v_cache must be contiguous with the same layout")
-    write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     out = torch.empty_like(q) if out is None else out
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides "
+                             f"{t.stride()}")
     num_seqs = seq_lens.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
-        return out
     if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    group = num_heads // kvh
-    group_p = triton.next_power_of_2(group)
-    # Rows per program: BLOCK_M tokens x the padded group; at least 16 for tl.dot on GPUs.
-    bm = max(triton.next_power_of_2(min(block_m, max_query_len)), max(1, 16 // group_p))
+        max_query_len = (int((query_start_loc[1:] - query_start_loc[:-1]).max())
+                         if num_seqs else 0)
     if num_splits is None:
         num_splits = decode_splits(num_seqs * kvh, q.device) if max_query_len == 1 else 1
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    grid = (num_seqs, kvh, triton.cdiv(max_query_len, bm) * num_splits)
-    block_d = triton.next_power_of_2(head_dim)
+    # Checked before anything is written: bad arguments leave the pool untouched.
+    launch = attention_launch(num_heads, kvh, head_dim, k_cache.dtype, max_query_len, block_m,
+                              block_n, num_warps, num_splits)
+    write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    grid = (num_seqs, kvh, triton.cdiv(max_query_len, launch.block_m) * num_splits)
     if num_splits > 1:
         part_o = torch.empty((num_splits, num_tokens, num_heads, head_dim),
                              dtype=torch.float32, device=q.device)
@@ -232,13 +299,11 @@ def paged_attention_triton(
         q, out, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), block_size, part_o, part_ml, num_tokens,
-        num_heads, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=bm, BLOCK_N=block_n, IS_FP32=k_cache.dtype == torch.float32,
-        NUM_SPLITS=num_splits, num_warps=num_warps)
+        num_heads, **launch.constexprs(), num_warps=launch.num_warps)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_o, part_ml, out, out.stride(0), out.stride(1), num_tokens, num_heads,
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d)
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=launch.block_d)
     return out
 
 
@@ -247,13 +312,13 @@ _sm_counts: dict[int, int] = {}
 
 
 def decode_splits(programs: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head) for a decode launch of ``programs`` of them: enough for
-    two programs per streaming multiprocessor, a power of two, at most ``MAX_SPLITS``; 1 off a
-    GPU (the interpreter gains nothing from splitting)."""
+    """Splits per (sequence, KV head) for a decode launch of ``programs`` of them: about two
+    programs per streaming multiprocessor (the power of two at or below what that needs), at
+    most ``MAX_SPLITS``; 1 off a GPU (the interpreter gains nothing from splitting)."""
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _sm_counts:
         _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    want = -(-2 * _sm_counts[index] // max(programs, 1))
-    return min(MAX_SPLITS, triton.next_power_of_2(want)) if want > 1 else 1
+    want = 2 * _sm_counts[index] // max(programs, 1)
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1)) if want > 1 else 1

@@ -75,6 +75,9 @@ class DecodeGraphs:
         self._qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._rows = torch.arange(n, dtype=torch.int64, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Marks the last copies out of the staging buffers: the next step waits for it before
+        # overwriting them (a caller that does not read the logits back would race otherwise).
+        self._copied = torch.cuda.Event() if pin else None
         if capture:
             self._capture_all()
 
@@ -121,6 +124,8 @@ class DecodeGraphs:
     def run(self, step: StepInput, b: int) -> torch.Tensor:
         """Logits ``[S, vocab]`` (on the device) of a decode step in bucket ``b``."""
         s = step.num_seqs
+        if self._copied is not None:
+            self._copied.synchronize()
         h = self._h64
         h[0, :s] = torch.from_numpy(step.input_ids)
         h[1, :s] = torch.from_numpy(step.positions)
@@ -134,6 +139,8 @@ class DecodeGraphs:
         self._d64.copy_(h, non_blocking=True)  # whole (3, n): one contiguous copy
         self._d_lens[:b].copy_(self._h_lens[:b], non_blocking=True)
         self._d_tables[:b].copy_(self._h_tables[:b], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         if self.captured:
             self._graphs[b].replay()
             return self._logits[:s]
