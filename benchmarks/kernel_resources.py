@@ -13,8 +13,10 @@ and bf16; the KV write and the split merge; and the settings ``gpu_check.py`` sw
 
 For each it reports the shared memory, registers and stack (spill) bytes per thread, and it
 fails when a launch does not compile or needs more shared memory than a block may have on
-that architecture. Integer arguments are compiled unspecialised (a GPU run may specialise
-those equal to 1 or divisible by 16), so the figures are those of the general variant.
+that architecture. Integer arguments are specialised as a GPU run specialises them: those
+divisible by 16 (strides of the model's shapes, 16-token blocks, block tables 128 wide) are
+compiled as such, which is what lets Triton issue 16-byte asynchronous copies for the K/V
+tiles; the ``vec16`` column counts those instructions (16-byte loads) in the kernel's PTX.
 """
 
 from __future__ import annotations
@@ -68,12 +70,23 @@ def attention_signature(launch: pat.AttentionLaunch, dtype: torch.dtype
             constexprs)
 
 
+def shape_ints(heads: int, kv_heads: int, head_dim: int) -> dict[str, int]:
+    """The integer arguments the runners pass for a model shape (strides in elements)."""
+    return dict(stride_qt=heads * head_dim, stride_qh=head_dim, stride_ot=heads * head_dim,
+                stride_oh=head_dim, stride_cache_slot=kv_heads * head_dim,
+                stride_cache_h=head_dim, stride_bt=128, block_size=16,
+                stride_kt=kv_heads * head_dim, stride_kh=head_dim,
+                stride_vt=kv_heads * head_dim, stride_vh=head_dim)
+
+
 def compile_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
-                   num_warps: int, arch: int) -> Any:
+                   num_warps: int, arch: int, ints: dict[str, int] | None = None) -> Any:
     names = fn.arg_names
-    # Pointers from torch's allocator are 16-byte aligned, as Triton assumes at run time.
-    attrs = {(names.index(n),): [["tt.divisibility", 16]]
-             for n, t in signature.items() if t.startswith("*")}
+    # Pointers from torch's allocator are 16-byte aligned, and integers divisible by 16 are
+    # marked so, as Triton's launcher specialises them at run time.
+    aligned = [n for n, t in signature.items() if t.startswith("*")]
+    aligned += [n for n, v in (ints or {}).items() if n in signature and v % 16 == 0]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps))
@@ -90,15 +103,22 @@ def resources(kernel: Any) -> dict[str, int]:
     m = re.search(r"REG:(\d+) STACK:(\d+)", dump)
     if m is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output: {dump[-300:]}")
+    ptx = kernel.asm["ptx"]
+    vec16 = len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global[.\w]*\.v4\.", ptx))
     return {"shared": int(kernel.metadata.shared), "registers": int(m.group(1)),
-            "stack": int(m.group(2))}
+            "stack": int(m.group(2)), "vec16": vec16}
 
 
-def launches(quick: bool) -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
-    """(label, kernel, signature, constexprs, num_warps) of every launch to compile."""
+Launch = tuple[str, Any, dict[str, str], dict[str, Any], int, dict[str, int]]
+
+
+def launches(quick: bool) -> list[Launch]:
+    """(label, kernel, signature, constexprs, num_warps, integer arguments) of every launch
+    to compile."""
     out = []
     shapes = {k: SHAPES[k] for k in ("Llama-3-8B", "tiny test models")} if quick else SHAPES
     for model, (heads, kv_heads, head_dim) in shapes.items():
+        ints = shape_ints(heads, kv_heads, head_dim)
         dtypes = [torch.bfloat16, torch.float32] if quick else [torch.bfloat16, torch.float16,
                                                                 torch.float32]
         for dtype in dtypes:
@@ -109,28 +129,29 @@ def launches(quick: bool) -> list[tuple[str, Any, dict[str, str], dict[str, Any]
                                               num_splits=splits)
                 sig, cx = attention_signature(launch, dtype)
                 out.append((f"{model} {name} {kind}: attention", pat._paged_attention_kernel,
-                            sig, cx, launch.num_warps))
+                            sig, cx, launch.num_warps, ints))
             t = f"*{name}"
             out.append((f"{model} {name}: KV write", pat._write_kv_kernel,
                         dict(k_ptr=t, v_ptr=t, k_cache_ptr=t, v_cache_ptr=t, slot_ptr="*i64",
                              stride_kt="i32", stride_kh="i32", stride_vt="i32",
                              stride_vh="i32", stride_cache_slot="i32", stride_cache_h="i32",
                              HEAD_DIM="constexpr", BLOCK_D="constexpr"),
-                        dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim)), 4))
+                        dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim)), 4,
+                        ints))
             block_d = max(16, triton.next_power_of_2(head_dim))
             out.append((f"{model} {name}: split merge", pat._combine_splits_kernel,
                         dict(part_o_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=t,
                              stride_ot="i32", stride_oh="i32", num_tokens="i32",
                              num_heads="i32", NUM_SPLITS="constexpr", HEAD_DIM="constexpr",
                              BLOCK_D="constexpr"),
-                        dict(NUM_SPLITS=16, HEAD_DIM=head_dim, BLOCK_D=block_d), 4))
+                        dict(NUM_SPLITS=16, HEAD_DIM=head_dim, BLOCK_D=block_d), 4, ints))
     if not quick:  # gpu_check's bandwidth sweep: Llama-3-8B decode, bf16
         for block_n, warps in ((32, 4), (64, 4), (128, 4), (64, 8), (128, 8)):
             launch = pat.attention_launch(32, 8, 128, torch.bfloat16, 1, block_n=block_n,
                                           num_warps=warps)
             sig, cx = attention_signature(launch, torch.bfloat16)
             out.append((f"sweep block_n={block_n} num_warps={warps}: attention",
-                        pat._paged_attention_kernel, sig, cx, warps))
+                        pat._paged_attention_kernel, sig, cx, warps, shape_ints(32, 8, 128)))
     return out
 
 
@@ -146,11 +167,11 @@ def main() -> int:
     todo = launches(args.quick)
     rows, failed = [], 0
     t0 = time.perf_counter()
-    for i, (label, fn, sig, cx, warps) in enumerate(todo, 1):
+    for i, (label, fn, sig, cx, warps, ints) in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {label}", file=sys.stderr, flush=True)
         row: dict[str, Any] = {"launch": label, "num_warps": warps}
         try:
-            row.update(resources(compile_kernel(fn, sig, cx, warps, args.arch)))
+            row.update(resources(compile_kernel(fn, sig, cx, warps, args.arch, ints)))
             if row["shared"] > MAX_SHARED[args.arch]:
                 row["error"] = (f"needs {row['shared']} bytes of shared memory, over sm_"
                                 f"{args.arch}'s {MAX_SHARED[args.arch]}")
@@ -164,14 +185,14 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     width = max(len(r["launch"]) for r in rows)
-    print(f"{'launch':<{width}}  warps  shared  regs  stack  (sm_{args.arch}, triton "
+    print(f"{'launch':<{width}}  warps  shared  regs  stack  vec16  (sm_{args.arch}, triton "
           f"{triton.__version__})")
     for r in rows:
         if "error" in r:
             print(f"{r['launch']:<{width}}  {r['num_warps']:>5}  FAILED: {r['error']}")
         else:
             print(f"{r['launch']:<{width}}  {r['num_warps']:>5}  {r['shared']:>6}  "
-                  f"{r['registers']:>4}  {r['stack']:>5}")
+                  f"{r['registers']:>4}  {r['stack']:>5}  {r['vec16']:>5}")
     print(f"{len(rows) - failed}/{len(rows)} launches compiled within sm_{args.arch}'s limits; "
           f"report in {out}")
     return 1 if failed else 0

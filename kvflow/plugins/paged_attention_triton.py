@@ -221,10 +221,12 @@ def attention_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
              max(1, 16 // group_p))
     is_fp32 = dtype == torch.float32
     rows = bm * group_p
-    # Register budgets, from compiling every launch for sm_90 (benchmarks/kernel_resources.py):
-    # a program holds a K and a V tile and their 64-bit addresses, so fp32 tiles of 64 rows
-    # or more spill unless keys come 32 at a time, and tiles of 16 KiB or more of K (or 64
-    # rows or more) spill with 4 warps but not with 8.
+    # Register budgets, from compiling launches for sm_90 (benchmarks/kernel_resources.py).
+    # A program holds a K and a V tile and their 64-bit addresses. In Triton's general
+    # variant (strides not known to be multiples of 16), fp32 tiles of 64 rows or more spill
+    # unless keys come 32 at a time, and K tiles of 16 KiB or more (or 64 rows or more) spill
+    # with 4 warps but not with 8. The variant Triton specialises for the usual strides
+    # (multiples of 16) loads tiles with 16-byte async copies and spills in neither case.
     if is_fp32 and rows >= 64:
         block_n = min(block_n, 32)
     block_d = max(16, triton.next_power_of_2(head_dim))
