@@ -14,7 +14,9 @@
    tokens of context, replayed from CUDA graphs and launched eagerly (and the two steps'
    logits compared), and decode throughput at batch 64 next to HF transformers' ``generate``
    on the same GPU when transformers is installed. Target: at least 5x for the 1B model.
-4. **TensorRT**: the build and the engine when TensorRT is importable; otherwise it says so.
+4. **TensorRT**: when TensorRT is importable, a bf16 engine of the default model's shape
+   (random weights) is built and run on the prefill and decode steps the Triton runner runs,
+   logits compared and the batch-64 decode step timed; otherwise it says why not.
 
 It writes every figure to ``--out`` (JSON) and prints a table last. ``--dry-run`` runs every
 part at toy sizes on the CPU (kernels in Triton's interpreter, wall-clock timing) to check the
@@ -305,13 +307,64 @@ def hf_baseline(label: str, cfg: Any) -> None:
 
 
 def check_tensorrt() -> None:
+    """Build a TensorRT engine of the default model's shape (random weights, bf16), then run
+    the same steps through it and through the Triton runner: logits compared, decode timed."""
     from kvflow.build.engine import tensorrt_available
 
     reason = tensorrt_available()
     if reason:
         RESULTS["TensorRT"] = f"not run: {reason}"
         return
-    RESULTS["TensorRT"] = "importable: run tests/test_gpu_path.py::test_tensorrt_engine_*"
+    import tempfile
+
+    import numpy as np
+
+    from kvflow.build.engine import write_graph_artifacts
+    from kvflow.build.engine_config import BuildLimits, EngineConfig
+    from kvflow.kv_manager import KVCacheManager
+    from kvflow.model.llama import LlamaForCausalLM
+    from kvflow.runtime.step_builder import SeqChunk, build_step
+    from kvflow.runtime.tensorrt_runner import TensorRTRunner
+    from kvflow.runtime.triton_runner import TritonRunner
+
+    cfg = model_configs()["SmolLM2-135M"]
+    limits = BuildLimits(2048, 4096, 64, 16)
+    net = LlamaForCausalLM(cfg, 16, 2048)
+    num_blocks = 64 * (-(-(CONTEXT + 130) // 16)) + 2
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        engine = EngineConfig(cfg, "tensorrt", "bfloat16", limits, "random weights", {})
+        t0 = time.perf_counter()
+        engine.files.update(write_graph_artifacts(net, engine, folder))
+        engine.save(folder)
+        RESULTS["TensorRT export + build s"] = time.perf_counter() - t0
+        trt_runner = TensorRTRunner(folder, engine, num_blocks)
+        ref = TritonRunner.from_model(engine, net, num_blocks, device=DEVICE, cuda_graphs=False)
+        try:
+            kv = KVCacheManager(num_blocks, 16)
+            prompt = [int(t) for t in torch.randint(3, cfg.vocab_size, (CONTEXT,))]
+            batch = 64
+            for i in range(batch):
+                kv.allocate_slots(i, CONTEXT)
+            # The prompts (prefill, four sequences a step), then one decode step of all.
+            worst = 0.0
+            for first in range(0, batch, 4):
+                step = build_step(kv, [SeqChunk(i, prompt, 0, CONTEXT - 1, True)
+                                       for i in range(first, first + 4)])
+                a, b = trt_runner.execute(step), ref.execute(step)
+                worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+            decode = build_step(kv, [SeqChunk(i, prompt, CONTEXT - 1, 1, True)
+                                     for i in range(batch)])
+            a, b = trt_runner.execute(decode), ref.execute(decode)
+            worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+            RESULTS["TensorRT vs Triton runner max rel logit diff"] = worst
+            RESULTS[f"TensorRT decode step ms b={batch}"] = cuda_time_ms(
+                lambda: trt_runner.execute(decode), repeats=10)
+            if worst > 5e-2:
+                raise AssertionError(f"TensorRT logits differ from the Triton runner's by {worst}")
+        finally:
+            trt_runner.close()
+            ref.close()
 
 
 def main() -> int:

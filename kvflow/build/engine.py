@@ -11,6 +11,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvflow.build.engine_config import (
     BACKEND_DTYPES,
@@ -110,24 +111,33 @@ def build_engine(
         save_file(state, str(out / "weights.safetensors"))
         files["weights"] = "weights.safetensors"
     else:
-        import torch
-
-        from kvflow.build.export import export_onnx
         from kvflow.model.llama import LlamaForCausalLM
 
         progress(f"[3/4] exporting ONNX ({cfg.num_hidden_layers} PagedAttention nodes)")
         net = LlamaForCausalLM(cfg, block_size, max_model_len)
         net.load_hf_state_dict(ckpt.state_dict)
-        net = net.to(getattr(torch, dtype)).eval()
-        export_onnx(net, block_size, out / "model.onnx")
-        files["onnx"] = "model.onnx"
-        files["onnx_data"] = "model.onnx.data"
-        if backend == "tensorrt":
-            from kvflow.build.tensorrt_build import build_plan
-
-            progress("      compiling the TensorRT plan")
-            build_plan(out / "model.onnx", out / "model.plan", limits, cfg)
-            files["plan"] = "model.plan"
+        files.update(write_graph_artifacts(net, engine, out, progress))
     engine.save(out)
     progress(f"[4/4] engine written to {out} in {time.perf_counter() - t0:.1f}s")
     return engine
+
+
+def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
+                          progress: ProgressFn = _print_progress) -> dict[str, str]:
+    """Export ``net`` (a ``LlamaForCausalLM``) in the engine's dtype to ``out/model.onnx`` and,
+    for ``--backend tensorrt``, compile ``out/model.plan``; returns the ``files`` entries.
+    ``build_engine`` calls it on a checkpoint, benchmarks on random weights."""
+    import torch
+
+    from kvflow.build.export import export_onnx
+
+    net = net.to(getattr(torch, engine.dtype)).eval()
+    export_onnx(net, engine.limits.block_size, out / "model.onnx")
+    files = {"onnx": "model.onnx", "onnx_data": "model.onnx.data"}
+    if engine.backend == "tensorrt":
+        from kvflow.build.tensorrt_build import build_plan
+
+        progress("      compiling the TensorRT plan")
+        build_plan(out / "model.onnx", out / "model.plan", engine.limits, engine.model)
+        files["plan"] = "model.plan"
+    return files
