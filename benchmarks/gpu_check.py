@@ -166,6 +166,12 @@ def check_bandwidth() -> None:
         del long
 
 
+def pool_blocks() -> int:
+    """KV blocks for 64 sequences of ``CONTEXT`` tokens (and room to grow), plus the null
+    block: the pool of the runner timings."""
+    return 64 * (-(-(CONTEXT + 130) // 16)) + 2
+
+
 def model_configs() -> dict[str, Any]:
     """The models the runner is timed on: the default model's shape and a 1B Llama, both with
     random weights (timing depends on the shape only; the default model's 98 MB GGUF cannot
@@ -217,7 +223,7 @@ def time_runner(label: str, cfg: Any) -> None:
     engine = EngineConfig(cfg, "torch", "bfloat16", limits, "random weights", {})
     model = LlamaForCausalLM(cfg, 16, 2048)
     batches = (1, 64) if DRY else (1, 8, 32, 64)
-    num_blocks = 64 * (-(-(CONTEXT + 130) // 16)) + 2
+    num_blocks = pool_blocks()
     RESULTS[f"{label} params (M)"] = cfg.num_parameters / 1e6
     t0 = time.perf_counter()
     try:
@@ -330,7 +336,7 @@ def check_tensorrt() -> None:
     cfg = model_configs()["SmolLM2-135M"]
     limits = BuildLimits(2048, 4096, 64, 16)
     net = LlamaForCausalLM(cfg, 16, 2048)
-    num_blocks = 64 * (-(-(CONTEXT + 130) // 16)) + 2
+    num_blocks = pool_blocks()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         engine = EngineConfig(cfg, "tensorrt", "bfloat16", limits, "random weights", {})

@@ -138,7 +138,7 @@ def launches(quick: bool) -> list[Launch]:
                              HEAD_DIM="constexpr", BLOCK_D="constexpr"),
                         dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim)), 4,
                         ints))
-            block_d = max(16, triton.next_power_of_2(head_dim))
+            block_d = pat.head_dim_tile(head_dim)
             out.append((f"{model} {name}: split merge", pat._combine_splits_kernel,
                         dict(part_o_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=t,
                              stride_ot="i32", stride_oh="i32", num_tokens="i32",

@@ -170,6 +170,12 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(2), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
 
 
+def head_dim_tile(head_dim: int) -> int:
+    """``BLOCK_D`` of the attention and merge kernels: tl.dot needs an inner dimension of at
+    least 16 on GPUs, so smaller head dims run in 16-wide tiles, the rest masked."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 @dataclass(frozen=True)
 class AttentionLaunch:
     """What one attention launch is compiled for: the kernel's constexprs and ``num_warps``
@@ -190,8 +196,7 @@ class AttentionLaunch:
 
     @property
     def block_d(self) -> int:
-        # tl.dot needs an inner dimension of at least 16 on GPUs (head dims below are masked).
-        return max(16, triton.next_power_of_2(self.head_dim))
+        return head_dim_tile(self.head_dim)
 
     @property
     def rows(self) -> int:
@@ -229,9 +234,8 @@ def attention_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
     # (multiples of 16) loads tiles with 16-byte async copies and spills in neither case.
     if is_fp32 and rows >= 64:
         block_n = min(block_n, 32)
-    block_d = max(16, triton.next_power_of_2(head_dim))
     if num_warps is None:
-        big = rows >= 64 or block_n * block_d * dtype.itemsize >= 16384
+        big = rows >= 64 or block_n * head_dim_tile(head_dim) * dtype.itemsize >= 16384
         num_warps = 8 if big else 4
     return AttentionLaunch(group, head_dim, bm, block_n, is_fp32, num_splits, num_warps)
 

@@ -95,8 +95,7 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile the kernels, pick cuBLAS algorithms
             for b in self.sizes:
-                self._run(b)
-            vocab = self._run(self.sizes[0]).shape[1]
+                vocab = self._run(b).shape[1]
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         # Every graph writes its logits into rows of one buffer, so that only one
