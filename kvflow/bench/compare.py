@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.bench.metrics import summarize
-from kvflow.bench.report import write_report
+from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.bench.serve import (
     MetricsScraper,
     add_workload_args,
@@ -222,10 +222,7 @@ def plot_sweep(out: Path, results: dict[str, list[dict[str, Any]]], slo_ttft_ms:
                hf: dict[str, Any] | None, filename: str = "compare.png") -> str:
     """P99 TTFT and E2E against throughput, and P99 TTFT against the offered rate, one curve
     per mode (``bench compare`` and ``simulate`` sweeps); returns the file name."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for mode, points in results.items():
@@ -265,10 +262,7 @@ def plot_sweep(out: Path, results: dict[str, list[dict[str, Any]]], slo_ttft_ms:
         ax.legend(fontsize=7)
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-    fig.tight_layout()
-    fig.savefig(out / filename, dpi=110)
-    plt.close(fig)
-    return filename
+    return save_figure(fig, out / filename)
 
 
 def bench_compare(args: argparse.Namespace) -> dict[str, Any]:

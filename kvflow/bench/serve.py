@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.bench.metrics import RequestTiming, summarize
-from kvflow.bench.report import write_report
+from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.bench.workloads import (
     RequestSpec,
     load_azure_trace,
@@ -269,10 +269,7 @@ def run_load(url: str, specs: list[RequestSpec], texts: list[str],
 
 
 def _plots(out: Path, timings: list[RequestTiming], series: list[dict[str, float]]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     files = []
@@ -289,10 +286,7 @@ def _plots(out: Path, timings: list[RequestTiming], series: list[dict[str, float
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
     fig.suptitle("Latency CDFs")
-    fig.tight_layout()
-    fig.savefig(out / "latency_cdf.png", dpi=110)
-    plt.close(fig)
-    files.append("latency_cdf.png")
+    files.append(save_figure(fig, out / "latency_cdf.png"))
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, (key, label) in zip(axes, (("kvflow_num_requests_running", "running batch"),
@@ -306,10 +300,7 @@ def _plots(out: Path, timings: list[RequestTiming], series: list[dict[str, float
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     fig.suptitle("Server state over time (scraped from /metrics)")
-    fig.tight_layout()
-    fig.savefig(out / "server_series.png", dpi=110)
-    plt.close(fig)
-    files.append("server_series.png")
+    files.append(save_figure(fig, out / "server_series.png"))
     return files
 
 

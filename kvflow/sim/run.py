@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvflow.bench.compare import MODE_LABELS, MODES, mode_scheduler_options, parse_rates
+from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.bench.serve import add_workload_args, build_workload, parse_slo, write_serve_report
 from kvflow.bench.workloads import RequestSpec
 from kvflow.orchestrator.config import SchedulerConfig
@@ -89,10 +90,7 @@ def priorities_for(n: int, num_priorities: int, seed: int) -> list[int]:
 
 
 def _plot_kv_batch(out: Path, result: SimResult) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     t = [r["t_s"] for r in result.series]
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
@@ -124,10 +122,7 @@ def _plot_kv_batch(out: Path, result: SimResult) -> str:
     axes[2].set_ylabel("fraction of requests")
     axes[2].set_title("Per-request queue time (CDF)")
     axes[2].grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "kv_batch.png", dpi=110)
-    plt.close(fig)
-    return "kv_batch.png"
+    return save_figure(fig, out / "kv_batch.png")
 
 
 def _thin(series: list[dict[str, float]], limit: int = 4000) -> list[dict[str, float]]:
@@ -247,7 +242,6 @@ def write_sweep(out: Path, results: dict[str, list[dict[str, Any]]], cost_info: 
                 slo: dict[str, float], args: argparse.Namespace) -> None:
     """The sweep's summary table and ``sweep.png`` (latency vs throughput, per mode)."""
     from kvflow.bench.compare import fmt_value, max_sustained_rate, plot_sweep
-    from kvflow.bench.report import write_report
 
     what = (f"{cost_info['model']} (tp={cost_info['tp']}) on {cost_info['hardware']}"
             if cost_info["cost_model"] == "roofline" else f"calibrated {cost_info['cost_file']}")
