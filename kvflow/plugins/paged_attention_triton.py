@@ -267,7 +267,7 @@ def paged_attention_triton(
     any token and head strides) receives the result in place, as a TensorRT plugin's output
     buffer does; every tensor's last dimension must be contiguous.
     ``block_n`` (keys per inner iteration, a power of two >= 16) and ``num_warps`` (default:
-    what :func:`attention_launch` picks so that no launch spills registers on Hopper) are the
+    what :func:`attention_launch` picks to keep register spills off Hopper launches) are the
     tuning knobs that ``benchmarks/gpu_check.py`` sweeps. ``num_splits`` (a power of two)
     cuts each program's keys into that many ranges (split KV); by default
     :func:`decode_splits` decides for decode steps on a GPU, and other steps are not split.
