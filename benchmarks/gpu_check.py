@@ -220,7 +220,7 @@ def time_runner(label: str, cfg: Any) -> None:
     from kvflow.runtime.triton_runner import TritonRunner
 
     limits = BuildLimits(2048, 4096, 64, 16)
-    engine = EngineConfig(cfg, "torch", "bfloat16", limits, "random weights", {})
+    engine = EngineConfig(cfg, "torch", "bfloat16", limits, {"name": "random weights"}, {})
     model = LlamaForCausalLM(cfg, 16, 2048)
     batches = (1, 64) if DRY else (1, 8, 32, 64)
     num_blocks = pool_blocks()
@@ -339,7 +339,7 @@ def check_tensorrt() -> None:
     num_blocks = pool_blocks()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        engine = EngineConfig(cfg, "tensorrt", "bfloat16", limits, "random weights", {})
+        engine = EngineConfig(cfg, "tensorrt", "bfloat16", limits, {"name": "random weights"}, {})
         t0 = time.perf_counter()
         engine.files.update(write_graph_artifacts(net, engine, folder))
         engine.save(folder)

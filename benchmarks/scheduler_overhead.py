@@ -20,7 +20,7 @@ import numpy as np
 
 from kvflow.bench.report import write_report
 from kvflow.build.engine_config import EngineConfig
-from kvflow.orchestrator.config import SchedulerConfig
+from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.sampling_params import SamplingParams
 from kvflow.orchestrator.tokenizer import EngineTokenizer
@@ -45,7 +45,7 @@ def run(engine_dir: str, num_requests: int, steps: int, vocab: int | None,
         detokenize: bool) -> dict:
     engine_cfg = EngineConfig.load(engine_dir)
     vocab = vocab or engine_cfg.model.vocab_size
-    sched = SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=8192,
+    sched = EngineOptions(max_num_seqs=num_requests, max_num_batched_tokens=8192,
                             max_model_len=2048)
     blocks = num_requests * (2048 // engine_cfg.limits.block_size) + 1
     runner = InstantRunner(engine_cfg, blocks, vocab)

@@ -12,6 +12,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvflow import envs
+
 
 def _int(text: str) -> int:
     try:
@@ -50,40 +52,50 @@ def run_build_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flag_type(name: str):
+    from kvflow.orchestrator.config import parse_option
+
+    def parse(text: str):
+        try:
+            return parse_option(name, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
 def add_engine_option_args(p: argparse.ArgumentParser) -> None:
-    """Scheduler and KV options a served engine takes (each maps to SchedulerConfig / LLM)."""
-    g = p.add_argument_group("engine options")
-    g.add_argument("--policy", choices=["fcfs", "priority", "cache_aware", "static"],
-                   default=None)
-    g.add_argument("--max-num-seqs", type=_int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=_int, default=None)
-    g.add_argument("--max-model-len", type=_int, default=None)
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--long-prefill-token-threshold", type=_int, default=None)
-    g.add_argument("--max-waiting-requests", type=_int, default=None)
-    g.add_argument("--kv-cache-bytes", type=_int, default=None)
-    g.add_argument("--num-kv-blocks", type=_int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default=None)
-    g.add_argument("--swap-space-bytes", type=_int, default=None)
-    g.add_argument("--runner", choices=["onnxruntime", "torch", "triton", "tensorrt"],
-                   default=None)
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="the triton runner launches decode steps eagerly, no CUDA graphs")
+    """One flag per :class:`~kvflow.orchestrator.config.EngineOptions` field, generated from
+    it: ``--max-num-seqs N``; a boolean that is on by default, ``enable_X``, becomes
+    ``--no-X``; a field with a switch of its own (``--enforce-eager``) gets that. Flags not
+    given are absent from the namespace, so the engine folder's limits apply."""
+    from kvflow.orchestrator.config import option_fields, option_kind
+
+    g = p.add_argument_group("engine options (any kvflow.LLM option)")
+    for f in option_fields():
+        meta, kind = f.metadata, option_kind(f.name)[0]
+        common = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"]}
+        if meta["flag"]:
+            g.add_argument(meta["flag"], action="store_const", const=meta["flag_value"],
+                           **{**common, "help": meta["flag_help"]})
+        elif kind is bool and f.default is True:
+            g.add_argument("--no-" + f.name.removeprefix("enable_").replace("_", "-"),
+                           action="store_false", **{**common, "help": "turn off: " + meta["help"]})
+        elif kind is bool:
+            g.add_argument("--" + f.name.replace("_", "-"), action="store_true", **common)
+        else:
+            choices = meta["choices"]() if meta["choices"] else None
+            g.add_argument("--" + f.name.replace("_", "-"), type=_flag_type(f.name),
+                           choices=choices, metavar="{" + ",".join(choices) + "}" if choices
+                           else kind.__name__.upper(), **common)
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
-    names = ("policy", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-             "long_prefill_token_threshold", "max_waiting_requests", "kv_cache_bytes",
-             "num_kv_blocks", "runner", "preemption_mode", "swap_space_bytes")
-    out = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    if getattr(args, "no_chunked_prefill", False):
-        out["enable_chunked_prefill"] = False
-    if getattr(args, "no_prefix_caching", False):
-        out["enable_prefix_caching"] = False
-    if getattr(args, "enforce_eager", False):
-        out["cuda_graphs"] = False
-    return out
+    """The engine options given on the command line."""
+    from kvflow.orchestrator.config import EngineOptions
+
+    given = vars(args)
+    return {name: given[name] for name in EngineOptions.names() if name in given}
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -93,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
         cfg = ServerConfig(args.engine, host=args.host, http_port=args.http_port,
                            grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                            tritonserver=args.tritonserver, engine_args=engine_overrides(args),
-                           log_verbose=args.log_verbose)
+                           log_verbose=args.log_verbose, api_key=args.api_key)
         return serve_forever(cfg)
     except ServeError as e:
         raise ValueError(str(e)) from None
@@ -124,6 +136,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tritonserver", default=None,
                    help="tritonserver binary (default: the one in the nvidia-pytriton wheel)")
     p.add_argument("--log-verbose", type=_int, default=0)
+    p.add_argument("--api-key", default=envs.api_key(),
+                   help="clients must send the header 'x-api-key: KEY' for inference, metadata "
+                        "and the model config (default: $KVFLOW_API_KEY; none: no "
+                        "authentication, fine on loopback)")
     add_engine_option_args(p)
     p.set_defaults(func=run_serve)
 
@@ -139,6 +155,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_int, default=0)
     p.add_argument("--seed", type=_int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--api-key", default=envs.api_key(),
+                   help="the server's --api-key (default: $KVFLOW_API_KEY)")
     p.set_defaults(func=run_generate)
 
     bench = sub.add_parser("bench", help="benchmarks")

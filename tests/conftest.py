@@ -6,8 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
-torch = pytest.importorskip("torch")
+# NOTE: no torch at import time: the pure-Python scheduler and KV tests must run without it.
+# The fixtures that build models or engines skip when it is missing.
+
+# Property tests judge behaviour, never speed: no per-example deadline, and no health check
+# that fails when generating examples is slow (a busy machine).
+settings.register_profile("kvflow", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvflow")
 
 # name -> HF config overrides. Each is a different corner of the Llama family.
 TINY_MODELS: dict[str, dict] = {
@@ -36,6 +43,7 @@ BASE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidd
 
 def make_tiny_hf_model(name: str, folder: Path):
     """Save a random-weight HF model ``name`` (see TINY_MODELS) with a byte-level tokenizer."""
+    import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -75,6 +83,7 @@ def make_tiny_hf_model(name: str, folder: Path):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """name -> (HF folder, HF model) for every tiny model."""
+    pytest.importorskip("torch")
     root = tmp_path_factory.mktemp("tiny")
     return {name: (root / name, make_tiny_hf_model(name, root / name)) for name in TINY_MODELS}
 
@@ -99,6 +108,7 @@ def tiny_engines(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Path]:
 @pytest.fixture(scope="session")
 def default_engines(tmp_path_factory) -> dict[str, Path]:
     """backend -> engine folder of the default model (SmolLM2-135M-Instruct), both CPU backends."""
+    pytest.importorskip("torch")
     from kvflow.build.engine import build_engine
     from kvflow.model.loader import default_model_path
 
@@ -119,6 +129,7 @@ def default_engines(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def default_hf():
     """HF transformers' own SmolLM2-135M-Instruct, dequantized from the same GGUF by itself."""
+    pytest.importorskip("torch")
     from kvflow.model.hf_reference import load_hf_reference
 
     return load_hf_reference("default")
@@ -131,7 +142,8 @@ def triton_server(default_engines, tmp_path_factory):
 
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     cfg = ServerConfig.on_free_ports(
-        default_engines["onnxruntime"], {"max_waiting_requests": 40, "kv_cache_bytes": 256 << 20},
+        default_engines["onnxruntime"], {"max_waiting_requests": 40, "kv_cache_bytes": 256 << 20,
+                                         "debug_checks": True},  # invariants every step
         ready_timeout_s=300)
     server = TritonServer(cfg, log_path=log)
     try:

@@ -30,29 +30,28 @@ def test_async_streams_equal_offline_and_abort_frees_blocks(engine_dir):
             a, b = await asyncio.gather(collect("a", "hello world"), collect("b", "abc"))
 
             long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            stream = engine.add_request("c", "a long one", long)
             got = 0
-            async for _ in engine.add_request("c", "a long one", long):
+            async for _ in stream:
                 got += 1
                 if got == 3:
-                    break  # leaving the iterator aborts the request
-            used = await asyncio.to_thread(
-                engine.loop.call, lambda e: (e.kv.pool.num_used_blocks, e.scheduler.num_running))
-            for _ in range(50):
-                if used == (0, 0):
                     break
-                await asyncio.sleep(0.05)
-                used = await asyncio.to_thread(
-                    engine.loop.call,
-                    lambda e: (e.kv.pool.num_used_blocks, e.scheduler.num_running))
-            return a, b, used
+            # Leaving the iterator closes it (CPython does so once it is released; here at
+            # once, so that the abort is queued before the read below, on the same inbox).
+            await stream.aclose()
+            return a, b, await asyncio.to_thread(engine.loop.call, lambda e: (
+                e.kv.pool.num_used_blocks, e.scheduler.num_running, e.counters.finished,
+                e.counters.generation_tokens))
         finally:
             engine.shutdown()
 
-    a, b, used = asyncio.run(run())
+    a, b, (used_blocks, running, finished, generated) = asyncio.run(run())
     assert "".join(o.delta_text for o in a) == offline[0].text
     assert a[-1].finished and a[-1].token_ids == offline[0].token_ids
     assert b[-1].text == offline[1].text
-    assert used == (0, 0)
+    # "c" ended by the abort, its 200 tokens far from done, and holds no KV.
+    assert (used_blocks, running, finished) == (0, 0, 3)
+    assert generated < 12 + 12 + 200
 
 
 def test_rejected_request_ends_the_stream_with_a_reason(engine_dir):

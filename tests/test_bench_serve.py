@@ -8,6 +8,10 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc")
 
+# SLOs no run can miss (about 11 days), so that what the goodput and sustained-rate checks
+# see does not depend on how fast this machine is.
+NEVER_MISSED_MS = "1e9"
+
 
 def test_short_bench_serve_writes_a_complete_report(triton_server, default_engines, tmp_path):
     from kvflow.cli import make_parser
@@ -18,7 +22,8 @@ def test_short_bench_serve_writes_a_complete_report(triton_server, default_engin
         "--metrics-url", triton_server.metrics_url,
         "--engine", str(default_engines["onnxruntime"]), "--workload", "random",
         "--num-prompts", "8", "--input-len", "24", "--output-len", "6",
-        "--request-rate", "20", "--max-concurrency", "4", "--slo", "ttft_ms=60000,tpot_ms=60000",
+        "--request-rate", "20", "--max-concurrency", "4", "--slo",
+        f"ttft_ms={NEVER_MISSED_MS},tpot_ms={NEVER_MISSED_MS}",
         "--out", str(out), "--no-progress"])
     assert args.func(args) == 0
     report = json.loads((out / "report.json").read_text())
@@ -28,7 +33,7 @@ def test_short_bench_serve_writes_a_complete_report(triton_server, default_engin
     for key in ("request_throughput", "output_token_throughput", "total_token_throughput",
                 "goodput"):
         assert s[key] > 0, key
-    assert s["goodput"] == pytest.approx(s["request_throughput"])  # generous SLOs: all good
+    assert s["goodput"] == pytest.approx(s["request_throughput"])  # every request is good
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(s[key]) == {"mean", "median", "p90", "p95", "p99"}
         assert s[key]["p99"] >= s[key]["median"] >= 0
@@ -83,7 +88,7 @@ def test_short_bench_compare_serves_each_mode_and_measures_hf(default_engines, t
         "--range-ratio", "0.5", "--rates", "8,inf", "--modes", "static,chunked",
         "--chunk-tokens", "32", "--max-num-seqs", "4", "--hf-batch-size", "3",
         "--max-model-len", "512",
-        "--slo", "ttft_ms=60000", "--out", str(out), "--no-progress"])
+        "--slo", f"ttft_ms={NEVER_MISSED_MS}", "--out", str(out), "--no-progress"])
     assert args.func(args) == 0
     report = json.loads((out / "compare.json").read_text())
     assert set(report["results"]) == {"static", "chunked"}
@@ -93,7 +98,7 @@ def test_short_bench_compare_serves_each_mode_and_measures_hf(default_engines, t
             s = p["summary"]
             assert s["completed"] == 6 and s["failed"] == 0
             assert s["total_output_tokens"] == report["hf_baseline"]["output_tokens"]
-        assert report["max_sustained_rate"][mode] == float("inf")  # a generous SLO
+        assert report["max_sustained_rate"][mode] == float("inf")  # an SLO never missed
     engine_args = report["config"]["engine_args"]
     assert engine_args["static"]["policy"] == "static"
     assert engine_args["chunked"]["max_num_batched_tokens"] == 32

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from tokenizers import Tokenizer
 
-from kvflow.runtime import create_runner
-from tests.helpers import assert_same_or_near_tie, greedy_generate
+torch = pytest.importorskip("torch")
+
+from tokenizers import Tokenizer  # noqa: E402
+
+from kvflow.runtime import create_runner  # noqa: E402
+from tests.helpers import assert_same_or_near_tie, greedy_generate  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",

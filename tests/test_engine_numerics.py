@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
-import torch
 
-from kvflow.kv_manager import KVCacheManager
-from kvflow.runtime import create_runner
-from kvflow.runtime.step_builder import SeqChunk, build_step
-from tests.conftest import TINY_MODELS
+torch = pytest.importorskip("torch")
+
+import onnx  # noqa: E402
+
+from kvflow.kv_manager import KVCacheManager  # noqa: E402
+from kvflow.runtime import create_runner  # noqa: E402
+from kvflow.runtime.step_builder import SeqChunk, build_step  # noqa: E402
+from tests.conftest import TINY_MODELS  # noqa: E402
 
 RUNNERS = ["onnxruntime", "torch"]
 TOL = 1e-4

@@ -7,16 +7,18 @@ The TensorRT code is type-checked against tensorrt-stubs by `make typecheck`.
 
 from __future__ import annotations
 
-import onnx
 import pytest
-import torch
 
-from kvflow.build.engine import tensorrt_available
-from kvflow.build.engine_config import BuildLimits
-from kvflow.build.export import export_onnx
-from kvflow.model.config import ModelConfig
-from kvflow.model.llama import LlamaForCausalLM
-from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
+torch = pytest.importorskip("torch")
+
+import onnx  # noqa: E402
+
+from kvflow.build.engine import tensorrt_available  # noqa: E402
+from kvflow.build.engine_config import BuildLimits  # noqa: E402
+from kvflow.build.export import export_onnx  # noqa: E402
+from kvflow.model.config import ModelConfig  # noqa: E402
+from kvflow.model.llama import LlamaForCausalLM  # noqa: E402
+from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE  # noqa: E402
 
 TINY = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

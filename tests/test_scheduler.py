@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.config import SchedulerConfig
+from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.request import Request, RequestStatus
 from kvflow.orchestrator.sampling_params import SamplingParams
 from kvflow.orchestrator.scheduler import SchedulerOutput, make_scheduler
@@ -25,7 +25,7 @@ class FakeClock:
 
 
 def make_scheduler_for_test(num_blocks=64, block_size=4, clock=None, num_host_blocks=0, **cfg):
-    config = SchedulerConfig(**{"max_num_batched_tokens": 16, "max_model_len": 256,
+    config = EngineOptions(**{"max_num_batched_tokens": 16, "max_model_len": 256,
                                 "enable_prefix_caching": False, **cfg})
     kv = KVCacheManager(num_blocks, block_size, enable_caching=config.enable_prefix_caching,
                         num_host_blocks=num_host_blocks, bytes_per_block=1024)
@@ -101,8 +101,8 @@ def test_preemption_frees_the_newest_request_and_it_recomputes_everything():
     # 6 usable blocks of 4 tokens: a and b (8-token prompts) take 2 blocks each.
     sched = make_scheduler_for_test(num_blocks=7, clock=clock, max_num_batched_tokens=64,
                                     kv_watermark=0.0)
-    sched.add_request(make_request("a", 8, max_tokens=20, arrival=0.0))
-    sched.add_request(make_request("b", 8, max_tokens=20, arrival=1.0))
+    sched.add_request(make_request("a", 8, max_tokens=16, arrival=0.0))
+    sched.add_request(make_request("b", 8, max_tokens=16, arrival=1.0))
     run_step(sched)
     # Each decode step adds a token; at 12 tokens each needs a 4th... blocks run out.
     preempted = []
@@ -129,8 +129,8 @@ def test_preemption_frees_the_newest_request_and_it_recomputes_everything():
 def test_preemption_takes_the_lowest_priority_first():
     sched = make_scheduler_for_test(num_blocks=7, policy="priority", max_num_batched_tokens=64,
                                     kv_watermark=0.0)
-    sched.add_request(make_request("low", 8, max_tokens=20, priority=5, arrival=0.0))
-    sched.add_request(make_request("high", 8, max_tokens=20, priority=0, arrival=1.0))
+    sched.add_request(make_request("low", 8, max_tokens=16, priority=5, arrival=0.0))
+    sched.add_request(make_request("high", 8, max_tokens=16, priority=0, arrival=1.0))
     run_step(sched)
     victims = []
     for _ in range(12):
@@ -170,14 +170,28 @@ def test_static_batching_runs_a_batch_to_completion_before_admitting():
     (0, {}, "at least one token"),
     (256, {}, "max_model_len is 256"),
     (100, {"enable_chunked_prefill": False}, "max_num_batched_tokens (16)"),
-    (40, {"num_blocks": 9}, "holds at most 32 tokens per sequence"),
+    (40, {"num_blocks": 9}, "the KV cache's capacity per sequence is 32 tokens"),
+    # Refused, not cut short: prompt + max_tokens (or min_tokens) must fit.
+    (250, {}, "prompt has 250 tokens and max_tokens is 10: 260 tokens, more than "
+              "max_model_len (256 tokens)"),
+    (30, {"num_blocks": 9}, "prompt has 30 tokens and max_tokens is 10: 40 tokens, more than "
+                            "the KV cache's capacity per sequence (32 tokens)"),
 ])
 def test_requests_that_can_never_run_are_rejected_at_once(prompt_len, cfg, reason):
     sched = make_scheduler_for_test(**cfg)
-    request = make_request("r", prompt_len)
+    request = make_request("r", prompt_len, max_tokens=10)
     assert not sched.add_request(request)
     assert request.status == RequestStatus.REJECTED and reason in request.reject_reason
+    assert request.reject_code == "bad_request"
     assert not sched.has_unfinished_requests()
+
+
+def test_min_tokens_is_bounded_by_the_context_when_max_tokens_is_none():
+    sched = make_scheduler_for_test()
+    request = Request("r", list(range(10, 20)), SamplingParams(max_tokens=None,
+                                                               min_tokens=10**9), 0.0)
+    assert not sched.add_request(request)
+    assert "min_tokens is 1000000000" in request.reject_reason
 
 
 def test_a_full_queue_rejects_with_a_reason():
@@ -187,6 +201,7 @@ def test_a_full_queue_rejects_with_a_reason():
     c = make_request("c", 2)
     assert not sched.add_request(c)
     assert "waiting queue is full (max_waiting_requests=2)" in c.reject_reason
+    assert c.reject_code == "overloaded"
 
 
 def test_abort_frees_blocks_at_once():
@@ -318,8 +333,8 @@ def test_different_salts_never_share_blocks():
 def test_preemption_by_swap_keeps_the_computed_tokens():
     sched = make_scheduler_for_test(num_blocks=7, max_num_batched_tokens=64, kv_watermark=0.0,
                                     num_host_blocks=8, preemption_mode="swap")
-    sched.add_request(make_request("a", 8, max_tokens=20, arrival=0.0))
-    sched.add_request(make_request("b", 8, max_tokens=20, arrival=1.0))
+    sched.add_request(make_request("a", 8, max_tokens=16, arrival=0.0))
+    sched.add_request(make_request("b", 8, max_tokens=16, arrival=1.0))
     run_step(sched)
     swapped_out = []
     for _ in range(12):
@@ -344,8 +359,8 @@ def test_preemption_by_swap_keeps_the_computed_tokens():
 def test_auto_mode_recomputes_when_the_host_pool_is_full():
     sched = make_scheduler_for_test(num_blocks=7, max_num_batched_tokens=64, kv_watermark=0.0,
                                     num_host_blocks=1, preemption_mode="auto")
-    sched.add_request(make_request("a", 8, max_tokens=20, arrival=0.0))
-    sched.add_request(make_request("b", 8, max_tokens=20, arrival=1.0))
+    sched.add_request(make_request("a", 8, max_tokens=16, arrival=0.0))
+    sched.add_request(make_request("b", 8, max_tokens=16, arrival=1.0))
     for _ in range(14):
         out = run_step(sched)
         if out.preempted:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 if not torch.cuda.is_available():
     # NOTE: must be set before triton is imported: it picks the interpreter at jit time.

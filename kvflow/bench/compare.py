@@ -50,7 +50,7 @@ MODE_LABELS = {"static": "static batching", "continuous": "continuous batching",
 
 def mode_scheduler_options(mode: str, max_num_seqs: int, max_model_len: int,
                            chunk_tokens: int, prefix_caching: bool = False) -> dict[str, Any]:
-    """The :class:`SchedulerConfig` options of a batching mode (the served engine's and the
+    """The :class:`EngineOptions` options of a batching mode (the served engine's and the
     simulator's alike): whole prompts need a token budget of ``max_model_len``; chunked modes
     get ``chunk_tokens`` per step."""
     if mode not in MODES:
@@ -160,6 +160,20 @@ def run_mode(mode: str, args: argparse.Namespace, workloads: dict[float, list[Re
                   f"{fmt_value(summary['ttft_ms']['p99'])} ms, {summary['failed']} failed",
                   flush=True)
     return points
+
+
+def hf_model_of(engine_dir: str | Path) -> str:
+    """The checkpoint HF transformers loads for the baseline: the default model's GGUF when the
+    engine was built from it (same name and SHA-256), else ``--hf-model`` must say."""
+    from kvflow.build.engine_config import EngineConfig, checkpoint_source
+    from kvflow.model.loader import default_model_path
+
+    source = EngineConfig.load(engine_dir).source
+    default = default_model_path()
+    if source.get("name") == default.name and source == checkpoint_source(default):
+        return str(default)
+    raise ValueError(f"the engine was built from {source.get('name', 'an unknown checkpoint')}, "
+                     "not the default model: pass --hf-model PATH for the HF baseline")
 
 
 def hf_static_generate(model: str, engine_dir: str, texts: list[str],
@@ -280,6 +294,7 @@ def bench_compare(args: argparse.Namespace) -> dict[str, Any]:
 
     for mode in modes:  # every mode's options against the engine's limits, before serving
         plan_engine(args.engine, **mode_engine_args(mode, args))
+    hf_model = None if args.no_hf else (args.hf_model or hf_model_of(args.engine))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workloads, info = {}, {}
@@ -292,11 +307,8 @@ def bench_compare(args: argparse.Namespace) -> dict[str, Any]:
 
     hf = None
     if not args.no_hf:
-        from kvflow.build.engine_config import EngineConfig
-
-        model = args.hf_model or EngineConfig.load(args.engine).source
-        print(f"[bench compare] HF transformers generate baseline ({model}) ...", flush=True)
-        hf = hf_static_generate(model, args.engine, texts, first, args.hf_batch_size,
+        print(f"[bench compare] HF transformers generate baseline ({hf_model}) ...", flush=True)
+        hf = hf_static_generate(hf_model, args.engine, texts, first, args.hf_batch_size,
                                 not args.no_progress)
 
     config = {**{k: v for k, v in info.items() if k != "request_rate"},

@@ -19,6 +19,7 @@ from kvflow.build.engine_config import (
     BuildLimits,
     EngineConfig,
     EngineConfigError,
+    checkpoint_source,
 )
 
 ProgressFn = Callable[[str], None]
@@ -101,7 +102,7 @@ def build_engine(
     ckpt.save_tokenizer(out)
 
     files: dict[str, str] = {}
-    engine = EngineConfig(cfg, backend, dtype, limits, ckpt.source, files)
+    engine = EngineConfig(cfg, backend, dtype, limits, checkpoint_source(ckpt.source), files)
     if backend == "torch":
         from safetensors.torch import save_file
 

@@ -5,6 +5,7 @@ Pure Python (no torch) so that the orchestrator and the simulator can read it to
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,6 +58,22 @@ class BuildLimits:
             )
 
 
+def checkpoint_source(path: str | Path) -> dict[str, str]:
+    """What an engine records of its checkpoint: its name and the SHA-256 of its contents (a
+    file's bytes; for a folder, each file's name and bytes in name order). No absolute path:
+    an engine folder says the same on every machine."""
+    path = Path(path)
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        if f is not path:
+            h.update(str(f.relative_to(path)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return {"name": path.name, "sha256": h.hexdigest()}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything a server needs to know about an engine folder besides its files."""
@@ -65,7 +82,8 @@ class EngineConfig:
     backend: str
     dtype: str
     limits: BuildLimits
-    source: str
+    # The checkpoint it was built from, portably: {"name": file or folder name, "sha256"}.
+    source: dict[str, str]
     files: dict[str, str]
     kvflow_version: str = "0.1.0"
 
@@ -114,7 +132,7 @@ class EngineConfig:
             backend=d["backend"],
             dtype=d["dtype"],
             limits=BuildLimits(**d["limits"]),
-            source=d.get("source", ""),
+            source=d["source"] if isinstance(d.get("source"), dict) else {},
             files=d.get("files", {}),
             kvflow_version=d.get("kvflow_version", "0.1.0"),
         )

@@ -11,20 +11,28 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.outputs import RequestOutput
 from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.orchestrator.tokenizer import Prompt
 
 OutputCallback = Callable[[RequestOutput], None]
-StepHook = Callable[[LLMEngine, list[RequestOutput]], None]
+# Called on the loop thread after every step with the step's outputs (and with [] after a
+# change of state without a step): the documented way to watch a served engine.
+StepHook = Callable[["EngineLoop", list[RequestOutput]], None]
 
 
 class EngineLoop:
     """Runs ``engine.step()`` on a daemon thread while there is work; idle, it sleeps on its
-    inbox. All engine state is touched by that thread alone."""
+    inbox. All engine state is touched by that thread alone.
+
+    ``serving_time_s``: the loop thread's seconds spent serving around the steps (cancellation
+    checks, the step hook, handing outputs to clients); the time inside steps is the engine's
+    own ``counters.step_time_s``.
+    """
 
     def __init__(self, engine: LLMEngine, name: str = "kvflow-engine-loop",
                  step_hook: StepHook | None = None) -> None:
@@ -35,10 +43,11 @@ class EngineLoop:
         self._cancel_checks: dict[str, Callable[[], bool]] = {}
         self._stopped = threading.Event()
         self.error: BaseException | None = None
+        self.serving_time_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+    def submit(self, request_id: str, prompt: Prompt, params: SamplingParams,
                callback: OutputCallback, priority: int = 0,
                is_cancelled: Callable[[], bool] | None = None,
                cache_salt: str | None = None) -> None:
@@ -79,7 +88,7 @@ class EngineLoop:
                 _, rejected = self.engine.add_request(prompt, params, request_id, priority,
                                                       cache_salt=salt)
             except ValueError as e:
-                callback(_error_output(request_id, str(e)))
+                callback(_error_output(request_id, str(e), "bad_request"))
                 return
             if rejected is not None:
                 callback(rejected)
@@ -143,7 +152,7 @@ class EngineLoop:
                     outputs = self.engine.step()
                     t2 = time.perf_counter()
                     if self.step_hook is not None:  # first, so metrics lead the responses
-                        self.step_hook(self.engine, outputs)
+                        self.step_hook(self, outputs)
                     for out in outputs:
                         if out.finished:
                             callback = self._callbacks.pop(out.request_id, None)
@@ -152,16 +161,12 @@ class EngineLoop:
                             callback = self._callbacks.get(out.request_id)
                         if callback is not None:
                             callback(out)
-                    # Where the loop's time goes: in the engine, or serving around it
-                    # (cancellation checks, the metrics snapshot, handing outputs to clients).
-                    counters = self.engine.counters
-                    counters["step_time_s"] += t2 - t1
-                    counters["serving_time_s"] += (t1 - t0) + (time.perf_counter() - t2)
+                    self.serving_time_s += (t1 - t0) + (time.perf_counter() - t2)
                 elif self.step_hook is not None and (had_batch or cancelled):
                     # State changed without a step (an abort, a rejection): refresh the hook's
                     # view. NOTE: never on a timer: the Triton stub's metrics calls block while
                     # the model unloads, and an idle loop must leave it free to finalize.
-                    self.step_hook(self.engine, [])
+                    self.step_hook(self, [])
         except BaseException as e:  # noqa: BLE001  (reported to every waiter below)
             self.error = e
             raise
@@ -171,16 +176,18 @@ class EngineLoop:
                 if out is not None:
                     if self.error is not None:
                         out.error = f"engine failed: {self.error!r}"
+                        out.error_code = "engine_error"
                     callback(out)
             self._callbacks.clear()
 
 
-def _error_output(request_id: str, message: str) -> RequestOutput:
+def _error_output(request_id: str, message: str, code: str) -> RequestOutput:
     from kvflow.orchestrator.request import RequestMetrics
 
     return RequestOutput(request_id=request_id, text="", token_ids=[], delta_text="",
                          delta_token_ids=[], finished=True, finish_reason="rejected",
-                         num_prompt_tokens=0, metrics=RequestMetrics(0.0), error=message)
+                         num_prompt_tokens=0, metrics=RequestMetrics(0.0), error=message,
+                         error_code=code)
 
 
 class AsyncLLMEngine:
@@ -195,7 +202,7 @@ class AsyncLLMEngine:
 
         return cls(create_engine(engine_dir, **overrides))
 
-    async def add_request(self, request_id: str, prompt: str | Sequence[int],
+    async def add_request(self, request_id: str, prompt: Prompt,
                           params: SamplingParams | None = None,
                           priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; leaving the iterator early aborts the request."""

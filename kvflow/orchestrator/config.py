@@ -1,61 +1,113 @@
-"""Scheduler configuration: one frozen dataclass, validated where it is built."""
+"""Engine options: one frozen dataclass, the single source of every option a served engine takes.
+
+:class:`EngineOptions` holds the scheduler's limits and policy, the KV pool sizes and the runner.
+Everything else is generated from its fields:
+
+* the ``kvflow serve`` flags (:func:`kvflow.cli.add_engine_option_args`), help text included;
+* the Triton model parameters that ``kvflow serve`` writes into ``config.pbtxt`` and the backend
+  reads back (:func:`options_to_parameters`, :func:`options_from_parameters`);
+* the validation of ``LLM(engine_dir, **overrides)`` (:meth:`EngineOptions.with_overrides`).
+
+A new option is one field here, with its help text. Choice lists come from the registries they
+name (the schedulers, the runners, the preemption modes), so they cannot drift.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
-POLICIES = ("fcfs", "priority", "cache_aware", "static")
+from kvflow import envs
+
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How the scheduler shares each step and the KV cache among requests.
+def _policy_names() -> tuple[str, ...]:
+    from kvflow.orchestrator.scheduler import SCHEDULERS  # the registry imports this module
 
-    Attributes:
-        max_num_seqs: most requests running (holding KV and scheduled) at once.
-        max_num_batched_tokens: token budget of one step (prefill and decode tokens together).
-        max_model_len: longest sequence, prompt + output.
-        enable_chunked_prefill: split long prompts over several steps, sharing each step with
-            decodes; off, a prompt is computed in one step or waits.
-        long_prefill_token_threshold: cap on one request's prefill chunk per step (0 = none), so
-            that one long prompt cannot take the whole budget.
-        max_waiting_requests: bound of the waiting queue; requests beyond it are rejected.
-        policy: ``fcfs`` (arrival order), ``priority`` (lower value first, with aging),
-            ``cache_aware`` (longest cached prefix first, within ``cache_aware_max_wait_s``) or
-            ``static`` (static batching: a batch runs to completion before the next is formed).
-        priority_aging_s: with ``priority``, a waiting request gains one priority level per
-            this many seconds waited, so that no request starves.
-        kv_watermark: fraction of KV blocks admission keeps free for running requests to grow
-            into, so a new admission does not immediately force a preemption.
-        static_batch_size: batch size of the ``static`` policy (default: max_num_seqs).
-        enable_prefix_caching: reuse the KV of cached full blocks across requests.
-        preemption_mode: ``recompute`` (drop the KV), ``swap`` (copy it to the host pool and
-            back; recompute when the host pool is full) or ``auto`` (whichever is estimated
-            cheaper for the victim).
-        recompute_tokens_per_s, swap_bytes_per_s: the cost model of ``auto``: recomputing
-            ``n`` tokens costs ``n / recompute_tokens_per_s``; swapping ``b`` bytes out and back
-            ``2 * b / swap_bytes_per_s``.
-        cache_aware_max_wait_s: with ``cache_aware``, a request that has waited this long is
-            admitted first whatever its cache hit, so that no request waits forever.
+    return tuple(SCHEDULERS)
+
+
+def _runner_names() -> tuple[str, ...]:
+    from kvflow.runtime import RUNNERS  # light: names only, no runtime is imported
+
+    return RUNNERS
+
+
+def _option(default: Any = MISSING, help: str = "", *,  # noqa: A002  (argparse's word)
+            choices: Callable[[], tuple[str, ...]] | None = None, flag: str | None = None,
+            flag_value: Any = None, flag_help: str = "",
+            default_factory: Any = MISSING) -> Any:
+    """A field with its help text; ``choices`` names its registry; ``flag``/``flag_value``: a
+    CLI switch of its own name that sets ``flag_value`` (``flag_help`` says what it does)."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "flag_value": flag_value,
+                "flag_help": flag_help}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Every option of a served engine: the scheduler's limits and policy, the KV pool and the
+    runner. Each field's help text is in its metadata (``kvflow serve --help`` shows it).
+
+    The limits default to the engine folder's build limits when the options are resolved
+    against one (:func:`kvflow.orchestrator.llm.plan_engine`); the defaults here serve engines
+    built without a folder (the simulator, tests).
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    max_waiting_requests: int = 4096
-    policy: str = "fcfs"
-    priority_aging_s: float = 10.0
-    kv_watermark: float = 0.01
-    static_batch_size: int | None = None
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "auto"
-    recompute_tokens_per_s: float = 2000.0
-    swap_bytes_per_s: float = 4e9
-    cache_aware_max_wait_s: float = 5.0
+    # --- scheduling ---------------------------------------------------------------------------
+    max_num_seqs: int = _option(64, "most requests running (holding KV and scheduled) at once "
+                                    "(default: the engine's max batch size)")
+    max_num_batched_tokens: int = _option(2048, "token budget of one step, prefill and decode "
+                                                "tokens together (default: the engine's limit)")
+    max_model_len: int = _option(2048, "longest sequence, prompt + output (default: the "
+                                       "engine's limit)")
+    enable_chunked_prefill: bool = _option(True, "split long prompts over several steps, "
+                                                 "sharing each with decodes; off, a prompt is "
+                                                 "computed in one step or waits")
+    long_prefill_token_threshold: int = _option(0, "cap on one request's prefill chunk per "
+                                                   "step (0: none), so that one long prompt "
+                                                   "cannot take the whole budget")
+    max_waiting_requests: int = _option(4096, "bound of the waiting queue; requests beyond it "
+                                              "are rejected at once")
+    policy: str = _option("fcfs", "fcfs (arrival order), priority (lower value first, with "
+                                  "aging), cache_aware (longest cached prefix first) or static "
+                                  "(static batching, the baseline)", choices=_policy_names)
+    priority_aging_s: float = _option(10.0, "priority: a waiting request gains one priority "
+                                            "level per this many seconds waited")
+    kv_watermark: float = _option(0.01, "fraction of KV blocks admission keeps free for "
+                                        "running requests to grow into")
+    static_batch_size: int | None = _option(None, "static: batch size (default: max_num_seqs)")
+    enable_prefix_caching: bool = _option(True, "reuse the KV of cached full blocks across "
+                                                "requests")
+    preemption_mode: str = _option("auto", "recompute (drop the KV), swap (to the host pool "
+                                           "and back) or auto (whichever is estimated cheaper)",
+                                   choices=lambda: PREEMPTION_MODES)
+    recompute_tokens_per_s: float = _option(2000.0, "auto preemption's cost model: prefill "
+                                                    "tokens recomputed per second")
+    swap_bytes_per_s: float = _option(4e9, "auto preemption's cost model: bytes swapped per "
+                                           "second, each way")
+    cache_aware_max_wait_s: float = _option(5.0, "cache_aware: a request that waited this long "
+                                                 "is admitted first whatever its cache hit")
+    # --- KV pool and runner -------------------------------------------------------------------
+    kv_cache_bytes: int | None = _option(None, "KV pool size in bytes (default 1 GiB, capped at "
+                                               "what max_num_seqs full sequences use)")
+    num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides "
+                                              "kv_cache_bytes)")
+    swap_space_bytes: int = _option(256 << 20, "host swap pool for preemption by swap (0: none)")
+    runner: str | None = _option(None, "runner (default: the engine's backend)",
+                                 choices=_runner_names)
+    cuda_graphs: bool | None = _option(None, "the triton runner's decode CUDA graphs (default: "
+                                             "on a CUDA GPU)", flag="--enforce-eager",
+                                       flag_value=False, flag_help="the triton runner launches "
+                                       "decode steps eagerly, without CUDA graphs")
+    debug_checks: bool = _option(help="check the KV pool's and the scheduler's invariants "
+                                      f"after every step (default: ${envs.DEBUG_CHECKS})",
+                                 default_factory=envs.debug_checks)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -63,28 +115,116 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for f in fields(self):
+            choices = f.metadata["choices"]
+            value = getattr(self, f.name)
+            if choices is not None and value is not None and value not in choices():
+                raise ValueError(f"{f.name} must be one of {choices()}, got {value!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
                              f"{self.long_prefill_token_threshold}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not self.priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if not 0 <= self.kv_watermark < 1:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
-                             f"got {self.preemption_mode!r}")
         for name in ("recompute_tokens_per_s", "swap_bytes_per_s", "cache_aware_max_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.static_batch_size is not None and self.static_batch_size < 1:
             raise ValueError(f"static_batch_size must be >= 1, got {self.static_batch_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (one is the reserved null block), "
+                             f"got {self.num_kv_blocks}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
 
-    def with_overrides(self, **overrides: Any) -> SchedulerConfig:
-        """A copy with ``overrides``; unknown keys are refused by name."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(overrides) - known)
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def with_overrides(self, **overrides: Any) -> EngineOptions:
+        """A copy with ``overrides``, each checked against its field's type; unknown keys are
+        refused with the list of known ones."""
+        known = self.names()
+        unknown = sorted(set(overrides) - set(known))
         if unknown:
-            raise ValueError(f"unknown scheduler option(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        for name, value in overrides.items():
+            check_type(name, value)
         return replace(self, **overrides)
+
+
+def option_fields() -> tuple[Field, ...]:
+    """The fields of :class:`EngineOptions`, in declaration order."""
+    return fields(EngineOptions)
+
+
+def option_kind(name: str) -> tuple[type, bool]:
+    """(``int``, ``float``, ``bool`` or ``str``; whether None is allowed) of option ``name``."""
+    hint = typing.get_type_hints(EngineOptions)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return args[0], type(None) in typing.get_args(hint)
+
+
+def check_type(name: str, value: Any) -> None:
+    """Refuse a value of the wrong type for option ``name``, naming both."""
+    kind, optional = option_kind(name)
+    if value is None:
+        if not optional:
+            raise ValueError(f"{name} must be {kind.__name__}, got None")
+        return
+    ok = (isinstance(value, bool) if kind is bool
+          else isinstance(value, int) and not isinstance(value, bool) if kind is int
+          else isinstance(value, int | float) and not isinstance(value, bool) if kind is float
+          else isinstance(value, kind))
+    if not ok:
+        raise ValueError(f"{name} must be {kind.__name__}, got {value!r}")
+
+
+def parse_option(name: str, text: str) -> Any:
+    """Option ``name``'s value from text (a CLI argument, a Triton parameter)."""
+    if name not in EngineOptions.names():
+        raise ValueError(f"unknown engine option {name!r}; known: {sorted(EngineOptions.names())}")
+    kind, optional = option_kind(name)
+    text = text.strip()
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if kind is bool:
+            lowered = text.lower()
+            if lowered not in ("true", "1", "false", "0"):
+                raise ValueError
+            return lowered in ("true", "1")
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be {kind.__name__}, got {text!r}") from None
+    return text
+
+
+def format_option(value: Any) -> str:
+    """The text :func:`parse_option` reads back as ``value``."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def options_to_parameters(overrides: Mapping[str, Any]) -> dict[str, str]:
+    """Triton model parameters (``config.pbtxt``) for the given engine options."""
+    EngineOptions().with_overrides(**overrides)  # refuse bad options before a server starts
+    return {name: format_option(value) for name, value in overrides.items()}
+
+
+def options_from_parameters(parameters: Mapping[str, str],
+                            reserved: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Engine options from Triton model parameters; keys in ``reserved`` are the backend's own,
+    any other key must be an option."""
+    return {name: parse_option(name, text) for name, text in parameters.items()
+            if name not in reserved}
+

@@ -1,4 +1,4 @@
-"""The engine loop: schedule -> build the step -> runner -> sample -> append -> detokenize -> emit.
+"""The engine step: schedule -> execute -> sample -> postprocess (detokenize, append, finish, emit).
 
 :class:`LLMEngine` is synchronous: each :meth:`LLMEngine.step` runs one model step for
 everything the scheduler picked and returns the outputs it produced. :class:`kvflow.LLM` and the
@@ -13,18 +13,19 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.config import SchedulerConfig
+from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.detokenizer import IncrementalDetokenizer
-from kvflow.orchestrator.outputs import RequestOutput, StepStats
+from kvflow.orchestrator.outputs import EngineCounters, RequestOutput, StepStats
 from kvflow.orchestrator.request import Request, RequestStatus
-from kvflow.orchestrator.sampler import Sampler, SamplingRow, make_generator
+from kvflow.orchestrator.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from kvflow.orchestrator.sampling_params import SamplingParams
-from kvflow.orchestrator.scheduler import Clock, make_scheduler
-from kvflow.orchestrator.tokenizer import EngineTokenizer
+from kvflow.orchestrator.scheduler import Clock, SchedulerOutput, make_scheduler
+from kvflow.orchestrator.tokenizer import EngineTokenizer, Prompt, tokenize_prompt
 from kvflow.runtime.base import ModelRunner
 from kvflow.runtime.step_builder import SeqChunk, build_step
 
@@ -43,64 +44,68 @@ class _RequestState:
         self.emitted_tokens = 0
 
 
+class _Sampled(NamedTuple):
+    """The sampling stage's result: the requests that sampled, their tokens, the sampler's
+    output (logprobs), in one order."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    output: SamplerOutput | None
+
+
 class LLMEngine:
     """Continuous-batching engine over one runner and one KV pool.
 
     Args:
         runner: executes steps; its ``num_blocks`` sizes the KV manager.
         tokenizer: the engine's tokenizer (None: token ids only, no text, no stop strings).
-        scheduler_config: limits and policy.
+        options: the engine options (limits, policy, debug_checks; the KV and runner options
+            are the caller's, who built ``runner``).
         eos_token_ids: ids that end a request (unless ``ignore_eos``).
         clock: monotonic seconds; the simulator passes its own.
         stats_window: how many recent :class:`StepStats` to keep.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: EngineTokenizer | None,
-                 scheduler_config: SchedulerConfig, eos_token_ids: Sequence[int] = (),
+                 options: EngineOptions, eos_token_ids: Sequence[int] = (),
                  clock: Clock = time.monotonic, stats_window: int = 4096) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        self.config = scheduler_config
+        self.config = options
         self.clock = clock
         self.eos_token_ids = tuple(eos_token_ids)
         self.kv = KVCacheManager(runner.num_blocks, runner.engine.limits.block_size,
-                                 enable_caching=scheduler_config.enable_prefix_caching,
+                                 enable_caching=options.enable_prefix_caching,
                                  num_host_blocks=runner.num_host_blocks,
                                  bytes_per_block=runner.engine.kv_bytes_per_block)
-        self.scheduler = make_scheduler(scheduler_config, self.kv, clock)
+        self.scheduler = make_scheduler(options, self.kv, clock)
         self.sampler = Sampler(runner.engine.model.vocab_size, self.eos_token_ids)
         self.states: dict[str, _RequestState] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=stats_window)
-        # NOTE: step_time_s / serving_time_s are kept by whoever loops over step() (the
-        # EngineLoop): the time inside steps, and the time serving around them.
-        self.counters: dict[str, float] = {
-            "prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "rejected": 0,
-            "finished": 0, "steps": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-            "step_time_s": 0.0, "serving_time_s": 0.0}
+        self.counters = EngineCounters()  # written by this engine alone
         self._ids = itertools.count()
 
     # --- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None,
                     cache_salt: str | None = None) -> tuple[Request, RequestOutput | None]:
         """Queue a request. Returns it, and a final output at once if it was rejected.
 
-        Requests with different ``cache_salt`` never share prefix-cache blocks.
+        ``prompt``: text, token ids, or a :class:`ChatPrompt` (rendered with the model's chat
+        template); this is the one place prompts are tokenized. A prompt that cannot be
+        tokenized (no tokenizer, a chat template error) raises ValueError. Requests with
+        different ``cache_salt`` never share prefix-cache blocks.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass prompt token ids")
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_ids = [int(t) for t in prompt]
+        prompt_ids = tokenize_prompt(self.tokenizer, prompt)
+        self._check_token_ids(prompt_ids, params)
         request = Request(request_id, prompt_ids, params,
                           self.clock() if arrival_time is None else arrival_time, priority,
                           self.eos_token_ids, self.config.max_model_len, cache_salt)
         if not self.scheduler.add_request(request):
-            self.counters["rejected"] += 1
+            self.counters.rejected += 1
             return request, self._output(request, None, [])
         detok = None
         if self.tokenizer is not None:
@@ -109,6 +114,19 @@ class LLMEngine:
         self.states[request_id] = _RequestState(detok, make_generator(params.seed),
                                                 params.logprobs is not None)
         return request, None
+
+    def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Token ids the model has no embedding for are refused, naming the vocabulary size."""
+        vocab = self.runner.engine.model.vocab_size
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids[{i}] is {t}; the vocabulary has {vocab} "
+                                 f"tokens (ids 0..{vocab - 1})")
+        if self.runner.reads_token_ids and prompt_ids and not (
+                min(prompt_ids) >= 0 and max(prompt_ids) < vocab):
+            i = next(i for i, t in enumerate(prompt_ids) if not 0 <= t < vocab)
+            raise ValueError(f"prompt token {i} is {prompt_ids[i]}; the vocabulary has {vocab} "
+                             f"tokens (ids 0..{vocab - 1})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request; its KV blocks are free when this returns."""
@@ -121,55 +139,97 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    # --- the step ---------------------------------------------------------------------------
+    # --- the step: schedule -> execute -> sample -> postprocess ------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling decision and one model step; the outputs it produced."""
+        """One scheduling decision and one model step; the outputs it produced.
+
+        Four stages, each owning its decision: :meth:`_schedule` (the scheduler picks the
+        tokens, preempts, swaps), :meth:`_execute` (the runner computes the logits),
+        :meth:`_sample` (one token per sequence that reached its end), :meth:`_postprocess`
+        (detokenize, then the scheduler appends the tokens and finishes what stopped: the one
+        place a running request finishes, besides an abort). Then the step is recorded in
+        :attr:`step_stats` and :attr:`counters`, and with ``debug_checks`` the invariants of
+        the KV pool and the scheduler are checked.
+        """
         t0 = self.clock()
+        sched = self._schedule()
+        if sched.is_empty:
+            return []
+        t1 = self.clock()
+        logits = self._execute(sched)
+        t2 = self.clock()
+        sampled = self._sample(sched, logits)
+        t3 = self.clock()
+        outputs = self._postprocess(sched, sampled)
+        self._record(sched, outputs, sampled, (t0, t1, t2, t3, self.clock()))
+        if self.config.debug_checks:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
-        self.counters["preemptions"] += len(sched.preempted)
-        self.counters["prefix_cache_queries"] = self.scheduler.prefix_cache_queries
-        self.counters["prefix_cache_hits"] = self.scheduler.prefix_cache_hits
         # NOTE: before the step, and even if nothing runs: swapped-out blocks may be rewritten
         # by the very next allocation.
         if sched.blocks_to_swap_out:
             self.runner.swap_out(sched.blocks_to_swap_out)
         if sched.blocks_to_swap_in:
             self.runner.swap_in(sched.blocks_to_swap_in)
-        if sched.is_empty:
-            return []
+        self.counters.preemptions += len(sched.preempted)
+        return sched
+
+    def _execute(self, sched: SchedulerOutput) -> np.ndarray:
         chunks = [SeqChunk(s.request.request_id, s.request.token_ids, s.start, s.num_new_tokens,
                            s.sample) for s in sched.scheduled]
-        step_input = build_step(self.kv, chunks)
-        t1 = self.clock()
-        logits = self.runner.execute(step_input)
-        t2 = self.clock()
-        sampling = [s.request for s in sched.scheduled if s.sample]
-        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                            self.states[r.request_id].generator) for r in sampling]
-        sampled = self.sampler.sample(logits, rows) if rows else None
-        t3 = self.clock()
+        return self.runner.execute(build_step(self.kv, chunks))
 
-        tokens = dict(zip((r.request_id for r in sampling),
-                          sampled.token_ids if sampled else [], strict=True))
-        self.scheduler.update_from_output(sched, tokens)
+    def _sample(self, sched: SchedulerOutput, logits: np.ndarray) -> _Sampled:
+        requests = [s.request for s in sched.scheduled if s.sample]
+        if not requests:
+            return _Sampled([], [], None)
+        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
+                            self.states[r.request_id].generator) for r in requests]
+        out = self.sampler.sample(logits, rows)
+        return _Sampled(requests, out.token_ids, out)
+
+    def _postprocess(self, sched: SchedulerOutput, sampled: _Sampled) -> list[RequestOutput]:
+        """Detokenize the new tokens (finding stop strings), hand the tokens to the scheduler,
+        which appends them and finishes the requests that stopped, then build the outputs."""
+        deltas: list[str] = []
+        stop_strings: dict[str, str] = {}
+        for request, token in zip(sampled.requests, sampled.token_ids, strict=True):
+            detok = self.states[request.request_id].detok
+            deltas.append(detok.step([token]) if detok is not None else "")
+            if detok is not None and detok.stopped:
+                stop_strings[request.request_id] = detok.stop_reason or ""
+        tokens = {r.request_id: t for r, t in zip(sampled.requests, sampled.token_ids,
+                                                  strict=True)}
+        self.scheduler.update_from_output(sched, tokens, stop_strings)
         outputs = []
-        for row, request in enumerate(sampling):
-            state = self.states.get(request.request_id)
-            if state is None:
-                continue
-            token = tokens[request.request_id]
-            if state.logprobs is not None and sampled is not None:
-                entry = dict(sampled.top_logprobs[row] or [])
-                entry[token] = sampled.logprobs[row]
+        for row, (request, token) in enumerate(zip(sampled.requests, sampled.token_ids,
+                                                   strict=True)):
+            state = self.states[request.request_id]
+            delta = deltas[row]
+            if state.logprobs is not None and sampled.output is not None:
+                entry = dict(sampled.output.top_logprobs[row] or [])
+                entry[token] = sampled.output.logprobs[row]
                 state.logprobs.append(entry)
-            delta = self._detokenize(request, state, token)
+            if request.is_finished and state.detok is not None and not state.detok.stopped:
+                delta += state.detok.finish()  # text held back for a possible stop string
             outputs.append(self._output(request, state, [token], delta))
+        return outputs
+
+    def _record(self, sched: SchedulerOutput, outputs: list[RequestOutput], sampled: _Sampled,
+                times: tuple[float, float, float, float, float]) -> None:
+        t0, t1, t2, t3, t4 = times
         num_decode = sched.num_decode_tokens
         num_prefill = sched.num_batched_tokens - num_decode
-        self.counters["prompt_tokens"] += num_prefill
-        self.counters["generation_tokens"] += len(sampling)
-        self.counters["steps"] += 1
-        t4 = self.clock()
+        c = self.counters
+        c.prompt_tokens += num_prefill
+        c.generation_tokens += len(sampled.token_ids)
+        c.steps += 1
+        c.step_time_s += t4 - t0
+        c.prefix_cache_queries = self.scheduler.prefix_cache_queries
+        c.prefix_cache_hits = self.scheduler.prefix_cache_hits
         self.step_stats.append(StepStats(
             time=t4, num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -178,21 +238,8 @@ class LLMEngine:
             kv_blocks_used=self.kv.pool.num_used_blocks, kv_usage=self.kv.usage,
             num_preempted=len(sched.preempted), schedule_time_s=t1 - t0,
             model_time_s=t2 - t1, sample_time_s=t3 - t2, postprocess_time_s=t4 - t3,
-            finished=[o.request_id for o in outputs if o.finished]))
-        return outputs
-
-    def _detokenize(self, request: Request, state: _RequestState, token: int) -> str:
-        """Text delta of ``token``; finishes the request on a stop string."""
-        detok = state.detok
-        if detok is None:
-            return ""
-        delta = detok.step([token])
-        if detok.stopped and not request.is_finished:
-            request.stop_reason = detok.stop_reason
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        elif request.is_finished and not detok.stopped:
-            delta += detok.finish()
-        return delta
+            finished=[o.request_id for o in outputs if o.finished],
+            scheduled=[(s.request.request_id, s.num_new_tokens) for s in sched.scheduled]))
 
     def _output(self, request: Request, state: _RequestState | None,
                 new_tokens: list[int], delta: str = "") -> RequestOutput:
@@ -205,12 +252,13 @@ class LLMEngine:
         if finished:
             self.states.pop(request.request_id, None)
             if request.status != RequestStatus.REJECTED:
-                self.counters["finished"] += 1
+                self.counters.finished += 1
         return RequestOutput(
             request_id=request.request_id, text=text,
             token_ids=list(request.output_token_ids), delta_text=delta,
             delta_token_ids=new_tokens, finished=finished,
             finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             metrics=request.metrics, stop_reason=request.stop_reason,
-            error=request.reject_reason, cached_tokens=request.metrics.cached_tokens,
+            error=request.reject_reason, error_code=request.reject_code,
+            cached_tokens=request.metrics.cached_tokens,
             logprobs=logprobs)

@@ -26,12 +26,35 @@ class RequestOutput:
     metrics: RequestMetrics
     stop_reason: str | int | None = None
     error: str | None = None
+    # With ``error``: "bad_request" (the client's fault), "overloaded" (retry later) or
+    # "engine_error".
+    error_code: str | None = None
     cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Running totals of one :class:`~kvflow.orchestrator.engine.LLMEngine`, written by it
+    alone (the Prometheus counters mirror them).
+
+    ``step_time_s`` is the time inside steps, on the engine's clock (simulated seconds in the
+    simulator). ``finished`` counts every request that ended, aborts included, rejections not.
+    """
+
+    prompt_tokens: int = 0  # prefill tokens computed (recomputation after preemption included)
+    generation_tokens: int = 0
+    preemptions: int = 0
+    rejected: int = 0
+    finished: int = 0
+    steps: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
+    prefix_cache_hits: int = 0  # of which found cached
+    step_time_s: float = 0.0
 
 
 @dataclass
@@ -52,6 +75,8 @@ class StepStats:
     sample_time_s: float
     postprocess_time_s: float
     finished: list[str] = field(default_factory=list)
+    # What the scheduler ran: (request id, tokens computed) per sequence, in batch order.
+    scheduled: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def overhead_time_s(self) -> float:

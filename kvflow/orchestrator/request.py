@@ -116,6 +116,7 @@ class Request:
         self.num_computed_tokens = 0
         self.stop_reason: str | int | None = None
         self.reject_reason: str | None = None
+        self.reject_code: str | None = None  # "bad_request" or "overloaded"
         self.metrics = RequestMetrics(arrival_time)
         # Tenants with different salts never share prefix-cache blocks.
         self.cache_salt = cache_salt.encode("utf-8") if cache_salt else b""
@@ -145,8 +146,11 @@ class Request:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
-    def check_stop(self) -> RequestStatus | None:
-        """Token-level stop conditions after appending a token (stop strings are the engine's)."""
+    def check_stop(self, stop_string: str | None = None) -> RequestStatus | None:
+        """Whether the request is finished after its last token, and why: the one place that
+        decides. ``stop_string``: the stop string the detokenizer found in the new text (it
+        ends the request whatever ``min_tokens`` says, since the text is cut there). Sets
+        ``stop_reason`` (the stop token id or string; None for EOS)."""
         if not self.output_token_ids:
             return None
         last = self.output_token_ids[-1]
@@ -157,6 +161,9 @@ class Request:
             if last in self.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if stop_string is not None:
+            self.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -17,6 +17,16 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
+# The sampler works in float32 and int32: larger values would overflow or wrap there.
+MAX_FLOAT32 = 3.4028234663852886e38
+MAX_INT32 = 2**31 - 1
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: errors name a bad value, never echo it
+    whole."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class SamplingParamsTypeError(TypeError, ValueError):
@@ -38,7 +48,7 @@ def _as_int(name: str, value: object, *, optional: bool = False) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         expected = "an int or None" if optional else "an int"
         raise SamplingParamsTypeError(
-            f"{name} must be {expected}, got {value!r} ({_type_name(value)})"
+            f"{name} must be {expected}, got {short_repr(value)} ({_type_name(value)})"
         )
     return int(value)
 
@@ -46,7 +56,7 @@ def _as_int(name: str, value: object, *, optional: bool = False) -> int | None:
 def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise SamplingParamsTypeError(
-            f"{name} must be a number, got {value!r} ({_type_name(value)})"
+            f"{name} must be a number, got {short_repr(value)} ({_type_name(value)})"
         )
     result = float(value)
     if math.isnan(result):
@@ -58,7 +68,7 @@ def _as_bool(name: str, value: object) -> bool:
     # numpy.bool_ is not a bool subclass; accept it, reject 0/1 and strings.
     if not isinstance(value, bool) and type(value).__name__ != "bool_":
         raise SamplingParamsTypeError(
-            f"{name} must be a bool, got {value!r} ({_type_name(value)})"
+            f"{name} must be a bool, got {short_repr(value)} ({_type_name(value)})"
         )
     return bool(value)
 
@@ -137,12 +147,13 @@ class SamplingParams:
             stop = (stop,)
         if not isinstance(stop, (list, tuple)):
             raise SamplingParamsTypeError(
-                f"stop must be a str or a list of str, got {stop!r} ({_type_name(stop)})"
+                f"stop must be a str or a list of str, got {short_repr(stop)} "
+                f"({_type_name(stop)})"
             )
         for i, s in enumerate(stop):
             if not isinstance(s, str):
                 raise SamplingParamsTypeError(
-                    f"stop[{i}] must be a str, got {s!r} ({_type_name(s)})"
+                    f"stop[{i}] must be a str, got {short_repr(s)} ({_type_name(s)})"
                 )
             if not s:
                 # An empty stop string would match at every position and end every request.
@@ -153,7 +164,8 @@ class SamplingParams:
     def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
         if not isinstance(ids, (list, tuple)):
             raise SamplingParamsTypeError(
-                f"stop_token_ids must be a list of int, got {ids!r} ({_type_name(ids)})"
+                f"stop_token_ids must be a list of int, got {short_repr(ids)} "
+                f"({_type_name(ids)})"
             )
         result = []
         for i, token_id in enumerate(ids):
@@ -175,11 +187,16 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        if not 0.0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be in [0, inf), got {self.temperature}")
-        if self.top_k != -1 and self.top_k < 0:
+        if self.max_tokens is not None and self.max_tokens > MAX_INT32:
+            raise ValueError(f"max_tokens must be <= {MAX_INT32}, got {self.max_tokens}")
+        if self.min_tokens > MAX_INT32:
+            raise ValueError(f"min_tokens must be <= {MAX_INT32}, got {self.min_tokens}")
+        if not 0.0 <= self.temperature <= MAX_FLOAT32:
+            raise ValueError(f"temperature must be in [0, {MAX_FLOAT32:.4g}] (float32), "
+                             f"got {self.temperature}")
+        if self.top_k != -1 and not 0 <= self.top_k <= MAX_INT32:
             raise ValueError(
-                f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}"
+                f"top_k must be -1 or 0 (disabled) or in [1, {MAX_INT32}], got {self.top_k}"
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -187,9 +204,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
-        if not 0.0 < self.repetition_penalty < math.inf:
+        if not 0.0 < self.repetition_penalty <= MAX_FLOAT32:
             raise ValueError(
-                f"repetition_penalty must be in (0, inf), got {self.repetition_penalty}"
+                f"repetition_penalty must be in (0, {MAX_FLOAT32:.4g}] (float32), got "
+                f"{self.repetition_penalty}"
             )
         limit = MAX_ABS_PRESENCE_FREQUENCY_PENALTY
         for name in ("presence_penalty", "frequency_penalty"):
@@ -238,8 +256,10 @@ class SamplingParams:
         known = cls.field_names()
         unknown = sorted((k for k in d if k not in known), key=str)
         if unknown:
+            shown = ", ".join(short_repr(k, 40) for k in unknown[:8])
+            more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
             raise ValueError(
-                f"unknown sampling parameter(s): {', '.join(repr(k) for k in unknown)}; "
+                f"unknown sampling parameter(s): {shown}{more}; "
                 f"known parameters: {', '.join(known)}"
             )
         return cls(**d)

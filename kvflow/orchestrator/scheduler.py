@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.config import SchedulerConfig
+from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.request import Request, RequestStatus
 
 Clock = Callable[[], float]
@@ -83,7 +83,7 @@ class Scheduler:
         clock: seconds, monotonic; the simulator passes its own.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+    def __init__(self, config: EngineOptions, kv: KVCacheManager,
                  clock: Clock = time.monotonic) -> None:
         self.config = config
         self.kv = kv
@@ -102,36 +102,49 @@ class Scheduler:
 
     # --- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
-        """Queue ``request``, or reject it at once (status REJECTED, ``reject_reason`` set)."""
+        """Queue ``request``, or reject it at once (status REJECTED; ``reject_reason`` says why
+        with the numbers, ``reject_code`` is ``bad_request`` or ``overloaded``)."""
         reason = self._rejection_reason(request)
         if reason is not None:
             request.status = RequestStatus.REJECTED
-            request.reject_reason = reason
+            request.reject_reason, request.reject_code = reason
             request.metrics.finished_time = self.clock()
             return False
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        # max_tokens=None: as much as the context (and the pool) allow.
         request.max_output_tokens = min(request.max_output_tokens,
                                         self.max_seq_len - request.num_prompt_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         return True
 
-    def _rejection_reason(self, request: Request) -> str | None:
-        n, cfg = request.num_prompt_tokens, self.config
+    def _rejection_reason(self, request: Request) -> tuple[str, str] | None:
+        """Why ``request`` can never run, or cannot be queued now; None if it can.
+
+        A request that cannot fit is refused rather than cut short (as vLLM does): prompt +
+        ``max_tokens`` (or + ``min_tokens``) must fit ``max_model_len`` and the KV pool.
+        """
+        n, cfg, params = request.num_prompt_tokens, self.config, request.sampling_params
         if n == 0:
-            return "prompt must contain at least one token"
-        if n >= cfg.max_model_len:
-            return (f"prompt has {n} tokens; max_model_len is {cfg.max_model_len} "
-                    "(prompt + at least one output token)")
-        if n >= self.max_seq_len:
-            return (f"prompt has {n} tokens; the KV cache holds at most {self.max_seq_len} "
-                    "tokens per sequence")
+            return "prompt must contain at least one token", "bad_request"
+        for limit, what in ((cfg.max_model_len, "max_model_len"),
+                            (self.max_seq_len, "the KV cache's capacity per sequence")):
+            if n >= limit:
+                return (f"prompt has {n} tokens; {what} is {limit} tokens (prompt + at least "
+                        "one output token)", "bad_request")
+            for name in ("max_tokens", "min_tokens"):
+                want = getattr(params, name)
+                if want and n + want > limit:
+                    return (f"prompt has {n} tokens and {name} is {want}: {n + want} tokens, "
+                            f"more than {what} ({limit} tokens)", "bad_request")
         if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
             return (f"prompt has {n} tokens, more than max_num_batched_tokens "
-                    f"({cfg.max_num_batched_tokens}) with chunked prefill disabled")
+                    f"({cfg.max_num_batched_tokens}) with chunked prefill disabled",
+                    "bad_request")
         if len(self.waiting) >= cfg.max_waiting_requests:
-            return f"waiting queue is full (max_waiting_requests={cfg.max_waiting_requests})"
+            return (f"server overloaded: the waiting queue is full (max_waiting_requests="
+                    f"{cfg.max_waiting_requests}); retry later", "overloaded")
         return None
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -157,14 +170,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         raise NotImplementedError
 
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
+                           stop_strings: Mapping[str, str] | None = None) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish what stopped.
 
         ``sampled`` maps request ids to the token sampled for them this step (requests whose
-        chunk did not reach the end of the sequence sample nothing). Returns the requests that
-        finished by a token-level condition (EOS, stop token, length).
+        chunk did not reach the end of the sequence sample nothing); ``stop_strings`` maps
+        those whose new text completed a stop string to it. Each request's
+        :meth:`Request.check_stop` decides; this is where a running request finishes. Returns
+        the requests that finished.
         """
+        stop_strings = stop_strings or {}
         now = self.clock()
         finished = []
         caching = self.kv.enable_caching
@@ -185,7 +201,7 @@ class Scheduler:
                 m.first_token_time = now
             m.last_token_time = now
             m.token_times.append(now)
-            status = request.check_stop()
+            status = request.check_stop(stop_strings.get(request.request_id))
             if status is not None:
                 self.finish_request(request, status)
                 finished.append(request)
@@ -408,7 +424,7 @@ class StaticBatchScheduler(Scheduler):
     whole length (prompt + max output), run them together to completion, admit nothing until
     the whole batch has finished. Never preempts."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+    def __init__(self, config: EngineOptions, kv: KVCacheManager,
                  clock: Clock = time.monotonic) -> None:
         super().__init__(config, kv, clock)
         self.batch_size = min(config.static_batch_size or config.max_num_seqs,
@@ -446,7 +462,7 @@ SCHEDULERS: dict[str, type[Scheduler]] = {
 }
 
 
-def make_scheduler(config: SchedulerConfig, kv: KVCacheManager,
+def make_scheduler(config: EngineOptions, kv: KVCacheManager,
                    clock: Clock = time.monotonic) -> Scheduler:
     """The scheduler class registered for ``config.policy``."""
     return SCHEDULERS[config.policy](config, kv, clock)

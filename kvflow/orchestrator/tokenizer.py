@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,33 @@ from tokenizers import Tokenizer
 
 class ChatTemplateError(ValueError):
     """The engine has no chat template, or the messages do not render."""
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages (``role``/``content`` dicts), rendered with the model's chat template when
+    the engine tokenizes the request."""
+
+    messages: tuple[dict[str, str], ...]
+
+    def __init__(self, messages: Sequence[dict[str, str]]) -> None:
+        object.__setattr__(self, "messages", tuple(messages))
+
+
+# What a request's prompt may be: text, token ids, or chat messages.
+Prompt = str | Sequence[int] | ChatPrompt
+
+
+def tokenize_prompt(tokenizer: EngineTokenizer | None, prompt: Prompt) -> list[int]:
+    """The prompt's token ids: the one place where requests are tokenized
+    (:meth:`kvflow.orchestrator.engine.LLMEngine.add_request` calls it)."""
+    if isinstance(prompt, str | ChatPrompt):
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass prompt token ids")
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        return tokenizer.encode_chat(list(prompt.messages))
+    return [int(t) for t in prompt]
 
 
 class EngineTokenizer:
@@ -29,6 +59,11 @@ class EngineTokenizer:
             template = jinja_path.read_text()
         self.chat_template: str | None = template if isinstance(template, str) else None
         self._compiled = None
+        # The same tokenizer, but special-token text is plain text: for message content.
+        self._text_only = Tokenizer.from_str(self.tokenizer.to_str())
+        self._text_only.encode_special_tokens = True
+        self._special_texts = [t.content for t in
+                               self.tokenizer.get_added_tokens_decoder().values() if t.special]
 
     @property
     def vocab_size(self) -> int:
@@ -45,6 +80,42 @@ class EngineTokenizer:
         if isinstance(value, dict):
             value = value.get("content")
         return value or ""
+
+    def encode_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template, where only the template's
+        own markup becomes control tokens: special-token text inside a message's content (a
+        user's ``<|im_end|>``) is encoded as plain text, so no message can forge a turn.
+
+        Content without special-token text is encoded exactly as HF's ``apply_chat_template``
+        + ``encode`` would. Otherwise the template is rendered with a random marker in place
+        of each content; the markup between markers is encoded with special tokens parsed,
+        each content without. A template that does not pass the markers through intact (it
+        rewrites content) cannot be split so, and such a request is refused.
+        """
+        contents = [m.get("content") for m in messages]
+        hostile = [i for i, c in enumerate(contents)
+                   if isinstance(c, str) and any(t in c for t in self._special_texts)]
+        if not hostile:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+                               add_special_tokens=False)
+        nonce = uuid.uuid4().hex
+        masked = [{**m, "content": f"\x00{nonce}{i}\x00"} if isinstance(c, str) else m
+                  for i, (m, c) in enumerate(zip(messages, contents, strict=True))]
+        pieces = re.split(f"\x00{nonce}(\\d+)\x00",
+                          self.apply_chat_template(masked, add_generation_prompt))
+        if not set(hostile) <= {int(i) for i in pieces[1::2]}:
+            raise ChatTemplateError(f"messages[{hostile[0]}].content holds special-token text, "
+                                    "and this chat template rewrites content, so it cannot be "
+                                    "kept plain text")
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False).ids
+            else:
+                ids += self._text_only.encode(str(contents[int(piece)]),
+                                              add_special_tokens=False).ids
+        return ids
 
     def apply_chat_template(self, messages: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> str:

@@ -69,6 +69,9 @@ class ModelRunner(ABC):
     """
 
     name: str = "base"
+    # Whether token ids index a real embedding table (the engine refuses ids outside the
+    # vocabulary before they reach it); the simulator's runner reads no token.
+    reads_token_ids: bool = True
 
     def __init__(self, engine: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.engine = engine

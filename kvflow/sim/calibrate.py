@@ -164,6 +164,35 @@ def _engine_model(coef: list[float]) -> LinearCostModel:
                             "first_chunks": 0.0})
 
 
+OVERHEAD_FEATURES = ("step", "tokens", "seqs")
+
+
+def fit_step_costs(grid: list[tuple[StepShape, float]],
+                   runs: list[tuple[StepShape, float, float]],
+                   ) -> tuple[LinearCostModel, LinearCostModel, dict[str, float]]:
+    """Fit the cost model on measured steps.
+
+    ``grid``: (shape, seconds in the model) of the isolated step shapes; ``runs``: (shape,
+    seconds in the model, seconds outside it) of the steps of real engine runs. Model time is
+    fitted on both (over :data:`ENGINE_FEATURES`), the overhead on the runs alone (per step,
+    token and sequence: attention and context cost nothing outside the model). Returns the
+    whole model (the two added up), the model-time part alone, and the overhead
+    coefficients."""
+    shapes = [sh for sh, _ in grid] + [sh for sh, _, _ in runs]
+    model_s = [t for _, t in grid] + [t for _, t, _ in runs]
+    model_only = _engine_model(fit_nonnegative([_engine_features(sh) for sh in shapes],
+                                               model_s))
+    over_idx = [LINEAR_FEATURES.index(k) for k in OVERHEAD_FEATURES]
+    over_rows = [tuple(linear_features(sh)[i] for i in over_idx) for sh, _, _ in runs]
+    # NOTE: the fit weighs rows by 1/time: an overhead measured as 0 would weigh infinitely.
+    over_coef = fit_nonnegative(over_rows, [max(over, 1e-6) for _, _, over in runs])
+    overhead = dict(zip(OVERHEAD_FEATURES, over_coef, strict=True))
+    coef = dict(model_only.coefficients)
+    for name, c in overhead.items():
+        coef[name] += c
+    return LinearCostModel(coef), model_only, overhead
+
+
 def _rel_errors(model: LinearCostModel, shapes: list[StepShape],
                 times: list[float]) -> dict[str, float]:
     err = np.array([abs(model.step_time_s(s) - t) / t for s, t in zip(shapes, times,
@@ -231,14 +260,47 @@ def served_slowdown(engine_dir: str | Path, cost: LinearCostModel, rate: float,
                           plan.engine.limits.block_size, prompts=prompts)
         return float(np.mean([t.e2e_s for t in result.timings]))
 
-    lo, hi = 0.5, 2.0  # E2E grows with the factor: bisect
-    for _ in range(14):
+    return {"workload": workload, "rate": rate, "requests": len(specs),
+            **fit_slowdown(sim_e2e, real)}
+
+
+def fit_slowdown(mean_e2e_s: Callable[[float], float], target_s: float,
+                 rel_tol: float = 1e-4) -> dict[str, Any]:
+    """The factor on every step cost at which the simulated mean E2E latency
+    ``mean_e2e_s(factor)`` reaches ``target_s`` (the served one).
+
+    E2E grows with the factor, so the factor is bisected: the bracket starts at [0.5, 2],
+    widens (halving ``lo``, doubling ``hi``) until ``mean_e2e_s(lo) < target_s <=
+    mean_e2e_s(hi)``, and keeps that while it narrows to ``hi - lo <= rel_tol * hi``. The
+    result holds the bracket, its two simulated E2Es, and the midpoint as ``slowdown``."""
+    if not target_s > 0:
+        raise ValueError(f"target mean E2E must be > 0 s, got {target_s}")
+    lo, hi = 0.5, 2.0
+    e2e_lo, e2e_hi = mean_e2e_s(lo), mean_e2e_s(hi)
+    for _ in range(60):
+        if e2e_lo < target_s:
+            break
+        lo, hi, e2e_hi = lo / 2, lo, e2e_lo
+        e2e_lo = mean_e2e_s(lo)
+    for _ in range(60):
+        if e2e_hi >= target_s:
+            break
+        lo, hi, e2e_lo = hi, hi * 2, e2e_hi
+        e2e_hi = mean_e2e_s(hi)
+    if not e2e_lo < target_s <= e2e_hi:
+        raise ValueError(f"no step-cost factor in [{lo:g}, {hi:g}] gives a simulated mean E2E "
+                         f"of {target_s:.4g} s (it gives {e2e_lo:.4g}-{e2e_hi:.4g} s)")
+    while hi - lo > rel_tol * hi:
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sim_e2e(mid) < real else (lo, mid)
+        e2e_mid = mean_e2e_s(mid)
+        if e2e_mid < target_s:
+            lo, e2e_lo = mid, e2e_mid
+        else:
+            hi, e2e_hi = mid, e2e_mid
     factor = (lo + hi) / 2
-    return {"slowdown": factor, "workload": workload, "rate": rate, "requests": len(specs),
-            "real_mean_e2e_s": real, "engine_only_mean_e2e_s": sim_e2e(1.0),
-            "fitted_mean_e2e_s": sim_e2e(factor)}
+    return {"slowdown": factor, "slowdown_bracket": [lo, hi],
+            "bracket_mean_e2e_s": [e2e_lo, e2e_hi], "real_mean_e2e_s": target_s,
+            "engine_only_mean_e2e_s": mean_e2e_s(1.0), "fitted_mean_e2e_s": mean_e2e_s(factor)}
 
 
 def calibrate(engine_dir: str | Path, runner_name: str | None = None, repeats: int = 3,
@@ -279,26 +341,15 @@ def calibrate(engine_dir: str | Path, runner_name: str | None = None, repeats: i
     finally:
         runner.close()
 
-    fit_rows = [(r["shape"], r["time_s"]) for r in grid_rows] + \
-        [(r["shape"], r["model_s"]) for r in run_rows]
-    model_coef = fit_nonnegative([_engine_features(sh) for sh, _ in fit_rows],
-                                 [t for _, t in fit_rows])
-    # Overhead: per step, per token, per sequence (attention and context cost nothing here).
-    over_idx = [LINEAR_FEATURES.index(k) for k in ("step", "tokens", "seqs")]
-    over_rows = [tuple(linear_features(r["shape"])[i] for i in over_idx) for r in run_rows]
-    over_coef = fit_nonnegative(over_rows, [max(r["overhead_s"], 1e-6) for r in run_rows])
-    grid_only = _engine_model(model_coef)
-    coef = dict(grid_only.coefficients)
-    for i, c in zip(over_idx, over_coef, strict=True):
-        coef[LINEAR_FEATURES[i]] += c
-
-    cost = LinearCostModel(coef)
+    cost, grid_only, overhead = fit_step_costs(
+        [(r["shape"], r["time_s"]) for r in grid_rows],
+        [(r["shape"], r["model_s"], r["overhead_s"]) for r in run_rows])
     meta = {
         "engine": str(engine_dir), "runner": runner_name or engine.backend,
         "engine_run_rates": rates,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,
         "model_coefficients": grid_only.coefficients,
-        "overhead_coefficients": dict(zip(("step", "tokens", "seqs"), over_coef, strict=True)),
+        "overhead_coefficients": overhead,
         "grid": [{"name": r["name"], "measured_ms": r["time_s"] * 1e3,
                   "fitted_ms": grid_only.step_time_s(r["shape"]) * 1e3} for r in grid_rows],
         "grid_fit_error": _rel_errors(grid_only, [r["shape"] for r in grid_rows],
@@ -310,6 +361,7 @@ def calibrate(engine_dir: str | Path, runner_name: str | None = None, repeats: i
         "engine_run_steps": len(run_rows),
         "held_out_steps": len(check_rows),
     }
+    coef = dict(cost.coefficients)
     if served:
         meta["served"] = served_slowdown(engine_dir, cost, rates["held out"], progress,
                                          served, trace, length_scale)

@@ -24,7 +24,7 @@ from kvflow.bench.compare import MODE_LABELS, MODES, mode_scheduler_options, par
 from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.bench.serve import add_workload_args, build_workload, parse_slo, write_serve_report
 from kvflow.bench.workloads import RequestSpec
-from kvflow.orchestrator.config import SchedulerConfig
+from kvflow.orchestrator.config import EngineOptions
 from kvflow.sim.cost_model import HARDWARE, MODELS, CostModel, LinearCostModel, RooflineCostModel
 from kvflow.sim.simulator import SimResult, simulate
 
@@ -138,7 +138,7 @@ def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse
     """Simulate one (mode, workload) and write its report to ``out``."""
     options = mode_scheduler_options(mode, args.max_num_seqs, args.max_model_len,
                                      args.chunk_tokens, args.prefix_caching)
-    sched = SchedulerConfig(**options)
+    sched = EngineOptions(**options)
     priorities = (priorities_for(len(specs), args.num_priorities, args.seed)
                   if sched.policy == "priority" else None)
     done = [0]

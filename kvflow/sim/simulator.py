@@ -20,7 +20,7 @@ from kvflow.bench.metrics import RequestTiming
 from kvflow.bench.workloads import RequestSpec
 from kvflow.build.engine_config import BuildLimits, EngineConfig
 from kvflow.model.config import ModelConfig
-from kvflow.orchestrator.config import SchedulerConfig
+from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.outputs import RequestOutput, StepStats
 from kvflow.orchestrator.sampling_params import SamplingParams
@@ -45,6 +45,7 @@ class SimRunner(ModelRunner):
     """Costs each step by the cost model, advances the clock, returns logits favouring token 0."""
 
     name = "sim"
+    reads_token_ids = False
 
     def __init__(self, engine: EngineConfig, num_blocks: int, cost: CostModel,
                  clock: SimClock) -> None:
@@ -66,20 +67,24 @@ def sim_engine_config(block_size: int, max_model_len: int, max_num_tokens: int,
                         num_key_value_heads=1, head_dim=8, eos_token_ids=(SIM_EOS,))
     limits = BuildLimits(max_model_len, max(max_num_tokens, block_size), max_batch_size,
                          block_size)
-    return EngineConfig(model, "torch", "float32", limits, "simulated", {})
+    return EngineConfig(model, "torch", "float32", limits, {"name": "simulated"}, {})
 
 
 @dataclass
 class SimResult:
     """Per-request timings and queue times (on the simulated clock), the engine's per-step
-    stats, the sampled server series, and (when recorded) each step's batch."""
+    stats and the sampled server series."""
 
     timings: list[RequestTiming]
     queue_s: list[float | None]
     steps: list[StepStats]
     series: list[dict[str, float]]
-    batches: list[list[tuple[str, int]]]
     duration_s: float
+
+    @property
+    def batches(self) -> list[list[tuple[str, int]]]:
+        """Each step's batch: (request id, tokens computed) per sequence, as scheduled."""
+        return [s.scheduled for s in self.steps]
 
 
 def kv_fragmentation(engine: LLMEngine) -> float:
@@ -111,9 +116,8 @@ def _sample_series(engine: LLMEngine, now: float) -> dict[str, float]:
             "batch_seqs": float(last.num_scheduled_seqs if last else 0)}
 
 
-def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: SchedulerConfig,
+def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions,
              num_blocks: int, block_size: int = 16,
-             record_batches: bool = False,
              prompts: Sequence[list[int]] | None = None,
              series_period_s: float = 0.25,
              progress: Callable[[int], None] | None = None,
@@ -137,17 +141,6 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: SchedulerConf
     runner = SimRunner(engine_cfg, num_blocks, cost, clock)
     engine = LLMEngine(runner, None, sched, (SIM_EOS,), clock=clock,
                        stats_window=10_000_000)
-    batches: list[list[tuple[str, int]]] = []
-    if record_batches:
-        schedule = engine.scheduler.schedule
-
-        def recording_schedule():
-            out = schedule()
-            batches.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
-            return out
-
-        engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
-
     arrivals = [(s.arrival_s, i) for i, s in enumerate(specs)]
     heapq.heapify(arrivals)
     finished: dict[int, RequestTiming] = {}
@@ -186,7 +179,7 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: SchedulerConf
                     progress(len(finished))
     series.append(_sample_series(engine, clock.now))
     timings = [finished[i] for i in range(len(specs))]
-    return SimResult(timings, queue_s, list(engine.step_stats), series, batches, clock.now)
+    return SimResult(timings, queue_s, list(engine.step_stats), series, clock.now)
 
 
 def timing_of(out: RequestOutput) -> RequestTiming:

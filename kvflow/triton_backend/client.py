@@ -47,14 +47,17 @@ def build_inputs(prompt: str, sampling: dict[str, Any], stream: bool = True,
 class StreamingClient:
     """One gRPC connection and bidirectional stream, reused for request after request."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         import tritonclient.grpc as grpcclient
+
+        from kvflow.triton_backend.server import GRPC_API_KEY_HEADER
 
         self.timeout_s = timeout_s
         self._responses: queue.Queue[Any] = queue.Queue()
         self._client = grpcclient.InferenceServerClient(url)
         self._client.start_stream(
-            callback=lambda result, error: self._responses.put((result, error)))
+            callback=lambda result, error: self._responses.put((result, error)),
+            headers={GRPC_API_KEY_HEADER: api_key} if api_key else None)
 
     def generate(self, prompt: str, sampling: dict[str, Any], stream: bool = True,
                  chat: bool = False) -> Iterator[StreamChunk]:
@@ -91,9 +94,10 @@ class StreamingClient:
 
 
 def stream_generate(url: str, prompt: str, sampling: dict[str, Any], stream: bool = True,
-                    chat: bool = False, timeout_s: float = 600.0) -> Iterator[StreamChunk]:
+                    chat: bool = False, timeout_s: float = 600.0,
+                    api_key: str | None = None) -> Iterator[StreamChunk]:
     """Yield the server's responses for one request over its own gRPC stream."""
-    with StreamingClient(url, timeout_s) as client:
+    with StreamingClient(url, timeout_s, api_key) as client:
         yield from client.generate(prompt, sampling, stream, chat)
 
 
@@ -106,7 +110,7 @@ def main(args: Any) -> int:
         sampling["stop"] = args.stop
     last = None
     for chunk in stream_generate(args.url, args.prompt, sampling, stream=not args.no_stream,
-                                 chat=args.chat):
+                                 chat=args.chat, api_key=args.api_key):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         last = chunk

@@ -13,7 +13,7 @@ import queue
 import threading
 from typing import Any
 
-from kvflow.orchestrator.engine import LLMEngine
+from kvflow.orchestrator.async_engine import EngineLoop
 from kvflow.orchestrator.outputs import RequestOutput
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -34,7 +34,7 @@ GAUGES = {
     "kvflow_num_requests_waiting": "Requests waiting or preempted",
     "kvflow_kv_cache_usage_ratio": "Fraction of KV blocks in use",
 }
-# counter name -> the LLMEngine.counters key it mirrors (None: not yet produced by the engine)
+# counter name -> the EngineCounters field it mirrors (serving_time_s: the EngineLoop's)
 COUNTERS = {
     "kvflow_prompt_tokens_total": ("Prefill tokens computed", "prompt_tokens"),
     "kvflow_generation_tokens_total": ("Output tokens generated", "generation_tokens"),
@@ -83,8 +83,10 @@ class TritonMetrics:
                                         daemon=True)
         self._thread.start()
 
-    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        """Snapshot this step's numbers (engine loop thread; no backend calls here)."""
+    def on_step(self, loop: EngineLoop, outputs: list[RequestOutput]) -> None:
+        """Snapshot this step's numbers (the loop's step hook, on its thread; no backend calls
+        here)."""
+        engine = loop.engine
         observations: list[tuple[str, float]] = []
         if outputs and engine.step_stats:
             observations.append(("kvflow_iteration_num_seqs",
@@ -107,7 +109,8 @@ class TritonMetrics:
         gauges = {"kvflow_num_requests_running": sched.num_running,
                   "kvflow_num_requests_waiting": sched.num_waiting,
                   "kvflow_kv_cache_usage_ratio": engine.kv.usage}
-        totals = {name: engine.counters.get(key, 0) for name, (_, key) in COUNTERS.items()}
+        totals = {name: (loop.serving_time_s if key == "serving_time_s"
+                         else getattr(engine.counters, key)) for name, (_, key) in COUNTERS.items()}
         self._queue.put(_Snapshot(observations, gauges, totals))
 
     def _publish_loop(self) -> None:

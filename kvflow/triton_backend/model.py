@@ -19,14 +19,21 @@ from typing import Any
 import numpy as np
 
 from kvflow.orchestrator.async_engine import EngineLoop
+from kvflow.orchestrator.config import options_from_parameters
 from kvflow.orchestrator.outputs import RequestOutput
-from kvflow.orchestrator.tokenizer import ChatTemplateError
+from kvflow.orchestrator.tokenizer import ChatPrompt, Prompt
 from kvflow.triton_backend.metrics import TritonMetrics
-from kvflow.triton_backend.params import BadRequestError, ParsedRequest, parse_request
+from kvflow.triton_backend.params import (
+    INPUT_NAMES,
+    BadRequestError,
+    ParsedRequest,
+    parse_request,
+)
 
-INPUT_NAMES = ("text_input", "stream", "exclude_input_in_output", "sampling_parameters",
-               "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority",
-               "apply_chat_template", "cache_salt")
+# The backend's own model parameters (a hand-written repository's; `kvflow serve` writes them
+# into SERVE_FILE instead, out of clients' sight); every other parameter is an engine option.
+BACKEND_PARAMETERS = ("engine_dir", "python_paths")
+SERVE_FILE = "serve.json"
 
 
 def _parameter(model_config: dict, key: str, default: str = "") -> str:
@@ -34,22 +41,61 @@ def _parameter(model_config: dict, key: str, default: str = "") -> str:
     return value if value and not value.startswith("${") else default
 
 
+MAX_ERROR_CHARS = 1000  # an error names the field and the limit; it never echoes a whole input
+
+
+def error_response(pb: Any, message: str, code: str | None) -> Any:
+    """An error response with Triton's code for ``code``: ``overloaded`` -> UNAVAILABLE (HTTP
+    503; clients retry), ``bad_request`` -> INVALID_ARG (HTTP 400), else INTERNAL (500)."""
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS] + f"... ({len(message)} characters)"
+    codes = pb.TritonError
+    kind = {"overloaded": codes.UNAVAILABLE, "bad_request": codes.INVALID_ARG}.get(
+        code or "", codes.INTERNAL)
+    return pb.InferenceResponse(error=pb.TritonError(message, kind))
+
+
+def _request_parameters(request: Any) -> dict[str, Any]:
+    """The request's parameters (JSON in the Python backend); a bad string is refused."""
+    text = request.parameters() if hasattr(request, "parameters") else ""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise BadRequestError("the request's parameters are not valid JSON") from None
+    return value if isinstance(value, dict) else {}
+
+
+def logprob_entries(out: RequestOutput, start: int = 0) -> list[dict[str, Any]]:
+    """``output_logprobs``: per output token from ``start``, its id, its log-probability and
+    the top ``logprobs`` alternatives (token id as a string -> log-probability)."""
+    assert out.logprobs is not None
+    entries = []
+    for i in range(start, len(out.logprobs)):
+        token, alternatives = out.token_ids[i], out.logprobs[i]
+        entries.append({"token_id": token, "logprob": alternatives.get(token),
+                        "top_logprobs": {str(t): lp for t, lp in alternatives.items()}})
+    return entries
+
+
 class _ResponseStream:
     """Turns one request's engine outputs into Triton responses."""
 
-    __slots__ = ("pb", "sender", "parsed", "lock")
+    __slots__ = ("pb", "sender", "parsed", "lock", "logprobs_sent")
 
     def __init__(self, pb_utils: Any, sender: Any, parsed: ParsedRequest) -> None:
         self.pb = pb_utils
         self.sender = sender
         self.parsed = parsed
         self.lock = threading.Lock()
+        self.logprobs_sent = 0  # tokens whose logprobs earlier responses carried
 
     def on_output(self, out: RequestOutput) -> None:
         pb = self.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if out.error is not None and out.finish_reason in ("rejected", "abort"):
-            self._send(pb.InferenceResponse(error=pb.TritonError(out.error)), final)
+            self._send(error_response(pb, out.error, out.error_code), final)
             return
         if out.finish_reason == "abort":  # the client cancelled: just close the stream
             self._send(None, final)
@@ -73,6 +119,13 @@ class _ResponseStream:
             pb.Tensor("num_output_tokens", np.array([len(out.token_ids)], dtype=np.uint32)),
             pb.Tensor("cached_tokens", np.array([out.cached_tokens], dtype=np.uint32)),
         ]
+        if out.logprobs is not None:
+            # Every token since the last response (a stream sends nothing for a token that
+            # adds no text yet, so its logprobs ride on the next response).
+            new = logprob_entries(out, self.logprobs_sent)
+            self.logprobs_sent = len(out.logprobs)
+            tensors.append(pb.Tensor("output_logprobs", np.array([json.dumps(new).encode()],
+                                                                 dtype=np.object_)))
         return pb.InferenceResponse(output_tensors=tensors)
 
     def _send(self, response: Any, flags: int) -> None:
@@ -108,12 +161,20 @@ class KvflowTritonModel:
 
         self.pb = pb_utils
         model_config = json.loads(args["model_config"])
-        engine_dir = _parameter(model_config, "engine_dir")
+        serve_file = Path(args.get("model_repository", "")) / SERVE_FILE
+        engine_dir = (json.loads(serve_file.read_text())["engine_dir"] if serve_file.is_file()
+                      else _parameter(model_config, "engine_dir"))
         if not engine_dir or not (Path(engine_dir) / "engine_config.json").is_file():
             raise pb_utils.TritonModelException(
-                f"parameter engine_dir must name an engine folder, got {engine_dir!r}")
-        overrides = json.loads(_parameter(model_config, "engine_args", "{}") or "{}")
-        self.engine = create_engine(engine_dir, **overrides)
+                f"engine_dir ({SERVE_FILE} or the model parameter) must name an engine folder, "
+                f"got {engine_dir!r}")
+        parameters = {key: _parameter(model_config, key)
+                      for key in model_config.get("parameters", {})}
+        try:
+            overrides = options_from_parameters(parameters, reserved=BACKEND_PARAMETERS)
+            self.engine = create_engine(engine_dir, **overrides)
+        except ValueError as e:
+            raise pb_utils.TritonModelException(f"model parameters: {e}") from None
         self.max_model_len = self.engine.config.max_model_len
         self.metrics = TritonMetrics(pb_utils, args.get("model_name", "kvflow"))
         self.loop = EngineLoop(self.engine, step_hook=self.metrics.on_step)
@@ -130,19 +191,18 @@ class KvflowTritonModel:
                     tensor = pb.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
-                parsed = parse_request(inputs, self.max_model_len)
-                prompt: str | list[int] = parsed.prompt
-                if parsed.apply_chat_template:
-                    tok = self.engine.tokenizer
-                    text = tok.apply_chat_template([{"role": "user", "content": parsed.prompt}])
-                    prompt = tok.encode(text, add_special_tokens=False)
-            except (BadRequestError, ChatTemplateError) as e:
-                sender.send(pb.InferenceResponse(error=pb.TritonError(str(e))),
+                parsed = parse_request(inputs, self.max_model_len,
+                                       parameters=_request_parameters(request))
+            except BadRequestError as e:
+                sender.send(error_response(pb, str(e), "bad_request"),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             stream = _ResponseStream(pb, sender, parsed)
             # Triton's ids are the client's and need not be unique; ours must be.
             request_id = f"{request.request_id() or 'triton'}-{next(self._ids)}"
+            # The engine tokenizes (on its loop thread), chat template included.
+            prompt: Prompt = (ChatPrompt([{"role": "user", "content": parsed.prompt}])
+                              if parsed.apply_chat_template else parsed.prompt)
             self.loop.submit(request_id, prompt, parsed.params, stream.on_output,
                              parsed.priority, is_cancelled=sender.is_cancelled,
                              cache_salt=parsed.cache_salt)

@@ -5,19 +5,27 @@ unchanged: ``text_input`` (required), ``stream``, ``exclude_input_in_output``, `
 ``sampling_parameters`` (a JSON object), and scalar overrides ``temperature``, ``top_p``,
 ``top_k``, ``seed``, ``stop``, ``priority``; and kvflow's ``apply_chat_template`` (the text is
 one user turn, rendered with the model's chat template) and ``cache_salt`` (requests with
-different salts share no prefix-cache blocks). Pure Python + NumPy: testable without Triton.
+different salts share no prefix-cache blocks). TensorRT-LLM-style benchmark clients also send
+``min_length`` (taken as ``min_tokens``), ``end_id`` and ``accumulate_tokens`` (accepted and
+ignored: kvflow ends on the model's own EOS ids and always streams deltas).
+
+Integer tensors are INT64, so that no value is wrapped before kvflow can check its range.
+Any other key (over HTTP ``generate``, Triton passes unknown JSON keys on as request
+parameters) is refused with the list of known ones. Pure Python + NumPy: testable without
+Triton.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.orchestrator.sampling_params import SamplingParams, short_repr
 
 # Triton's vLLM backend clients send every sampling parameter as a JSON string ("0.7"); these
 # are the keys whose strings are converted, and to what.
@@ -28,6 +36,19 @@ _NUMERIC_KEYS: dict[str, type] = {
 }
 _BOOL_KEYS = ("ignore_eos", "skip_special_tokens")
 MAX_PRIORITY = 1 << 30
+# Inputs accepted from TensorRT-LLM-style clients and ignored on purpose (see module doc).
+IGNORED_INPUTS = ("end_id", "accumulate_tokens")
+# sampling_parameters: bounded before it is parsed, so no request can exhaust the parser.
+MAX_SAMPLING_JSON_BYTES = 256 << 10
+MAX_SAMPLING_JSON_DEPTH = 32
+# Request parameters Triton itself sets on a request (KServe's reserved names).
+TRITON_REQUEST_PARAMETERS = ("priority", "timeout", "sequence_id", "sequence_start",
+                             "sequence_end", "headers", "triton_enable_empty_final_response")
+
+
+INPUT_NAMES = ("text_input", "stream", "exclude_input_in_output", "sampling_parameters",
+               "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority",
+               "apply_chat_template", "cache_salt", "min_length", *IGNORED_INPUTS)
 
 
 class BadRequestError(ValueError):
@@ -70,11 +91,12 @@ def _typed(name: str, value: Any, kind: type) -> Any:
         try:
             return kind(text) if kind is not bool else _bool_text(name, text)
         except ValueError:
-            raise BadRequestError(f"{name} must be {kind.__name__}, got {text!r}") from None
+            raise BadRequestError(f"{name} must be {kind.__name__}, got "
+                                  f"{short_repr(text)}") from None
     if kind is bool:
         if isinstance(value, bool | np.bool_):
             return bool(value)
-        raise BadRequestError(f"{name} must be a bool, got {value!r}")
+        raise BadRequestError(f"{name} must be a bool, got {short_repr(value)}")
     if isinstance(value, bool | np.bool_):
         raise BadRequestError(f"{name} must be {kind.__name__}, got a bool")
     if kind is int:
@@ -82,10 +104,10 @@ def _typed(name: str, value: Any, kind: type) -> Any:
             return int(value)
         if isinstance(value, float | np.floating) and float(value).is_integer():
             return int(value)
-        raise BadRequestError(f"{name} must be an integer, got {value!r}")
+        raise BadRequestError(f"{name} must be an integer, got {short_repr(value)}")
     if isinstance(value, int | float | np.integer | np.floating):
         return float(value)
-    raise BadRequestError(f"{name} must be a number, got {value!r}")
+    raise BadRequestError(f"{name} must be a number, got {short_repr(value)}")
 
 
 def _bool_text(name: str, text: str) -> bool:
@@ -97,8 +119,36 @@ def _bool_text(name: str, text: str) -> bool:
     raise ValueError(name)
 
 
+def _json_depth(text: str) -> int:
+    """How deeply ``[`` and ``{`` nest in JSON ``text``, strings left out."""
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_JSON_STRINGS.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def unknown_keys_error(field: str, unknown: list[str], known: list[str]) -> BadRequestError:
+    """The error for unknown keys: at most 8 of them, each cut short, then the known ones."""
+    shown = [short_repr(k, 40) for k in unknown[:8]]
+    more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+    return BadRequestError(f"{field} has unknown key(s) {', '.join(shown)}{more}; "
+                           f"known: {', '.join(known)}")
+
+
 def parse_sampling_json(text: str) -> dict[str, Any]:
     """The ``sampling_parameters`` JSON object, numeric strings converted (vLLM clients)."""
+    if len(text) > MAX_SAMPLING_JSON_BYTES:
+        raise BadRequestError(f"sampling_parameters is {len(text)} characters; the limit is "
+                              f"{MAX_SAMPLING_JSON_BYTES}")
+    depth = _json_depth(text)
+    if depth > MAX_SAMPLING_JSON_DEPTH:
+        raise BadRequestError(f"sampling_parameters nests {depth} levels deep; the limit is "
+                              f"{MAX_SAMPLING_JSON_DEPTH}")
     try:
         raw = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as e:
@@ -106,11 +156,10 @@ def parse_sampling_json(text: str) -> dict[str, Any]:
             f"sampling_parameters is not valid JSON: {e.msg} at character {e.pos}") from None
     if not isinstance(raw, dict):
         raise BadRequestError("sampling_parameters must be a JSON object")
-    known = set(SamplingParams.field_names())
-    unknown = sorted(set(raw) - known)
+    known = SamplingParams.field_names()
+    unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise BadRequestError(f"sampling_parameters has unknown key(s) {unknown}; "
-                              f"known: {sorted(known)}")
+        raise unknown_keys_error("sampling_parameters", unknown, sorted(known))
     out: dict[str, Any] = {}
     for key, value in raw.items():
         field = f"sampling_parameters.{key}"
@@ -126,8 +175,14 @@ def parse_sampling_json(text: str) -> dict[str, Any]:
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
-                  default_max_tokens: int = 16) -> ParsedRequest:
-    """Validate and convert one request's input tensors (see module doc)."""
+                  default_max_tokens: int = 16,
+                  parameters: Mapping[str, Any] | None = None) -> ParsedRequest:
+    """Validate and convert one request's input tensors (see module doc). ``parameters``: the
+    request's parameters; over HTTP ``generate`` these are the JSON keys that match no input,
+    so any but Triton's own is refused."""
+    unknown = sorted(set(parameters or {}) - set(TRITON_REQUEST_PARAMETERS))
+    if unknown:
+        raise unknown_keys_error("the request", unknown, sorted(INPUT_NAMES))
     if "text_input" not in inputs:
         raise BadRequestError("text_input is required")
     prompt = _text("text_input", _scalar("text_input", inputs["text_input"]))
@@ -151,6 +206,12 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
             fields[name] = value
     if "stop" in inputs:
         fields["stop"] = [_text("stop", s) for s in np.asarray(inputs["stop"]).reshape(-1)]
+    min_length = scalar_of("min_length", int)
+    if min_length is not None:
+        if "min_tokens" in fields and fields["min_tokens"] != min_length:
+            raise BadRequestError("min_length and sampling_parameters.min_tokens disagree "
+                                  f"({min_length} vs {fields['min_tokens']})")
+        fields["min_tokens"] = min_length
     fields.setdefault("max_tokens", default_max_tokens)
     max_tokens = fields["max_tokens"]
     if (isinstance(max_tokens, int) and not isinstance(max_tokens, bool)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -26,7 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvflow.orchestrator.config import options_to_parameters
+
 MODEL_NAME = "kvflow"
+# Triton's endpoints that kvflow never uses, restricted with a random per-server key.
+ADMIN_APIS = "shared-memory,model-repository,trace,logging"
+ADMIN_HEADER = "kvflow-admin-key"
+# With --api-key: what a client must authenticate for (health stays open for load balancers).
+API_KEY_APIS = "inference,metadata,model-config,statistics"
+API_KEY_HEADER = "x-api-key"
+# Triton prefixes a restricted protocol's header over gRPC.
+GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
 REPO_MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / MODEL_NAME
 
 
@@ -49,6 +60,12 @@ class ServerConfig:
     ready_timeout_s: float = 600.0
     # How long tritonserver waits for the model to unload at shutdown before it exits anyway.
     exit_timeout_s: int = 15
+    # Clients must send the header `x-api-key: <api_key>` for inference, metadata, the model
+    # config and statistics (HTTP and gRPC); None: no authentication (fine on loopback).
+    api_key: str | None = None
+    # The key of the endpoints kvflow never uses (shared memory, repository, trace, logging):
+    # random, never printed, so they are closed to every client.
+    admin_key: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
 
     @classmethod
     def on_free_ports(cls, engine_dir: str | Path, engine_args: dict[str, Any] | None = None,
@@ -62,6 +79,15 @@ class ServerConfig:
         if not (self.engine_dir / "engine_config.json").is_file():
             raise ServeError(f"--engine {self.engine_dir} is not an engine folder "
                              "(build one with `kvflow build-engine`)")
+        from kvflow.orchestrator.llm import plan_engine
+
+        try:  # bad options are refused before any server starts
+            plan_engine(self.engine_dir, **self.engine_args)
+        except ValueError as e:
+            raise ServeError(str(e)) from None
+        key = self.api_key
+        if key is not None and not (key and key.isprintable() and not set(key) & set(" =,:")):
+            raise ServeError("--api-key must be printable, without spaces, '=', ',' or ':'")
         for name in ("http_port", "grpc_port", "metrics_port"):
             port = getattr(self, name)
             if not 0 < port < 65536:
@@ -124,10 +150,13 @@ def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], di
     model_dir = models / MODEL_NAME
     shutil.copytree(REPO_MODEL_DIR, model_dir, ignore=shutil.ignore_patterns("__pycache__"))
     config = (model_dir / "config.pbtxt").read_text()
-    for key, value in (("engine_dir", str(cfg.engine_dir)),
-                       ("engine_args", json.dumps(cfg.engine_args)),
-                       ("python_paths", json.dumps(_environment_paths()))):
-        config = config.replace("${" + key + "}", value.replace("\\", "\\\\").replace('"', '\\"'))
+    # NOTE: paths go in a file beside the config, not into it: any client can read the config.
+    (model_dir / "serve.json").write_text(json.dumps(
+        {"engine_dir": str(cfg.engine_dir), "python_paths": _environment_paths()}))
+    # One model parameter per engine option given, generated from EngineOptions.
+    for key, value in options_to_parameters(cfg.engine_args).items():
+        config += (f'parameters {{ key: "{key}", value: {{ string_value: '
+                   f'"{_pbtxt_escape(value)}" }} }}\n')
     (model_dir / "config.pbtxt").write_text(config)
 
     cmd = [
@@ -139,8 +168,19 @@ def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], di
         f"--log-verbose={cfg.log_verbose}", "--exit-on-error=true",
         "--disable-auto-complete-config", "--strict-readiness=true",
         f"--exit-timeout-secs={cfg.exit_timeout_s}",
+        # kvflow needs none of these: locked behind a header whose value nobody is told (the
+        # shared-memory API would let any local client read another request's memory).
+        f"--http-restricted-api={ADMIN_APIS}:{ADMIN_HEADER}={cfg.admin_key}",
+        f"--grpc-restricted-protocol={ADMIN_APIS}:{ADMIN_HEADER}={cfg.admin_key}",
     ]
+    if cfg.api_key:
+        cmd += [f"--http-restricted-api={API_KEY_APIS}:{API_KEY_HEADER}={cfg.api_key}",
+                f"--grpc-restricted-protocol={API_KEY_APIS}:{API_KEY_HEADER}={cfg.api_key}"]
     return cmd, env
+
+
+def _pbtxt_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def wait_ready(host: str, http_port: int, proc: subprocess.Popen | None,
@@ -170,6 +210,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+SHM_REGION_PREFIX = "/dev/shm/triton_python_backend_shm_region_"
+
+
+def shm_regions_of(pgid: int) -> set[Path]:
+    """The Python backend's shared-memory regions that processes of group ``pgid`` (the
+    server and its backend stubs) have mapped."""
+    regions: set[Path] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            for line in (proc / "maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                if path.startswith(SHM_REGION_PREFIX):
+                    regions.add(Path(path.removesuffix(" (deleted)")))
+        except (OSError, ProcessLookupError):
+            continue  # gone, or not ours to read
+    return regions
+
+
 class TritonServer:
     """A tritonserver process serving one engine; a context manager that always cleans up."""
 
@@ -179,6 +241,14 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
         self._workspace: tempfile.TemporaryDirectory | None = None
         self._log_file: Any = None
+        # The Python backend's shared-memory regions (they hold request text): removed at stop
+        # if the backend did not remove them itself (it cannot when it is killed).
+        self._shm_regions: set[Path] = set()
+
+    @property
+    def shm_regions(self) -> frozenset[Path]:
+        """The Python backend's shared-memory regions this server has mapped."""
+        return frozenset(self._shm_regions)
 
     @property
     def http_url(self) -> str:
@@ -207,6 +277,7 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        self._shm_regions |= shm_regions_of(self.proc.pid)
         return self
 
     def stop(self, timeout_s: float = 40.0) -> int | None:
@@ -218,6 +289,7 @@ class TritonServer:
         """
         code = None
         if self.proc is not None and self.proc.poll() is None:
+            self._shm_regions |= shm_regions_of(self.proc.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -237,6 +309,10 @@ class TritonServer:
                 while time.monotonic() < deadline:  # until the group is gone
                     os.killpg(self.proc.pid, 0)
                     time.sleep(0.05)
+        for region in self._shm_regions:
+            with contextlib.suppress(FileNotFoundError):
+                region.unlink()
+        self._shm_regions = set()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -252,6 +328,23 @@ class TritonServer:
         self.stop()
 
 
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def exposure_warnings(cfg: ServerConfig) -> list[str]:
+    """What ``kvflow serve`` warns about when it binds beyond loopback."""
+    if is_loopback(cfg.host):
+        return []
+    where = "every interface" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+    out = [f"HTTP, gRPC and metrics listen on {where}, reachable from other machines."]
+    if not cfg.api_key:
+        out.append("no --api-key: anyone who can reach these ports can run inference; "
+                   "set --api-key (or KVFLOW_API_KEY), or put an authenticating proxy in front.")
+    out.append("the metrics port has no authentication (Triton offers none for it).")
+    return out
+
+
 def serve_forever(cfg: ServerConfig) -> int:
     """``kvflow serve``: start, print how to query, forward signals, shut down cleanly."""
     server = TritonServer(cfg)
@@ -265,14 +358,21 @@ def serve_forever(cfg: ServerConfig) -> int:
     print(f"[kvflow serve] starting tritonserver for {cfg.engine_dir} ...", flush=True)
     server.start()
     host = _url_host(cfg.host)
+    key_header = f" -H '{API_KEY_HEADER}: $KVFLOW_API_KEY'" if cfg.api_key else ""
+    key_flag = " --api-key $KVFLOW_API_KEY" if cfg.api_key else ""
     print(f"""[kvflow serve] ready: model '{MODEL_NAME}'
-  HTTP    http://{host}:{cfg.http_port}   gRPC {host}:{cfg.grpc_port}   metrics {server.metrics_url}
+  HTTP    http://{cfg.host}:{cfg.http_port}   gRPC {cfg.host}:{cfg.grpc_port}   \
+metrics http://{cfg.host}:{cfg.metrics_port}/metrics
+  authentication: {"x-api-key header required" if cfg.api_key else "none"}
 
-  curl -N -X POST http://{host}:{cfg.http_port}/v2/models/{MODEL_NAME}/generate_stream \\
-       -d '{{"text_input": "The capital of France is", "max_tokens": 32, "stream": true}}'
+  curl -N -X POST http://{host}:{cfg.http_port}/v2/models/{MODEL_NAME}/generate_stream\\
+      {key_header} -d '{{"text_input": "The capital of France is", "stream": true}}'
 
-  kvflow generate --url {host}:{cfg.grpc_port} --prompt "Tell me about paged attention" --chat
+  kvflow generate --url {host}:{cfg.grpc_port}{key_flag} --chat \\
+       --prompt "Tell me about paged attention"
 """, flush=True)
+    for warning in exposure_warnings(cfg):
+        print(f"[kvflow serve] WARNING: {warning}", file=sys.stderr, flush=True)
     try:
         while not stop_requested and server.proc is not None and server.proc.poll() is None:
             time.sleep(0.5)

@@ -1,0 +1,172 @@
+"""One options dataclass: it generates the CLI flags, the Triton parameters and the LLM overrides'
+validation; and the invariants it can switch on in a running engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import fields
+
+import pytest
+
+from kvflow.orchestrator.config import (
+    EngineOptions,
+    format_option,
+    option_fields,
+    options_from_parameters,
+    options_to_parameters,
+    parse_option,
+)
+from kvflow.orchestrator.scheduler import SCHEDULERS
+
+# A value for each option other than its default, valid on the tiny engines (limits 256/256/16).
+NON_DEFAULT = {
+    "max_num_seqs": 3, "max_num_batched_tokens": 40, "max_model_len": 100,
+    "enable_chunked_prefill": False, "long_prefill_token_threshold": 8,
+    "max_waiting_requests": 7, "policy": "priority", "priority_aging_s": 2.5,
+    "kv_watermark": 0.05, "static_batch_size": 2, "enable_prefix_caching": False,
+    "preemption_mode": "swap", "recompute_tokens_per_s": 123.0, "swap_bytes_per_s": 1e6,
+    "cache_aware_max_wait_s": 1.5, "kv_cache_bytes": 1 << 20, "num_kv_blocks": 64,
+    "swap_space_bytes": 1 << 20, "runner": "torch", "cuda_graphs": False,
+    "debug_checks": True,
+}
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    from kvflow.cli import make_parser
+
+    return make_parser()
+
+
+def test_every_option_has_help_and_a_test_value():
+    assert set(NON_DEFAULT) == set(EngineOptions.names())
+    for f in option_fields():
+        assert f.metadata["help"], f"{f.name} has no help text"
+        assert NON_DEFAULT[f.name] != getattr(EngineOptions(), f.name), f.name
+
+
+def test_the_cli_flags_are_generated_and_round_trip_every_option():
+    from kvflow.cli import engine_overrides
+
+    argv = ["serve"]
+    for name, value in NON_DEFAULT.items():
+        if value is True:
+            argv.append("--" + name.replace("_", "-"))
+        elif value is False and name == "cuda_graphs":
+            argv.append("--enforce-eager")
+        elif value is False:
+            argv.append("--no-" + name.removeprefix("enable_").replace("_", "-"))
+        else:
+            argv += ["--" + name.replace("_", "-"), format_option(value)]
+    args = serve_parser().parse_args(argv)
+    assert engine_overrides(args) == NON_DEFAULT
+    # Flags not given stay out: the engine folder's own limits then apply.
+    assert engine_overrides(serve_parser().parse_args(["serve"])) == {}
+
+
+def test_cli_choices_come_from_the_registries(capsys):
+    from kvflow.runtime import RUNNERS
+
+    help_text = serve_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "{" + ",".join(SCHEDULERS) + "}" in help_text
+    assert "{" + ",".join(RUNNERS) + "}" in help_text
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["serve", "--policy", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["serve", "--max-num-seqs", "ten"])
+    assert "max_num_seqs must be int, got 'ten'" in capsys.readouterr().err
+
+
+def test_triton_parameters_round_trip_every_option():
+    params = options_to_parameters(NON_DEFAULT)
+    assert all(isinstance(v, str) for v in params.values())
+    reserved = ("engine_dir", "python_paths")
+    back = options_from_parameters({**params, "engine_dir": "/x", "python_paths": "[]"},
+                                   reserved=reserved)
+    assert back == NON_DEFAULT
+    assert parse_option("static_batch_size", "none") is None
+
+
+def test_unknown_or_mistyped_options_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['max_num_seq'\]; "
+                                         r"known: \[.*'max_num_seqs'"):
+        EngineOptions().with_overrides(max_num_seq=4)
+    with pytest.raises(ValueError, match="unknown engine option 'maxseqs'"):
+        options_from_parameters({"maxseqs": "4"})
+    with pytest.raises(ValueError, match="max_num_seqs must be int, got '4'"):
+        EngineOptions().with_overrides(max_num_seqs="4")
+    with pytest.raises(ValueError, match="enable_prefix_caching must be bool, got 'maybe'"):
+        parse_option("enable_prefix_caching", "maybe")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        EngineOptions(policy="sjf-ish")
+
+
+def test_llm_overrides_are_validated_by_the_same_dataclass(tiny_engines):
+    from kvflow.orchestrator.llm import plan_engine
+
+    engine = tiny_engines["llama-gqa4", "torch"]
+    plan = plan_engine(engine, **NON_DEFAULT)
+    for name, value in NON_DEFAULT.items():
+        assert getattr(plan.scheduler, name) == value
+    assert plan.num_blocks == 64 and plan.runner == "torch" and plan.cuda_graphs is False
+    with pytest.raises(ValueError, match="known:"):
+        plan_engine(engine, max_tokens=3)
+    with pytest.raises(ValueError, match="max_num_seqs=17 exceeds the engine's build limit of 16"):
+        plan_engine(engine, max_num_seqs=17)
+
+
+def test_kvflow_serve_writes_one_triton_parameter_per_option(tiny_engines, tmp_path):
+    from kvflow.triton_backend.server import ServeError, ServerConfig, prepare_workspace
+
+    engine = tiny_engines["llama-gqa4", "onnxruntime"]
+    cfg = ServerConfig(engine, engine_args={"max_num_seqs": 4, "enable_prefix_caching": False})
+    prepare_workspace(cfg, tmp_path)
+    text = (tmp_path / "models" / "kvflow" / "config.pbtxt").read_text()
+    pairs = dict(re.findall(r'parameters \{ key: "(\w+)", value: \{ string_value: "([^"]*)" \} \}',
+                            text))
+    assert options_from_parameters(pairs, reserved=("engine_dir", "python_paths")) == {
+        "max_num_seqs": 4, "enable_prefix_caching": False}
+    # The paths go beside the config, not into it (clients can read the config).
+    assert "engine_dir" not in pairs and "python_paths" not in pairs
+    serve = json.loads((tmp_path / "models" / "kvflow" / "serve.json").read_text())
+    assert serve["engine_dir"] == str(engine.resolve()) and serve["python_paths"]
+    with pytest.raises(ServeError, match="unknown engine option"):
+        ServerConfig(engine, engine_args={"max_num_seq": 4})
+
+
+def test_options_dataclass_is_frozen():
+    assert all(f.name for f in fields(EngineOptions))
+    with pytest.raises(AttributeError):
+        EngineOptions().max_num_seqs = 3  # type: ignore[misc]
+
+
+# --- debug mode: invariants checked after every step --------------------------------------------
+
+def test_debug_checks_catch_a_corrupted_pool_on_the_next_step(tiny_engines):
+    from kvflow import LLM, SamplingParams
+
+    engine = tiny_engines["llama-gqa4", "torch"]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for checks in (False, True):
+        with LLM(engine, debug_checks=checks) as llm:
+            llm.engine.add_request([5, 6, 7, 8, 9], params)
+            llm.engine.step()  # the prefill: the request now holds a block
+            request = llm.engine.scheduler.running[0]
+            block = llm.engine.kv.block_tables[request.request_id][0]
+            llm.engine.kv.pool.ref_counts[block] += 1  # a leak: a reference no table holds
+            if checks:
+                with pytest.raises(AssertionError, match="reference counts"):
+                    llm.engine.step()
+            else:
+                llm.engine.step()  # unnoticed without the checks
+
+
+def test_debug_checks_default_comes_from_one_environment_variable(monkeypatch):
+    monkeypatch.setenv("KVFLOW_DEBUG_CHECKS", "1")
+    assert EngineOptions().debug_checks is True
+    monkeypatch.setenv("KVFLOW_DEBUG_CHECKS", "0")
+    assert EngineOptions().debug_checks is False
+    monkeypatch.delenv("KVFLOW_DEBUG_CHECKS")
+    assert EngineOptions().debug_checks is False
