@@ -230,10 +230,10 @@ def test_special_tokens_in_user_text_do_not_forge_a_turn(triton_server, default_
 
 
 @pytest.fixture(scope="module")
-def keyed_server(default_engines):
+def keyed_server(tiny_engines):
     from kvflow.triton_backend.server import ServerConfig, TritonServer
 
-    cfg = ServerConfig.on_free_ports(default_engines["onnxruntime"], {"num_kv_blocks": 64},
+    cfg = ServerConfig.on_free_ports(tiny_engines["llama-gqa4", "onnxruntime"], {},
                                      ready_timeout_s=300, api_key="s3cret-key")
     with TritonServer(cfg) as server:
         yield server
