@@ -127,7 +127,8 @@ TRITON_REFUSES = [
 def test_type_errors_triton_refuses_itself(triton_server, body, needle):
     status, reply = post(triton_server, body)
     assert status == 500 and needle in reply["error"]
-    status, reply = post(triton_server, {"text_input": "Hi", "max_tokens": 2})
+    status, reply = post(triton_server, {"text_input": "Hi", "max_tokens": 2,
+                                         "sampling_parameters": sampling(ignore_eos=True)})
     assert status == 200 and reply["num_output_tokens"] == 2
 
 
@@ -240,7 +241,8 @@ def keyed_server(tiny_engines):
 
 
 def test_an_api_key_guards_inference_and_metadata_over_http_and_grpc(keyed_server):
-    body = {"text_input": "Hi", "max_tokens": 2}
+    body = {"text_input": "Hi", "max_tokens": 2,  # a random-weight model: no early EOS
+            "sampling_parameters": sampling(ignore_eos=True, temperature=0.0)}
     status, reply = post(keyed_server, body)
     assert status == 403 and "x-api-key" in reply["error"]
     status, reply = post(keyed_server, body, headers={"x-api-key": "wrong"})
@@ -259,7 +261,8 @@ def test_an_api_key_guards_inference_and_metadata_over_http_and_grpc(keyed_serve
     key = {"triton-grpc-protocol-x-api-key": "s3cret-key"}  # Triton's gRPC spelling
     assert client.get_model_metadata("kvflow", headers=key).name == "kvflow"
     client.close()
-    chunks = list(stream_generate(keyed_server.grpc_url, "Hi", {"max_tokens": 2},
+    chunks = list(stream_generate(keyed_server.grpc_url, "Hi", {"max_tokens": 2,
+                                                                 "ignore_eos": True},
                                   api_key="s3cret-key"))
     assert chunks[-1].num_output_tokens == 2
 
@@ -366,5 +369,6 @@ def test_shutdowns_after_preemption_leave_nothing_behind(tiny_engines):
 
 
 def test_the_server_keeps_serving_after_all_of_this(triton_server):
-    status, reply = post(triton_server, {"text_input": "Hi", "max_tokens": 3})
+    status, reply = post(triton_server, {"text_input": "Hi", "max_tokens": 3,
+                                         "sampling_parameters": sampling(ignore_eos=True)})
     assert status == 200 and reply["num_output_tokens"] == 3
