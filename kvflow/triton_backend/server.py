@@ -358,7 +358,7 @@ def serve_forever(cfg: ServerConfig) -> int:
     print(f"[kvflow serve] starting tritonserver for {cfg.engine_dir} ...", flush=True)
     server.start()
     host = _url_host(cfg.host)
-    key_header = f" -H '{API_KEY_HEADER}: $KVFLOW_API_KEY'" if cfg.api_key else ""
+    key_header = f' -H "{API_KEY_HEADER}: $KVFLOW_API_KEY"' if cfg.api_key else ""
     key_flag = " --api-key $KVFLOW_API_KEY" if cfg.api_key else ""
     print(f"""[kvflow serve] ready: model '{MODEL_NAME}'
   HTTP    http://{cfg.host}:{cfg.http_port}   gRPC {cfg.host}:{cfg.grpc_port}   \
