@@ -29,6 +29,12 @@ def short_repr(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
+def list_unknown(keys: list[str], most: int = 8) -> str:
+    """Unknown keys for an error message: the first ``most``, each cut short, then a count."""
+    shown = ", ".join(short_repr(k, 40) for k in keys[:most])
+    return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
 class SamplingParamsTypeError(TypeError, ValueError):
     """A sampling parameter has the wrong type.
 
@@ -256,10 +262,8 @@ class SamplingParams:
         known = cls.field_names()
         unknown = sorted((k for k in d if k not in known), key=str)
         if unknown:
-            shown = ", ".join(short_repr(k, 40) for k in unknown[:8])
-            more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
             raise ValueError(
-                f"unknown sampling parameter(s): {shown}{more}; "
+                f"unknown sampling parameter(s): {list_unknown(unknown)}; "
                 f"known parameters: {', '.join(known)}"
             )
         return cls(**d)

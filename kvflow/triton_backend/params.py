@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.orchestrator.sampling_params import SamplingParams, short_repr
+from kvflow.orchestrator.sampling_params import SamplingParams, list_unknown, short_repr
 
 # Triton's vLLM backend clients send every sampling parameter as a JSON string ("0.7"); these
 # are the keys whose strings are converted, and to what.
@@ -134,9 +134,7 @@ _BRACKETS = re.compile(r"[\[\]{}]")
 
 def unknown_keys_error(field: str, unknown: list[str], known: list[str]) -> BadRequestError:
     """The error for unknown keys: at most 8 of them, each cut short, then the known ones."""
-    shown = [short_repr(k, 40) for k in unknown[:8]]
-    more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
-    return BadRequestError(f"{field} has unknown key(s) {', '.join(shown)}{more}; "
+    return BadRequestError(f"{field} has unknown key(s) {list_unknown(unknown)}; "
                            f"known: {', '.join(known)}")
 
 
