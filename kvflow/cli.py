@@ -2,6 +2,7 @@
 
     kvflow build-engine --model default --output engines/smollm2-135m
     kvflow serve --engine engines/smollm2-135m
+    kvflow openai --triton-url 127.0.0.1:8001
     kvflow generate --prompt "Hello" --chat
     kvflow bench step
 """
@@ -106,9 +107,16 @@ def run_serve(args: argparse.Namespace) -> int:
                            grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                            tritonserver=args.tritonserver, engine_args=engine_overrides(args),
                            log_verbose=args.log_verbose, api_key=args.api_key)
-        return serve_forever(cfg)
+        return serve_forever(cfg, openai_port=None if args.no_openai else args.openai_port,
+                             served_model_name=args.served_model_name)
     except ServeError as e:
         raise ValueError(str(e)) from None
+
+
+def run_openai(args: argparse.Namespace) -> int:
+    from kvflow.triton_backend.openai_frontend import main as openai_main
+
+    return openai_main(args)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -140,8 +148,23 @@ def make_parser() -> argparse.ArgumentParser:
                    help="clients must send the header 'x-api-key: KEY' for inference, metadata "
                         "and the model config (default: $KVFLOW_API_KEY; none: no "
                         "authentication, fine on loopback)")
+    p.add_argument("--openai-port", type=_int, default=9000,
+                   help="port of the OpenAI-compatible API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models), on --host")
+    p.add_argument("--no-openai", action="store_true",
+                   help="do not start the OpenAI-compatible frontend")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the OpenAI API (default: the engine's checkpoint, "
+                        "e.g. smollm2-135m-instruct)")
     add_engine_option_args(p)
     p.set_defaults(func=run_serve)
+
+    from kvflow.triton_backend.openai_frontend import add_args as add_openai_args
+
+    p = sub.add_parser("openai", help="the OpenAI-compatible API in front of running "
+                                      "tritonservers (kvflow serve starts one itself)")
+    add_openai_args(p)
+    p.set_defaults(func=run_openai)
 
     p = sub.add_parser("generate", help="stream a completion from a running server (gRPC)")
     p.add_argument("--prompt", required=True)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvflow.orchestrator.engine import LLMEngine
-from kvflow.orchestrator.outputs import RequestOutput
+from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, RequestOutput
 from kvflow.orchestrator.sampling_params import SamplingParams
 from kvflow.orchestrator.tokenizer import Prompt
 
@@ -50,14 +50,14 @@ class EngineLoop:
     def submit(self, request_id: str, prompt: Prompt, params: SamplingParams,
                callback: OutputCallback, priority: int = 0,
                is_cancelled: Callable[[], bool] | None = None,
-               cache_salt: str | None = None) -> None:
+               cache_salt: str | None = None, tenant: str | None = None) -> None:
         """Queue a request; ``callback`` gets every output, the last one with ``finished``.
 
         ``is_cancelled`` is polled before every step; once it returns True the request is
         aborted (its KV blocks freed) before that step runs.
         """
         self._inbox.put(("add", (request_id, prompt, params, callback, priority, is_cancelled,
-                                 cache_salt)))
+                                 cache_salt, tenant)))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -83,10 +83,10 @@ class EngineLoop:
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            request_id, prompt, params, callback, priority, is_cancelled, salt = payload
+            request_id, prompt, params, callback, priority, is_cancelled, salt, tenant = payload
             try:
                 _, rejected = self.engine.add_request(prompt, params, request_id, priority,
-                                                      cache_salt=salt)
+                                                      cache_salt=salt, tenant=tenant)
             except ValueError as e:
                 callback(_error_output(request_id, str(e), "bad_request"))
                 return
@@ -175,7 +175,7 @@ class EngineLoop:
                 out = self.engine.abort_request(request_id)
                 if out is not None:
                     if self.error is not None:
-                        out.error = f"engine failed: {self.error!r}"
+                        out.error = f"{ENGINE_ERROR_PREFIX}: {self.error!r}"
                         out.error_code = "engine_error"
                     callback(out)
             self._callbacks.clear()

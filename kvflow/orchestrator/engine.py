@@ -89,13 +89,15 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> tuple[Request, RequestOutput | None]:
+                    cache_salt: str | None = None,
+                    tenant: str | None = None) -> tuple[Request, RequestOutput | None]:
         """Queue a request. Returns it, and a final output at once if it was rejected.
 
         ``prompt``: text, token ids, or a :class:`ChatPrompt` (rendered with the model's chat
         template); this is the one place prompts are tokenized. A prompt that cannot be
         tokenized (no tokenizer, a chat template error) raises ValueError. Requests with
-        different ``cache_salt`` never share prefix-cache blocks.
+        different ``cache_salt`` never share prefix-cache blocks; ``tenant`` names whom the
+        request is accounted to (the OpenAI ``user``).
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -103,7 +105,7 @@ class LLMEngine:
         self._check_token_ids(prompt_ids, params)
         request = Request(request_id, prompt_ids, params,
                           self.clock() if arrival_time is None else arrival_time, priority,
-                          self.eos_token_ids, self.config.max_model_len, cache_salt)
+                          self.eos_token_ids, self.config.max_model_len, cache_salt, tenant)
         if not self.scheduler.add_request(request):
             self.counters.rejected += 1
             return request, self._output(request, None, [])

@@ -6,6 +6,12 @@ from dataclasses import dataclass, field
 
 from kvflow.orchestrator.request import RequestMetrics
 
+# How error messages begin, by cause: a front door that sees only the text (Triton passes a
+# decoupled model's error on without its code) tells overload and engine failure from bad input
+# by these. Any other error is the client's.
+OVERLOADED_PREFIX = "server overloaded"
+ENGINE_ERROR_PREFIX = "engine failed"
+
 
 @dataclass(slots=True)
 class RequestOutput:

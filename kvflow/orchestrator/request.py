@@ -102,8 +102,9 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float, priority: int = 0,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, tenant: str | None = None) -> None:
         self.request_id = request_id
+        self.tenant = tenant  # whom the request is accounted to (OpenAI's `user`), or None
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.config import EngineOptions
+from kvflow.orchestrator.outputs import OVERLOADED_PREFIX
 from kvflow.orchestrator.request import Request, RequestStatus
 
 Clock = Callable[[], float]
@@ -143,7 +144,7 @@ class Scheduler:
                     f"({cfg.max_num_batched_tokens}) with chunked prefill disabled",
                     "bad_request")
         if len(self.waiting) >= cfg.max_waiting_requests:
-            return (f"server overloaded: the waiting queue is full (max_waiting_requests="
+            return (f"{OVERLOADED_PREFIX}: the waiting queue is full (max_waiting_requests="
                     f"{cfg.max_waiting_requests}); retry later", "overloaded")
         return None
 

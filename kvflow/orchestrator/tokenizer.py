@@ -18,15 +18,66 @@ class ChatTemplateError(ValueError):
     """The engine has no chat template, or the messages do not render."""
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_CHAT_MESSAGES = 1024
+
+
 @dataclass(frozen=True)
 class ChatPrompt:
     """Chat messages (``role``/``content`` dicts), rendered with the model's chat template when
-    the engine tokenizes the request."""
+    the engine tokenizes the request.
+
+    Checked when built, naming the message and the field: ``role`` is one of ``system``,
+    ``user``, ``assistant`` (OpenAI's ``developer`` is taken as ``system``); ``content`` is a
+    string or a list of OpenAI text parts (``{"type": "text", "text": ...}``, joined); an
+    optional ``name`` is kept for the template. Raises ValueError otherwise.
+    """
 
     messages: tuple[dict[str, str], ...]
 
-    def __init__(self, messages: Sequence[dict[str, str]]) -> None:
-        object.__setattr__(self, "messages", tuple(messages))
+    def __init__(self, messages: Sequence[dict[str, Any]]) -> None:
+        if not isinstance(messages, list | tuple) or not messages:
+            raise ValueError("messages must be a non-empty list of {role, content} objects")
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise ValueError(f"messages has {len(messages)} entries; the limit is "
+                             f"{MAX_CHAT_MESSAGES}")
+        object.__setattr__(self, "messages", tuple(_chat_message(i, m)
+                                                   for i, m in enumerate(messages)))
+
+
+def _chat_message(i: int, message: Any) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise ValueError(f"{where} must be an object with role and content, got "
+                         f"{type(message).__name__}")
+    unknown = sorted(set(message) - {"role", "content", "name"}, key=str)
+    if unknown:
+        shown = ", ".join(repr(str(k)[:40]) for k in unknown[:8])
+        raise ValueError(f"{where} has unknown key(s) {shown}; known: role, content, name")
+    role = message.get("role")
+    role = "system" if role == "developer" else role
+    if role not in CHAT_ROLES:
+        raise ValueError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got "
+                         f"{str(role)[:40]!r}")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            if (not isinstance(part, dict) or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)):
+                raise ValueError(f"{where}.content[{k}] must be a text part "
+                                 '{"type": "text", "text": "..."} (only text is supported)')
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise ValueError(f"{where}.content must be a string or a list of text parts, got "
+                         f"{type(content).__name__}")
+    out = {"role": role, "content": content}
+    if "name" in message:
+        if not isinstance(message["name"], str):
+            raise ValueError(f"{where}.name must be a string")
+        out["name"] = message["name"]
+    return out
 
 
 # What a request's prompt may be: text, token ids, or chat messages.

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,6 @@ import numpy as np
 from kvflow.orchestrator.async_engine import EngineLoop
 from kvflow.orchestrator.config import options_from_parameters
 from kvflow.orchestrator.outputs import RequestOutput
-from kvflow.orchestrator.tokenizer import ChatPrompt, Prompt
 from kvflow.triton_backend.metrics import TritonMetrics
 from kvflow.triton_backend.params import (
     INPUT_NAMES,
@@ -30,9 +30,10 @@ from kvflow.triton_backend.params import (
     parse_request,
 )
 
-# The backend's own model parameters (a hand-written repository's; `kvflow serve` writes them
-# into SERVE_FILE instead, out of clients' sight); every other parameter is an engine option.
-BACKEND_PARAMETERS = ("engine_dir", "python_paths")
+# The backend's own model parameters (a hand-written repository's; `kvflow serve` writes the
+# paths into SERVE_FILE instead, out of clients' sight, and the name the OpenAI frontend serves
+# as a parameter); every other parameter is an engine option.
+BACKEND_PARAMETERS = ("engine_dir", "python_paths", "served_model_name")
 SERVE_FILE = "serve.json"
 
 
@@ -67,25 +68,34 @@ def _request_parameters(request: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def logprob_entries(out: RequestOutput, start: int = 0) -> list[dict[str, Any]]:
+def logprob_entries(out: RequestOutput, start: int = 0,
+                    decode: Callable[[int], str] | None = None) -> list[dict[str, Any]]:
     """``output_logprobs``: per output token from ``start``, its id, its log-probability and
-    the top ``logprobs`` alternatives (token id as a string -> log-probability)."""
+    the top ``logprobs`` alternatives (token id as a string -> log-probability). With
+    ``decode``, also each token's own text (``token``; ``top_tokens``: id -> text), which the
+    OpenAI frontend returns."""
     assert out.logprobs is not None
     entries = []
     for i in range(start, len(out.logprobs)):
         token, alternatives = out.token_ids[i], out.logprobs[i]
-        entries.append({"token_id": token, "logprob": alternatives.get(token),
-                        "top_logprobs": {str(t): lp for t, lp in alternatives.items()}})
+        entry = {"token_id": token, "logprob": alternatives.get(token),
+                 "top_logprobs": {str(t): lp for t, lp in alternatives.items()}}
+        if decode is not None:
+            entry["token"] = decode(token)
+            entry["top_tokens"] = {str(t): decode(t) for t in alternatives}
+        entries.append(entry)
     return entries
 
 
 class _ResponseStream:
     """Turns one request's engine outputs into Triton responses."""
 
-    __slots__ = ("pb", "sender", "parsed", "lock", "logprobs_sent")
+    __slots__ = ("pb", "sender", "parsed", "lock", "logprobs_sent", "decode")
 
-    def __init__(self, pb_utils: Any, sender: Any, parsed: ParsedRequest) -> None:
+    def __init__(self, pb_utils: Any, sender: Any, parsed: ParsedRequest,
+                 decode: Callable[[int], str] | None = None) -> None:
         self.pb = pb_utils
+        self.decode = decode
         self.sender = sender
         self.parsed = parsed
         self.lock = threading.Lock()
@@ -106,7 +116,7 @@ class _ResponseStream:
         elif out.finished:
             text = out.text
             if not self.parsed.exclude_input_in_output:
-                text = self.parsed.prompt + text
+                text = self.parsed.prompt_text + text
             self._send(self._response(out, text), final)
 
     def _response(self, out: RequestOutput, text: str) -> Any:
@@ -122,7 +132,7 @@ class _ResponseStream:
         if out.logprobs is not None:
             # Every token since the last response (a stream sends nothing for a token that
             # adds no text yet, so its logprobs ride on the next response).
-            new = logprob_entries(out, self.logprobs_sent)
+            new = logprob_entries(out, self.logprobs_sent, self.decode)
             self.logprobs_sent = len(out.logprobs)
             tensors.append(pb.Tensor("output_logprobs", np.array([json.dumps(new).encode()],
                                                                  dtype=np.object_)))
@@ -180,6 +190,9 @@ class KvflowTritonModel:
         self.loop = EngineLoop(self.engine, step_hook=self.metrics.on_step)
         self._ids = itertools.count()
         self.model_name = args.get("model_name", "kvflow")
+        tokenizer = self.engine.tokenizer
+        self._decode_token = None if tokenizer is None else (
+            lambda t: tokenizer.decode([t], skip_special_tokens=False))
 
     def execute(self, requests: list[Any]) -> None:
         pb = self.pb
@@ -197,15 +210,13 @@ class KvflowTritonModel:
                 sender.send(error_response(pb, str(e), "bad_request"),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            stream = _ResponseStream(pb, sender, parsed)
+            stream = _ResponseStream(pb, sender, parsed, self._decode_token)
             # Triton's ids are the client's and need not be unique; ours must be.
             request_id = f"{request.request_id() or 'triton'}-{next(self._ids)}"
             # The engine tokenizes (on its loop thread), chat template included.
-            prompt: Prompt = (ChatPrompt([{"role": "user", "content": parsed.prompt}])
-                              if parsed.apply_chat_template else parsed.prompt)
-            self.loop.submit(request_id, prompt, parsed.params, stream.on_output,
+            self.loop.submit(request_id, parsed.prompt, parsed.params, stream.on_output,
                              parsed.priority, is_cancelled=sender.is_cancelled,
-                             cache_salt=parsed.cache_salt)
+                             cache_salt=parsed.cache_salt, tenant=parsed.tenant)
         return None
 
     def finalize(self) -> None:

@@ -9,6 +9,10 @@ different salts share no prefix-cache blocks). TensorRT-LLM-style benchmark clie
 ``min_length`` (taken as ``min_tokens``), ``end_id`` and ``accumulate_tokens`` (accepted and
 ignored: kvflow ends on the model's own EOS ids and always streams deltas).
 
+The prompt is one of ``text_input`` (text), ``input_ids`` (token ids) or ``messages`` (a JSON
+list of chat messages, rendered with the model's chat template: what the OpenAI frontend sends
+for ``/v1/chat/completions``). ``user`` names the tenant the request is accounted to.
+
 Integer tensors are INT64, so that no value is wrapped before kvflow can check its range.
 Any other key (over HTTP ``generate``, Triton passes unknown JSON keys on as request
 parameters) is refused with the list of known ones. Pure Python + NumPy: testable without
@@ -26,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvflow.orchestrator.sampling_params import SamplingParams, list_unknown, short_repr
+from kvflow.orchestrator.tokenizer import ChatPrompt, Prompt
 
 # Triton's vLLM backend clients send every sampling parameter as a JSON string ("0.7"); these
 # are the keys whose strings are converted, and to what.
@@ -41,13 +46,18 @@ IGNORED_INPUTS = ("end_id", "accumulate_tokens")
 # sampling_parameters: bounded before it is parsed, so no request can exhaust the parser.
 MAX_SAMPLING_JSON_BYTES = 256 << 10
 MAX_SAMPLING_JSON_DEPTH = 32
+MAX_MESSAGES_JSON_BYTES = 4 << 20
+MAX_MESSAGES_JSON_DEPTH = 8
+MAX_USER_CHARS = 256
 # Request parameters Triton itself sets on a request (KServe's reserved names).
 TRITON_REQUEST_PARAMETERS = ("priority", "timeout", "sequence_id", "sequence_start",
                              "sequence_end", "headers", "triton_enable_empty_final_response")
 
 
-INPUT_NAMES = ("text_input", "stream", "exclude_input_in_output", "sampling_parameters",
-               "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority",
+PROMPT_INPUTS = ("text_input", "input_ids", "messages")
+INPUT_NAMES = (*PROMPT_INPUTS, "user", "stream", "exclude_input_in_output",
+               "sampling_parameters", "max_tokens", "temperature", "top_p", "top_k", "seed",
+               "stop", "priority",
                "apply_chat_template", "cache_salt", "min_length", *IGNORED_INPUTS)
 
 
@@ -57,13 +67,18 @@ class BadRequestError(ValueError):
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    prompt: str
+    """One validated request. ``prompt`` is what the engine tokenizes; ``prompt_text`` is the
+    text echoed before the output unless ``exclude_input_in_output`` ("" for token ids and
+    messages)."""
+
+    prompt: Prompt
+    prompt_text: str
     params: SamplingParams
     stream: bool
     exclude_input_in_output: bool
     priority: int
-    apply_chat_template: bool = False
     cache_salt: str | None = None
+    tenant: str | None = None
 
 
 def _scalar(name: str, array: np.ndarray) -> Any:
@@ -138,20 +153,23 @@ def unknown_keys_error(field: str, unknown: list[str], known: list[str]) -> BadR
                            f"known: {', '.join(known)}")
 
 
+def _bounded_json(name: str, text: str, max_bytes: int, max_depth: int) -> Any:
+    """Parse JSON ``text`` of input ``name``, its size and nesting bounded before parsing."""
+    if len(text) > max_bytes:
+        raise BadRequestError(f"{name} is {len(text)} characters; the limit is {max_bytes}")
+    depth = _json_depth(text)
+    if depth > max_depth:
+        raise BadRequestError(f"{name} nests {depth} levels deep; the limit is {max_depth}")
+    try:
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise BadRequestError(f"{name} is not valid JSON: {e.msg} at character {e.pos}") from None
+
+
 def parse_sampling_json(text: str) -> dict[str, Any]:
     """The ``sampling_parameters`` JSON object, numeric strings converted (vLLM clients)."""
-    if len(text) > MAX_SAMPLING_JSON_BYTES:
-        raise BadRequestError(f"sampling_parameters is {len(text)} characters; the limit is "
-                              f"{MAX_SAMPLING_JSON_BYTES}")
-    depth = _json_depth(text)
-    if depth > MAX_SAMPLING_JSON_DEPTH:
-        raise BadRequestError(f"sampling_parameters nests {depth} levels deep; the limit is "
-                              f"{MAX_SAMPLING_JSON_DEPTH}")
-    try:
-        raw = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as e:
-        raise BadRequestError(
-            f"sampling_parameters is not valid JSON: {e.msg} at character {e.pos}") from None
+    raw = _bounded_json("sampling_parameters", text, MAX_SAMPLING_JSON_BYTES,
+                        MAX_SAMPLING_JSON_DEPTH)
     if not isinstance(raw, dict):
         raise BadRequestError("sampling_parameters must be a JSON object")
     known = SamplingParams.field_names()
@@ -181,15 +199,11 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
     unknown = sorted(set(parameters or {}) - set(TRITON_REQUEST_PARAMETERS))
     if unknown:
         raise unknown_keys_error("the request", unknown, sorted(INPUT_NAMES))
-    if "text_input" not in inputs:
-        raise BadRequestError("text_input is required")
-    prompt = _text("text_input", _scalar("text_input", inputs["text_input"]))
-    if not prompt:
-        raise BadRequestError("text_input must not be empty")
 
     def scalar_of(name: str, kind: type) -> Any:
         return _typed(name, _scalar(name, inputs[name]), kind) if name in inputs else None
 
+    prompt, prompt_text = _prompt(inputs, scalar_of("apply_chat_template", bool) or False)
     stream = scalar_of("stream", bool) or False
     exclude = scalar_of("exclude_input_in_output", bool)
     fields: dict[str, Any] = {}
@@ -225,8 +239,39 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
         params = SamplingParams.from_dict(fields)
     except (TypeError, ValueError) as e:
         raise BadRequestError(str(e)) from None
-    chat = scalar_of("apply_chat_template", bool) or False
     salt = (_text("cache_salt", _scalar("cache_salt", inputs["cache_salt"]))
             if "cache_salt" in inputs else None)
-    return ParsedRequest(prompt, params, bool(stream), bool(exclude), priority, chat,
-                         salt or None)
+    user = _text("user", _scalar("user", inputs["user"])) if "user" in inputs else None
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise BadRequestError(f"user is {len(user)} characters; the limit is {MAX_USER_CHARS}")
+    return ParsedRequest(prompt, prompt_text, params, bool(stream), bool(exclude), priority,
+                         salt or None, user or None)
+
+
+def _prompt(inputs: Mapping[str, np.ndarray], apply_chat_template: bool) -> tuple[Prompt, str]:
+    """The request's prompt (exactly one of PROMPT_INPUTS), and its text to echo."""
+    given = [name for name in PROMPT_INPUTS if name in inputs]
+    if len(given) != 1:
+        raise BadRequestError(f"exactly one of {', '.join(PROMPT_INPUTS)} is required, got "
+                              f"{', '.join(given) if given else 'none'}")
+    if given == ["input_ids"]:
+        ids = np.asarray(inputs["input_ids"]).reshape(-1)
+        if ids.size == 0:
+            raise BadRequestError("input_ids must not be empty")
+        if ids.dtype.kind not in "iu":
+            raise BadRequestError(f"input_ids must be integers, got {ids.dtype}")
+        return [int(t) for t in ids], ""
+    if given == ["messages"]:
+        raw = _bounded_json("messages", _text("messages", _scalar("messages",
+                                                                  inputs["messages"])),
+                            MAX_MESSAGES_JSON_BYTES, MAX_MESSAGES_JSON_DEPTH)
+        try:
+            return ChatPrompt(raw), ""
+        except ValueError as e:
+            raise BadRequestError(str(e)) from None
+    text = _text("text_input", _scalar("text_input", inputs["text_input"]))
+    if not text:
+        raise BadRequestError("text_input must not be empty")
+    if apply_chat_template:  # the text is one user turn
+        return ChatPrompt([{"role": "user", "content": text}]), text
+    return text, text

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -153,8 +154,11 @@ def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], di
     # NOTE: paths go in a file beside the config, not into it: any client can read the config.
     (model_dir / "serve.json").write_text(json.dumps(
         {"engine_dir": str(cfg.engine_dir), "python_paths": _environment_paths()}))
-    # One model parameter per engine option given, generated from EngineOptions.
-    for key, value in options_to_parameters(cfg.engine_args).items():
+    # The name the OpenAI frontend serves, then one model parameter per engine option given,
+    # generated from EngineOptions.
+    parameters = {"served_model_name": served_model_name(cfg.engine_dir),
+                  **options_to_parameters(cfg.engine_args)}
+    for key, value in parameters.items():
         config += (f'parameters {{ key: "{key}", value: {{ string_value: '
                    f'"{_pbtxt_escape(value)}" }} }}\n')
     (model_dir / "config.pbtxt").write_text(config)
@@ -177,6 +181,16 @@ def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], di
         cmd += [f"--http-restricted-api={API_KEY_APIS}:{API_KEY_HEADER}={cfg.api_key}",
                 f"--grpc-restricted-protocol={API_KEY_APIS}:{API_KEY_HEADER}={cfg.api_key}"]
     return cmd, env
+
+
+def served_model_name(engine_dir: Path) -> str:
+    """The model's name for clients, from the checkpoint the engine was built from:
+    ``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``smollm2-135m-instruct``."""
+    config = json.loads((Path(engine_dir) / "engine_config.json").read_text())
+    name = str((config.get("source") or {}).get("name") or Path(engine_dir).name)
+    name = re.sub(r"\.(gguf|safetensors)$", "", name, flags=re.IGNORECASE)
+    name = re.sub(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", "", name, flags=re.IGNORECASE)
+    return name.lower() or MODEL_NAME
 
 
 def _pbtxt_escape(text: str) -> str:
@@ -337,7 +351,8 @@ def exposure_warnings(cfg: ServerConfig) -> list[str]:
     if is_loopback(cfg.host):
         return []
     where = "every interface" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-    out = [f"HTTP, gRPC and metrics listen on {where}, reachable from other machines."]
+    out = [f"HTTP, gRPC, metrics and the OpenAI API listen on {where}, reachable from other "
+           "machines."]
     if not cfg.api_key:
         out.append("no --api-key: anyone who can reach these ports can run inference; "
                    "set --api-key (or KVFLOW_API_KEY), or put an authenticating proxy in front.")
@@ -345,8 +360,21 @@ def exposure_warnings(cfg: ServerConfig) -> list[str]:
     return out
 
 
-def serve_forever(cfg: ServerConfig) -> int:
-    """``kvflow serve``: start, print how to query, forward signals, shut down cleanly."""
+def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
+                  served_model_name: str | None = None) -> int:
+    """``kvflow serve``: start tritonserver and (unless ``openai_port`` is None) the OpenAI
+    frontend, print how to query them, forward signals, shut down cleanly."""
+    from kvflow.triton_backend.openai_frontend import FrontendConfig, FrontendProcess
+
+    frontend = None
+    if openai_port is not None:
+        host = _url_host(cfg.host)
+        try:
+            frontend = FrontendProcess(FrontendConfig(
+                (f"{host}:{cfg.grpc_port}",), cfg.host, openai_port, served_model_name,
+                (f"http://{host}:{cfg.metrics_port}/metrics",), cfg.api_key))
+        except ValueError as e:
+            raise ServeError(str(e).replace("--port", "--openai-port")) from None
     server = TritonServer(cfg)
     stop_requested = []
 
@@ -357,6 +385,12 @@ def serve_forever(cfg: ServerConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     print(f"[kvflow serve] starting tritonserver for {cfg.engine_dir} ...", flush=True)
     server.start()
+    if frontend is not None:
+        try:
+            frontend.start()
+        except RuntimeError as e:
+            server.stop()
+            raise ServeError(str(e)) from None
     host = _url_host(cfg.host)
     key_header = f' -H "{API_KEY_HEADER}: $KVFLOW_API_KEY"' if cfg.api_key else ""
     key_flag = " --api-key $KVFLOW_API_KEY" if cfg.api_key else ""
@@ -371,6 +405,14 @@ metrics http://{cfg.host}:{cfg.metrics_port}/metrics
   kvflow generate --url {host}:{cfg.grpc_port}{key_flag} --chat \\
        --prompt "Tell me about paged attention"
 """, flush=True)
+    if frontend is not None:
+        bearer = ' -H "Authorization: Bearer $KVFLOW_API_KEY"' if cfg.api_key else ""
+        print(f"""  OpenAI API http://{cfg.host}:{openai_port}/v1  (chat/completions, completions, \
+models)
+  curl http://{host}:{openai_port}/v1/chat/completions -H "Content-Type: application/json"\
+{bearer} \\
+      -d '{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'
+""", flush=True)
     for warning in exposure_warnings(cfg):
         print(f"[kvflow serve] WARNING: {warning}", file=sys.stderr, flush=True)
     try:
@@ -378,5 +420,7 @@ metrics http://{cfg.host}:{cfg.metrics_port}/metrics
             time.sleep(0.5)
     finally:
         print("[kvflow serve] shutting down ...", flush=True)
+        if frontend is not None:
+            frontend.stop()
         code = server.stop()
     return 0 if stop_requested else (code or 0)

@@ -1,0 +1,517 @@
+"""``kvflow openai``: an OpenAI-compatible HTTP server in front of running tritonservers.
+
+A FastAPI app on uvicorn, one process beside tritonserver (``kvflow serve`` starts it on port
+9000). It holds no model state: every choice of every request is one Triton request over its
+own gRPC stream (``tritonclient.grpc.aio``), sent to the server with the fewest requests in
+flight, so any number of frontends can stand in front of any number of servers.
+
+- ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
+  Server-Sent Events, or whole), ``GET /health``, ``GET /metrics`` (the servers' Prometheus
+  text, then the frontend's own counters).
+- The request translation and the response shapes are :mod:`openai_protocol`'s; validation is
+  the backend's.
+- A client that disconnects, mid-stream or while waiting for a whole response, cancels its
+  gRPC streams; Triton tells the backend, which aborts the requests and frees their KV blocks.
+"""
+
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.triton_backend.openai_protocol import (
+    ChoiceRequest,
+    ChoiceState,
+    CompletionRequest,
+    OpenAIError,
+    bad_request,
+    choice_chunk,
+    chunk,
+    error_from_backend,
+    final_response,
+    parse_completion_request,
+    usage,
+)
+
+MODEL_NAME = "kvflow"  # the Triton model
+GRPC_API_KEY_HEADER = "triton-grpc-protocol-x-api-key"
+MAX_BODY_BYTES = 8 << 20
+DISCONNECT_POLL_S = 0.25
+_OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
+            ("num_output_tokens", int), ("cached_tokens", int), ("output_logprobs", str))
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Where the frontend listens and which tritonservers (gRPC ``host:port``) it uses."""
+
+    triton_urls: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 9000
+    served_model_name: str | None = None  # default: what the servers' model config names
+    metrics_urls: tuple[str, ...] = ()  # the servers' Prometheus endpoints, for /metrics
+    api_key: str | None = None  # clients send `Authorization: Bearer KEY`; passed on to Triton
+
+    def __post_init__(self) -> None:
+        if not self.triton_urls:
+            raise ValueError("--triton-url must name at least one tritonserver (host:port)")
+        for url in self.triton_urls:
+            host, _, port = url.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--triton-url must be host:port, got {url!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in [1, 65535], got {self.port}")
+
+
+class BackendError(Exception):
+    """A Triton request failed; the message is the backend's (or the transport's)."""
+
+
+class TritonPool:
+    """One gRPC aio client per server; each request goes to the least loaded one."""
+
+    def __init__(self, urls: tuple[str, ...], api_key: str | None) -> None:
+        import tritonclient.grpc.aio as grpcaio
+
+        self.urls = urls
+        self.clients = [grpcaio.InferenceServerClient(url) for url in urls]
+        self.in_flight = [0] * len(urls)
+        self.headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
+        self._turn = itertools.count()
+
+    def _pick(self) -> int:
+        start = next(self._turn) % len(self.clients)  # ties go round the servers
+        order = [(start + k) % len(self.clients) for k in range(len(self.clients))]
+        return min(order, key=lambda i: self.in_flight[i])
+
+    async def served_model_name(self) -> str:
+        """The name ``kvflow serve`` wrote into the model config (the first server's)."""
+        config = await self.clients[0].get_model_config(MODEL_NAME, headers=self.headers,
+                                                        as_json=True)
+        parameters = config.get("config", {}).get("parameters", {})
+        return parameters.get("served_model_name", {}).get("string_value") or MODEL_NAME
+
+    async def ready(self) -> bool:
+        for client in self.clients:
+            with contextlib.suppress(Exception):
+                if await client.is_model_ready(MODEL_NAME, headers=self.headers):
+                    return True
+        return False
+
+    async def generate(self, choice: ChoiceRequest,
+                       request_id: str) -> AsyncIterator[dict[str, Any]]:
+        """Yield the outputs of each response of one Triton request, until it finishes.
+        Closing the generator early cancels the request."""
+        import tritonclient.grpc as grpcclient
+
+        inputs = []
+        for name, value in choice.inputs.items():
+            dtype = {"O": "BYTES", "b": "BOOL"}.get(value.dtype.kind, "INT64")
+            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        done = asyncio.Event()
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": MODEL_NAME, "inputs": inputs, "request_id": request_id}
+            await done.wait()  # NOTE: the stream stays open until the last response
+
+        server = self._pick()
+        self.in_flight[server] += 1
+        responses = self.clients[server].stream_infer(requests(), headers=self.headers)
+        finished = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise BackendError(str(error.message() if hasattr(error, "message")
+                                           else error))
+                outputs = {}
+                for name, kind in _OUTPUTS:
+                    array = result.as_numpy(name)
+                    if array is not None:
+                        value = array.reshape(-1)[0]
+                        outputs[name] = value.decode("utf-8") if kind is str else int(value)
+                finished = bool(outputs.get("finish_reason"))
+                yield outputs
+                if finished:
+                    return
+            raise BackendError("the server closed the stream before the request finished")
+        except Exception as e:
+            if isinstance(e, BackendError):
+                raise
+            raise BackendError(f"tritonserver {self.urls[server]}: {e}") from e
+        finally:
+            done.set()
+            if not finished:
+                responses.cancel()  # the client left (or failed): Triton aborts the request
+            self.in_flight[server] -= 1
+
+    async def close(self) -> None:
+        for client in self.clients:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+
+def create_app(cfg: FrontendConfig) -> Any:
+    """The FastAPI application."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    state: dict[str, Any] = {"model": cfg.served_model_name}
+    counts: Counter[tuple[str, int]] = Counter()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        state["pool"] = TritonPool(cfg.triton_urls, cfg.api_key)
+        yield
+        await state["pool"].close()
+
+    app = FastAPI(title="kvflow OpenAI-compatible API", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+
+    def error_response(err: OpenAIError, endpoint: str) -> JSONResponse:
+        counts[endpoint, err.status] += 1
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    async def model_name() -> str:
+        if state["model"] is None:
+            try:
+                state["model"] = await state["pool"].served_model_name()
+            except Exception as e:  # noqa: BLE001  not up yet
+                raise OpenAIError(503, f"no tritonserver is ready yet ({e})",
+                                  code="backend_not_ready") from None
+        return state["model"]
+
+    def authorize(request: Request) -> None:
+        if not cfg.api_key:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else request.headers.get(
+            "x-api-key", "")
+        if token != cfg.api_key:
+            raise OpenAIError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                              code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Any:
+        ready = await state["pool"].ready()
+        return PlainTextResponse("ok" if ready else "no tritonserver is ready",
+                                 status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        texts = await asyncio.gather(*(asyncio.to_thread(_fetch, url)
+                                       for url in cfg.metrics_urls))
+        own = ["# HELP kvflow_openai_requests_total OpenAI API requests, by endpoint and "
+               "HTTP status.", "# TYPE kvflow_openai_requests_total counter"]
+        own += [f'kvflow_openai_requests_total{{endpoint="{e}",status="{s}"}} {n}'
+                for (e, s), n in sorted(counts.items())]
+        own += ["# HELP kvflow_openai_requests_in_flight Triton requests in flight, by server.",
+                "# TYPE kvflow_openai_requests_in_flight gauge"]
+        own += [f'kvflow_openai_requests_in_flight{{server="{u}"}} {n}'
+                for u, n in zip(cfg.triton_urls, state["pool"].in_flight, strict=True)]
+        return PlainTextResponse("".join(texts) + "\n".join(own) + "\n",
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        try:
+            authorize(request)
+            name = await model_name()
+        except OpenAIError as e:
+            return error_response(e, "/v1/models")
+        counts["/v1/models", 200] += 1
+        return {"object": "list", "data": [{"id": name, "object": "model",
+                                            "created": int(time.time()),
+                                            "owned_by": "kvflow"}]}
+
+    async def completions(request: Request, chat: bool) -> Any:
+        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+        try:
+            authorize(request)
+            body = await _read_json(request)
+            parsed = parse_completion_request(body, await model_name(), chat)
+        except OpenAIError as e:
+            return error_response(e, endpoint)
+        pool: TritonPool = state["pool"]
+        generators = [pool.generate(c, f"{parsed.id}-{c.index}") for c in parsed.choices]
+        states = [ChoiceState(c.index) for c in parsed.choices]
+        try:
+            if parsed.stream:
+                # The first response of every choice before the status line: a rejected
+                # request (overload, bad input) gets its own status, not a 200 stream.
+                firsts = await _until_disconnect(request, _all_or_cancel(
+                    [anext(g) for g in generators]))
+            else:
+                await _until_disconnect(request, _all_or_cancel(
+                    [_collect(g, s) for g, s in zip(generators, states, strict=True)]))
+        except OpenAIError as e:
+            await _close_all(generators)
+            return error_response(e, endpoint)
+        except BackendError as e:
+            await _close_all(generators)
+            return error_response(error_from_backend(str(e), parsed), endpoint)
+        except asyncio.CancelledError:
+            await _close_all(generators)
+            raise
+        counts[endpoint, 200] += 1
+        if not parsed.stream:
+            return final_response(parsed, states)
+        return StreamingResponse(_sse(parsed, generators, states, firsts),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def v1_completions(request: Request) -> Any:
+        return await completions(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def v1_chat_completions(request: Request) -> Any:
+        return await completions(request, chat=True)
+
+    return app
+
+
+async def _read_json(request: Any) -> Any:
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise bad_request(f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+async def _until_disconnect(request: Any, work: Any) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it (and with it the Triton
+    requests) and raise CancelledError."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise asyncio.CancelledError
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _all_or_cancel(awaitables: list[Any]) -> list[Any]:
+    """All results; once one fails (or this is cancelled), the others are cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(generator: AsyncIterator[dict[str, Any]], state: ChoiceState) -> None:
+    async for outputs in generator:
+        state.update(outputs)
+
+
+async def _close_all(generators: list[Any]) -> None:
+    for g in generators:
+        with contextlib.suppress(BaseException):
+            await g.aclose()
+
+
+def _event(body: Any) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sse(parsed: CompletionRequest, generators: list[Any], states: list[ChoiceState],
+               firsts: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """The Server-Sent Events of a streamed response: every choice's deltas as they come,
+    then the usage chunk (``include_usage``), then ``[DONE]``. Cancelled when the client
+    disconnects; the ``finally`` then cancels the Triton requests."""
+    queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+
+    async def pump(k: int) -> None:
+        try:
+            async for outputs in generators[k]:
+                await queue.put((k, outputs))
+            await queue.put((k, None))
+        except Exception as e:  # noqa: BLE001  reported in the stream
+            await queue.put((k, e))
+
+    def render(k: int, outputs: dict[str, Any], first: bool) -> bytes:
+        delta, entries = states[k].update(outputs)
+        body = chunk(parsed, [choice_chunk(parsed, parsed.choices[k], states[k], delta,
+                                           entries, first)],
+                     usage(parsed, states) if parsed.continuous_usage else None)
+        return _event(body)
+
+    tasks: list[asyncio.Task] = []
+    try:
+        open_choices = 0
+        for k, outputs in enumerate(firsts):
+            yield render(k, outputs, True)
+            if not states[k].finish_reason:
+                open_choices += 1
+                tasks.append(asyncio.create_task(pump(k)))
+        while open_choices:
+            k, item = await queue.get()
+            if item is None:
+                open_choices -= 1
+            elif isinstance(item, BaseException):
+                err = error_from_backend(str(item), parsed)
+                yield _event(err.body())
+                break
+            else:
+                yield render(k, item, False)
+        if parsed.include_usage:
+            yield _event({**chunk(parsed, []), "usage": usage(parsed, states)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close_all(generators)
+
+
+def _fetch(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+            return text if text.endswith("\n") else text + "\n"
+    except OSError as e:
+        return f"# {url} unreachable: {e}\n"
+
+
+# --- the process ---------------------------------------------------------------------------------
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--triton-url", default="127.0.0.1:8001",
+                   help="gRPC host:port of the tritonserver(s), comma-separated")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback)")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--served-model-name", default=None, type=served_model_name_arg,
+                   help="the model's name in the API (default: the engine's, from the server)")
+    p.add_argument("--metrics-url", default="",
+                   help="Prometheus endpoint(s) of the server(s), comma-separated, passed "
+                        "through by /metrics")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` (default: $KVFLOW_API_KEY)")
+
+
+def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    from kvflow import envs
+
+    return FrontendConfig(
+        tuple(u.strip() for u in args.triton_url.split(",") if u.strip()), args.host,
+        args.port, args.served_model_name,
+        tuple(u.strip() for u in args.metrics_url.split(",") if u.strip()),
+        args.api_key or envs.api_key())
+
+
+def served_model_name_arg(text: str) -> str:
+    if not text or len(text) > 256 or not text.isprintable():
+        raise argparse.ArgumentTypeError("--served-model-name must be 1-256 printable "
+                                         "characters")
+    return text
+
+
+def run(cfg: FrontendConfig) -> int:
+    """Serve until SIGINT/SIGTERM (streams still open get 5 s to finish)."""
+    import uvicorn
+
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
+                access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    return run(config_from_args(args))
+
+
+class FrontendProcess:
+    """``kvflow openai`` as a child process (what ``kvflow serve`` and the tests start); a
+    context manager that always stops it."""
+
+    def __init__(self, cfg: FrontendConfig, log_path: Any = None) -> None:
+        self.cfg = cfg
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._log: Any = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else self.cfg.host
+        return f"http://{host}:{self.cfg.port}"
+
+    def start(self, ready_timeout_s: float = 120.0) -> "FrontendProcess":
+        cmd = [sys.executable, "-m", "kvflow.cli", "openai",
+               "--triton-url", ",".join(self.cfg.triton_urls), "--host", self.cfg.host,
+               "--port", str(self.cfg.port), "--metrics-url", ",".join(self.cfg.metrics_urls)]
+        if self.cfg.served_model_name:
+            cmd += ["--served-model-name", self.cfg.served_model_name]
+        env = dict(os.environ)
+        env.pop("KVFLOW_API_KEY", None)
+        if self.cfg.api_key:  # NOTE: in the environment, never on a command line (ps shows it)
+            env["KVFLOW_API_KEY"] = self.cfg.api_key
+        if self.log_path is not None:
+            self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop())
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT if self._log else None,
+                                     start_new_session=True)
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"the OpenAI frontend exited with code {code} at start")
+            with (contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+                  urllib.request.urlopen(self.url + "/health", timeout=2) as resp):
+                if resp.status == 200:
+                    return self
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the OpenAI frontend was not ready within {ready_timeout_s:.0f}s")
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        code = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                try:
+                    code = self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    code = self.proc.wait(10)
+            else:
+                code = self.proc.returncode
+            self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    def __enter__(self) -> "FrontendProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
