@@ -162,3 +162,22 @@ def triton_server(default_engines, tmp_path_factory):
 
     left = subprocess.run(["pgrep", "-g", str(pid)], capture_output=True, text=True).stdout
     assert not left.strip(), f"processes left behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def openai_frontend(triton_server, tmp_path_factory):
+    """The real OpenAI frontend (``kvflow openai``) in front of the session's tritonserver."""
+    from kvflow.triton_backend.openai_frontend import FrontendConfig, FrontendProcess
+    from kvflow.triton_backend.server import free_port
+
+    log = tmp_path_factory.mktemp("openai") / "frontend.log"
+    frontend = FrontendProcess(FrontendConfig((triton_server.grpc_url,), port=free_port(),
+                                              metrics_urls=(triton_server.metrics_url,)),
+                               log_path=log)
+    try:
+        frontend.start()
+    except Exception:
+        print(log.read_text()[-5000:])
+        raise
+    yield frontend
+    assert frontend.stop() == 0, log.read_text()[-3000:]

@@ -267,6 +267,29 @@ def test_an_api_key_guards_inference_and_metadata_over_http_and_grpc(keyed_serve
     assert chunks[-1].num_output_tokens == 2
 
 
+def test_the_openai_frontend_checks_the_key_and_passes_it_on(keyed_server, tmp_path):
+    """15. The same key guards the OpenAI API (as a bearer token, what the openai SDK sends);
+    the frontend authenticates to Triton with it."""
+    openai = pytest.importorskip("openai")
+    from kvflow.triton_backend.openai_frontend import FrontendConfig, FrontendProcess
+    from kvflow.triton_backend.server import free_port, served_model_name
+
+    cfg = FrontendConfig((keyed_server.grpc_url,), port=free_port(), api_key="s3cret-key")
+    with FrontendProcess(cfg, log_path=tmp_path / "frontend.log") as frontend:
+        name = served_model_name(keyed_server.cfg.engine_dir)
+        wrong = openai.OpenAI(base_url=frontend.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=name, prompt="Hi", max_tokens=2)
+        with pytest.raises(urllib.error.HTTPError) as none:  # no key at all
+            urllib.request.urlopen(frontend.url + "/v1/models", timeout=DEADLINE_S)
+        assert none.value.code == 401
+        keyed = openai.OpenAI(base_url=frontend.url + "/v1", api_key="s3cret-key",
+                              max_retries=0)
+        reply = keyed.completions.create(model=name, prompt="Hi", max_tokens=2,
+                                         extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 2
+
+
 def test_binding_beyond_loopback_warns_and_names_the_real_address(default_engines):
     from kvflow.triton_backend.server import ServeError, ServerConfig, exposure_warnings
 
@@ -300,7 +323,17 @@ def test_a_request_that_can_never_fit_the_pool_is_refused(small_server):
     assert "more than the KV cache's capacity per sequence (768 tokens)" in reply["error"]
 
 
-def test_overload_is_told_apart_from_bad_input(small_server):
+@pytest.fixture(scope="module")
+def small_frontend(small_server, tmp_path_factory):
+    from kvflow.triton_backend.openai_frontend import FrontendConfig, FrontendProcess
+    from kvflow.triton_backend.server import free_port
+
+    cfg = FrontendConfig((small_server.grpc_url,), port=free_port())
+    with FrontendProcess(cfg, tmp_path_factory.mktemp("frontend") / "log") as frontend:
+        yield frontend
+
+
+def test_overload_is_told_apart_from_bad_input(small_server, small_frontend):
     """12. A full queue is answered at once as overload, with a retry hint, and the request is
     marked UNAVAILABLE. Triton 2.51 reports every decoupled response error as HTTP 400 and as a
     gRPC stream error without a status code (README, "Security and limits"), so the message is
@@ -326,6 +359,16 @@ def test_overload_is_told_apart_from_bad_input(small_server):
         # Bad input is worded apart from overload:
         status, reply = post(small_server, {"text_input": "x", "max_tokens": 0})
         assert status == 400 and not reply["error"].startswith("server overloaded")
+        # The OpenAI frontend answers overload as 503 with Retry-After, as load balancers and
+        # the openai SDK (which retries it) expect.
+        openai = pytest.importorskip("openai")
+        with pytest.raises(openai.InternalServerError) as info:
+            openai.OpenAI(base_url=small_frontend.url + "/v1", api_key="-", max_retries=0
+                          ).completions.create(prompt="one more", max_tokens=2,
+                                               model="smollm2-135m-instruct")
+        assert info.value.status_code == 503
+        assert info.value.response.headers["retry-after"] == "1"
+        assert info.value.body["code"] == "server_overloaded"
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()

@@ -49,6 +49,7 @@ from kvflow.triton_backend.openai_protocol import (
 MODEL_NAME = "kvflow"  # the Triton model
 GRPC_API_KEY_HEADER = "triton-grpc-protocol-x-api-key"
 MAX_BODY_BYTES = 8 << 20
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"
 DISCONNECT_POLL_S = 0.25
 _OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
             ("num_output_tokens", int), ("cached_tokens", int), ("output_logprobs", str))
@@ -74,6 +75,10 @@ class FrontendConfig:
                 raise ValueError(f"--triton-url must be host:port, got {url!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
 
 
 class BackendError(Exception):
@@ -168,7 +173,7 @@ class TritonPool:
 def create_app(cfg: FrontendConfig) -> Any:
     """The FastAPI application."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     state: dict[str, Any] = {"model": cfg.served_model_name}
     counts: Counter[tuple[str, int]] = Counter()
@@ -264,6 +269,10 @@ def create_app(cfg: FrontendConfig) -> Any:
         except BackendError as e:
             await _close_all(generators)
             return error_response(error_from_backend(str(e), parsed), endpoint)
+        except ClientGone:
+            await _close_all(generators)
+            counts[endpoint, CLIENT_CLOSED] += 1
+            return Response(status_code=CLIENT_CLOSED)  # read by no one
         except asyncio.CancelledError:
             await _close_all(generators)
             raise
@@ -299,7 +308,7 @@ async def _read_json(request: Any) -> Any:
 
 async def _until_disconnect(request: Any, work: Any) -> Any:
     """Await ``work``; if the client disconnects first, cancel it (and with it the Triton
-    requests) and raise CancelledError."""
+    requests) and raise ClientGone."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -307,7 +316,7 @@ async def _until_disconnect(request: Any, work: Any) -> Any:
             if done:
                 return task.result()
             if await request.is_disconnected():
-                raise asyncio.CancelledError
+                raise ClientGone
     finally:
         if not task.done():
             task.cancel()
@@ -491,6 +500,8 @@ class FrontendProcess:
         raise RuntimeError(f"the OpenAI frontend was not ready within {ready_timeout_s:.0f}s")
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM (uvicorn's graceful shutdown), then SIGKILL after ``timeout_s``. Returns 0
+        after a graceful shutdown: uvicorn ends by re-raising the SIGTERM it handled."""
         code = None
         if self.proc is not None:
             if self.proc.poll() is None:
@@ -505,6 +516,7 @@ class FrontendProcess:
             else:
                 code = self.proc.returncode
             self.proc = None
+            code = 0 if code == -signal.SIGTERM else code
         if self._log is not None:
             self._log.close()
             self._log = None
