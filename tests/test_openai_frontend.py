@@ -10,6 +10,7 @@ import socket
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -92,6 +93,39 @@ def test_backend_errors_keep_their_cause_and_the_clients_field_name():
     assert bad.message.startswith("max_completion_tokens must be")
     prompt = error_from_backend("prompt has 5000 tokens; max_model_len is 1024", parsed)
     assert prompt.param == "messages"
+
+
+def test_the_backend_takes_exactly_one_prompt_and_checks_every_message():
+    from kvflow.orchestrator.tokenizer import ChatPrompt
+    from kvflow.triton_backend.params import BadRequestError, parse_request
+
+    def parse(**inputs):
+        return parse_request({k: np.asarray(v) for k, v in inputs.items()}, max_model_len=64)
+
+    ids = parse(input_ids=np.array([3, 4], dtype=np.int64), user=np.array([b"team-a"],
+                                                                        dtype=object))
+    assert (ids.prompt, ids.prompt_text, ids.tenant) == ([3, 4], "", "team-a")
+    chat = parse(messages=np.array([json.dumps([{"role": "developer", "content": "Be brief."},
+                                                {"role": "user", "content": "Hi"}]).encode()],
+                                   dtype=object))
+    assert chat.prompt == ChatPrompt([{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Hi"}])
+    for inputs, words in (
+            ({"text_input": np.array([b"a"], dtype=object),
+              "input_ids": np.array([1], dtype=np.int64)}, "exactly one of"),
+            ({}, "exactly one of text_input, input_ids, messages is required, got none"),
+            ({"input_ids": np.array([], dtype=np.int64)}, "input_ids must not be empty"),
+            ({"messages": np.array([b'[{"role": "user"}]'], dtype=object)},
+             "messages[0].content must be a string"),
+            ({"messages": np.array([b'[{"role": "user", "content": "x", "tool": 1}]'],
+                                   dtype=object)}, "messages[0] has unknown key(s) 'tool'"),
+            ({"messages": np.array([b"[" * 40 + b"]" * 40], dtype=object)},
+             "messages nests 40 levels deep; the limit is 8"),
+            ({"text_input": np.array([b"a"], dtype=object),
+              "user": np.array([b"u" * 300], dtype=object)}, "user is 300 characters")):
+        with pytest.raises(BadRequestError) as info:
+            parse(**inputs)
+        assert words in str(info.value)
 
 
 # --- against the real servers ---------------------------------------------------------------
@@ -331,3 +365,27 @@ def test_the_frontend_is_a_stateless_pool_of_servers(triton_server, tmp_path):
     # Stopped: nothing listens on its port any more.
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", cfg.port), timeout=2).close()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_serve_drives_the_openai_api(openai_frontend, triton_server, default_engines,
+                                           tmp_path, endpoint):
+    """The same load generator through the OpenAI door: every token counted, on time order."""
+    from kvflow.cli import make_parser
+
+    out = tmp_path / "report"
+    args = make_parser().parse_args([
+        "bench", "serve", "--backend", "openai", "--endpoint", endpoint,
+        "--url", openai_frontend.url, "--metrics-url", triton_server.metrics_url,
+        "--engine", str(default_engines["onnxruntime"]), "--num-prompts", "4",
+        "--input-len", "16", "--output-len", "5", "--max-concurrency", "2",
+        "--out", str(out), "--no-progress"])
+    assert args.func(args) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["backend"] == f"openai-{endpoint}"
+    s = report["summary"]
+    assert s["completed"] == 4 and s["failed"] == 0 and s["total_output_tokens"] == 20
+    if endpoint == "completions":  # chat adds the template's tokens to every prompt
+        assert s["total_input_tokens"] == 4 * 16
+    for row in report["requests"]:
+        assert row["ttft_s"] <= row["e2e_s"]

@@ -1,9 +1,10 @@
 """``kvflow bench serve``: drive a running server with a workload and report what users feel.
 
-Requests are sent over tritonclient gRPC streaming at their workload arrival times (bounded by
-``--max-concurrency``); each request's send time and token arrival times are recorded on the
-client. Meanwhile the server's metrics endpoint is scraped for the running batch, the waiting
-queue and KV usage. The report (JSON, markdown, PNG plots) goes to ``--out``.
+Requests are sent over tritonclient gRPC streaming, or with ``--backend openai`` to the OpenAI
+API, at their workload arrival times (bounded by ``--max-concurrency``); each request's send
+time and token arrival times are recorded on the client. Meanwhile the server's metrics
+endpoint is scraped for the running batch, the waiting queue and KV usage. The report (JSON,
+markdown, PNG plots) goes to ``--out``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvflow.bench.clients import LoadClient, OpenAIClient, TritonGrpcClient
 from kvflow.bench.metrics import RequestTiming, summarize
 from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.bench.workloads import (
@@ -86,7 +88,14 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="localhost:8001", help="gRPC host:port of the server")
+    p.add_argument("--backend", choices=["triton", "openai"], default="triton",
+                   help="the front door: Triton gRPC streaming, or the OpenAI API")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="--backend openai: /v1/completions or /v1/chat/completions (chat wraps "
+                        "each prompt in the chat template, so its prompts are longer)")
+    p.add_argument("--url", default=None,
+                   help="the server: gRPC host:port (default localhost:8001), or for "
+                        "--backend openai its base URL (default http://localhost:9000)")
     p.add_argument("--metrics-url", default=None,
                    help="Prometheus endpoint (default: http://HOST:8002/metrics)")
     add_workload_args(p)
@@ -199,16 +208,15 @@ class MetricsScraper(threading.Thread):
         self.stop()
 
 
-def run_load(url: str, specs: list[RequestSpec], texts: list[str],
+def run_load(url: str | LoadClient, specs: list[RequestSpec], texts: list[str],
              max_concurrency: int | None,
              progress: bool = True,
              desc: str = "requests") -> tuple[list[RequestTiming], float]:
     """Send request ``i`` (prompt ``texts[i]``, greedy, exactly ``specs[i].output_tokens``) at its
     arrival time, at most ``max_concurrency`` in flight, each client connection reused; returns
     client-side timings and the duration. All arrivals at 0 with a concurrency bound is a
-    closed loop."""
-    from kvflow.triton_backend.client import StreamingClient
-
+    closed loop. ``url``: a Triton gRPC ``host:port``, or any :class:`LoadClient`."""
+    client = TritonGrpcClient(url) if isinstance(url, str) else url
     limit = threading.BoundedSemaphore(max_concurrency or len(specs))
     clients: queue.SimpleQueue[Any] = queue.SimpleQueue()
     timings: list[RequestTiming | None] = [None] * len(specs)
@@ -222,23 +230,20 @@ def run_load(url: str, specs: list[RequestSpec], texts: list[str],
         try:
             conn = clients.get_nowait()
         except queue.Empty:
-            conn = StreamingClient(url)
+            conn = client.connect()
         send = time.perf_counter()
         times: list[float] = []
         ok, prompt_tokens = True, spec.prompt_tokens
         try:
-            sampling = {"max_tokens": spec.output_tokens, "temperature": 0.0,
-                        "ignore_eos": True}
             seen = 0
-            for chunk in conn.generate(texts[i], sampling):
+            for num_output, num_prompt in client.stream(conn, texts[i], spec.output_tokens):
                 now = time.perf_counter()
-                times.extend([now] * (chunk.num_output_tokens - seen))
-                seen = chunk.num_output_tokens
-                prompt_tokens = chunk.num_input_tokens
+                times.extend([now] * (num_output - seen))
+                seen, prompt_tokens = num_output, num_prompt
             clients.put(conn)
         except Exception:  # noqa: BLE001  a failed request is counted, not fatal
             ok = False
-            conn.close()
+            client.close(conn)
         finally:
             limit.release()
         timings[i] = RequestTiming(send, times, prompt_tokens, len(times), ok)
@@ -262,7 +267,7 @@ def run_load(url: str, specs: list[RequestSpec], texts: list[str],
         bar.close()
     while True:
         try:
-            clients.get_nowait().close()
+            client.close(clients.get_nowait())
         except queue.Empty:
             break
     return [t for t in timings if t is not None], duration
@@ -309,15 +314,24 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     slo = parse_slo(args.slo)
     specs, info = build_workload(args)
     prompts = make_prompts(specs, args.engine, args.seed)
-    host = args.url.rsplit(":", 1)[0]
+    client = load_client(args)
+    url = args.url or ("http://localhost:9000" if args.backend == "openai" else "localhost:8001")
+    host = url.split("://")[-1].rsplit(":", 1)[0]
     metrics_url = args.metrics_url or f"http://{host}:8002/metrics"
     with MetricsScraper(metrics_url) as scraper:
-        timings, duration = run_load(args.url, specs, prompts, args.max_concurrency,
+        timings, duration = run_load(client, specs, prompts, args.max_concurrency,
                                      progress=not args.no_progress)
-    config = {**info, "url": args.url, "max_concurrency": args.max_concurrency,
-              "num_prompts": len(specs), "slo": slo}
+    config = {**info, "url": url, "backend": client.name,
+              "max_concurrency": args.max_concurrency, "num_prompts": len(specs), "slo": slo}
     return write_serve_report(Path(args.out), "kvflow bench serve", config, timings, duration,
                               scraper.samples)
+
+
+def load_client(args: argparse.Namespace) -> LoadClient:
+    """The client of ``--backend`` (and ``--endpoint``) at ``--url``."""
+    if getattr(args, "backend", "triton") == "openai":
+        return OpenAIClient(args.url or "http://localhost:9000", chat=args.endpoint == "chat")
+    return TritonGrpcClient(args.url or "localhost:8001")
 
 
 def write_serve_report(out: Path, title: str, config: dict[str, Any],

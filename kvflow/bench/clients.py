@@ -1,0 +1,107 @@
+"""The front doors a load can be driven through, behind one small interface.
+
+``bench serve`` sends the same requests either way, so that the two are compared on one load:
+``TritonGrpcClient`` (tritonclient gRPC streaming, Triton's vLLM-backend protocol) and
+``OpenAIClient`` (``/v1/completions`` or ``/v1/chat/completions`` over plain HTTP, streamed as
+Server-Sent Events, with vLLM's ``continuous_usage_stats`` so that every chunk says how many
+tokens it holds).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+
+class LoadClient(Protocol):
+    """One way to send a greedy request and watch its tokens arrive."""
+
+    name: str
+
+    def connect(self) -> Any: ...
+
+    def stream(self, conn: Any, prompt: str, max_tokens: int) -> Iterator[tuple[int, int]]:
+        """Yield (output tokens so far, prompt tokens) as responses arrive."""
+        ...
+
+    def close(self, conn: Any) -> None: ...
+
+
+class TritonGrpcClient:
+    """Triton's gRPC streaming endpoint (one reusable stream per connection)."""
+
+    name = "triton-grpc"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def connect(self) -> Any:
+        from kvflow.triton_backend.client import StreamingClient
+
+        return StreamingClient(self.url)
+
+    def stream(self, conn: Any, prompt: str, max_tokens: int) -> Iterator[tuple[int, int]]:
+        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        for chunk in conn.generate(prompt, sampling):
+            yield chunk.num_output_tokens, chunk.num_input_tokens
+
+    def close(self, conn: Any) -> None:
+        conn.close()
+
+
+class OpenAIClient:
+    """An OpenAI-compatible server (``kvflow openai``, or any other) over keep-alive HTTP."""
+
+    def __init__(self, base_url: str, chat: bool = False, model: str | None = None,
+                 timeout_s: float = 600.0) -> None:
+        parts = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.chat, self.timeout_s = chat, timeout_s
+        self.name = "openai-chat" if chat else "openai-completions"
+        self.model = model or self._served_model()
+
+    def _served_model(self) -> str:
+        conn = self.connect()
+        try:
+            conn.request("GET", "/v1/models")
+            return json.loads(conn.getresponse().read())["data"][0]["id"]
+        finally:
+            conn.close()
+
+    def connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+
+    def stream(self, conn: http.client.HTTPConnection, prompt: str,
+               max_tokens: int) -> Iterator[tuple[int, int]]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens,
+                                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                                "stream_options": {"include_usage": True,
+                                                   "continuous_usage_stats": True}}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{path}: HTTP {response.status}: {response.read()[:300]!r}")
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                response.read()  # NOTE: to the end of the body, so the connection is reusable
+                return
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"{path}: {event['error']['message']}")
+            usage = event.get("usage")
+            if usage:
+                yield usage["completion_tokens"], usage["prompt_tokens"]
+
+    def close(self, conn: http.client.HTTPConnection) -> None:
+        conn.close()
