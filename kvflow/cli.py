@@ -114,7 +114,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_openai(args: argparse.Namespace) -> int:
-    from kvflow.triton_backend.openai_frontend import main as openai_main
+    from kvflow.triton_backend.openai_api.app import main as openai_main
 
     return openai_main(args)
 
@@ -159,7 +159,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_engine_option_args(p)
     p.set_defaults(func=run_serve)
 
-    from kvflow.triton_backend.openai_frontend import add_args as add_openai_args
+    from kvflow.triton_backend.openai_api.app import add_args as add_openai_args
 
     p = sub.add_parser("openai", help="the OpenAI-compatible API in front of running "
                                       "tritonservers (kvflow serve starts one itself)")

@@ -271,7 +271,7 @@ def test_the_openai_frontend_checks_the_key_and_passes_it_on(keyed_server, tmp_p
     """15. The same key guards the OpenAI API (as a bearer token, what the openai SDK sends);
     the frontend authenticates to Triton with it."""
     openai = pytest.importorskip("openai")
-    from kvflow.triton_backend.openai_frontend import FrontendConfig, FrontendProcess
+    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
     from kvflow.triton_backend.server import free_port, served_model_name
 
     cfg = FrontendConfig((keyed_server.grpc_url,), port=free_port(), api_key="s3cret-key")
@@ -325,7 +325,7 @@ def test_a_request_that_can_never_fit_the_pool_is_refused(small_server):
 
 @pytest.fixture(scope="module")
 def small_frontend(small_server, tmp_path_factory):
-    from kvflow.triton_backend.openai_frontend import FrontendConfig, FrontendProcess
+    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
     from kvflow.triton_backend.server import free_port
 
     cfg = FrontendConfig((small_server.grpc_url,), port=free_port())

@@ -15,7 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from kvflow.triton_backend.openai_protocol import (  # noqa: E402
+from kvflow.triton_backend.openai_api.protocol import (  # noqa: E402
     OpenAIError,
     error_from_backend,
     parse_completion_request,
@@ -350,7 +350,7 @@ def test_health_and_metrics_pass_through(openai_frontend, client):
 def test_the_frontend_is_a_stateless_pool_of_servers(triton_server, tmp_path):
     """Two URLs (here the same server twice) and a name of its own: each request goes to one
     server; nothing else changes."""
-    from kvflow.triton_backend.openai_frontend import FrontendConfig, FrontendProcess
+    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
     from kvflow.triton_backend.server import free_port
 
     cfg = FrontendConfig((triton_server.grpc_url, triton_server.grpc_url), port=free_port(),

@@ -364,7 +364,7 @@ def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
                   served_model_name: str | None = None) -> int:
     """``kvflow serve``: start tritonserver and (unless ``openai_port`` is None) the OpenAI
     frontend, print how to query them, forward signals, shut down cleanly."""
-    from kvflow.triton_backend.openai_frontend import FrontendConfig, FrontendProcess
+    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
 
     frontend = None
     if openai_port is not None:

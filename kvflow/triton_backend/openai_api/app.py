@@ -8,52 +8,43 @@ flight, so any number of frontends can stand in front of any number of servers.
 - ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
   Server-Sent Events, or whole), ``GET /health``, ``GET /metrics`` (the servers' Prometheus
   text, then the frontend's own counters).
-- The request translation and the response shapes are :mod:`openai_protocol`'s; validation is
-  the backend's.
+- The request translation is :mod:`.protocol`'s and the response shapes :mod:`.responses`';
+  validation is the backend's. :mod:`.pool` holds the gRPC clients; :mod:`.process` runs this
+  server as a child process.
 - A client that disconnects, mid-stream or while waiting for a whole response, cancels its
   gRPC streams; Triton tells the backend, which aborts the requests and frees their KV blocks.
 """
 
-
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.triton_backend.openai_protocol import (
-    ChoiceRequest,
-    ChoiceState,
+from kvflow.triton_backend.openai_api.pool import BackendError, TritonPool
+from kvflow.triton_backend.openai_api.protocol import (
     CompletionRequest,
     OpenAIError,
     bad_request,
+    error_from_backend,
+    parse_completion_request,
+)
+from kvflow.triton_backend.openai_api.responses import (
+    ChoiceState,
     choice_chunk,
     chunk,
-    error_from_backend,
     final_response,
-    parse_completion_request,
     usage,
 )
 
-MODEL_NAME = "kvflow"  # the Triton model
-GRPC_API_KEY_HEADER = "triton-grpc-protocol-x-api-key"
 MAX_BODY_BYTES = 8 << 20
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"
 DISCONNECT_POLL_S = 0.25
-_OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
-            ("num_output_tokens", int), ("cached_tokens", int), ("output_logprobs", str))
-
 
 @dataclass(frozen=True)
 class FrontendConfig:
@@ -79,95 +70,6 @@ class FrontendConfig:
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its response was ready."""
-
-
-class BackendError(Exception):
-    """A Triton request failed; the message is the backend's (or the transport's)."""
-
-
-class TritonPool:
-    """One gRPC aio client per server; each request goes to the least loaded one."""
-
-    def __init__(self, urls: tuple[str, ...], api_key: str | None) -> None:
-        import tritonclient.grpc.aio as grpcaio
-
-        self.urls = urls
-        self.clients = [grpcaio.InferenceServerClient(url) for url in urls]
-        self.in_flight = [0] * len(urls)
-        self.headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
-        self._turn = itertools.count()
-
-    def _pick(self) -> int:
-        start = next(self._turn) % len(self.clients)  # ties go round the servers
-        order = [(start + k) % len(self.clients) for k in range(len(self.clients))]
-        return min(order, key=lambda i: self.in_flight[i])
-
-    async def served_model_name(self) -> str:
-        """The name ``kvflow serve`` wrote into the model config (the first server's)."""
-        config = await self.clients[0].get_model_config(MODEL_NAME, headers=self.headers,
-                                                        as_json=True)
-        parameters = config.get("config", {}).get("parameters", {})
-        return parameters.get("served_model_name", {}).get("string_value") or MODEL_NAME
-
-    async def ready(self) -> bool:
-        for client in self.clients:
-            with contextlib.suppress(Exception):
-                if await client.is_model_ready(MODEL_NAME, headers=self.headers):
-                    return True
-        return False
-
-    async def generate(self, choice: ChoiceRequest,
-                       request_id: str) -> AsyncIterator[dict[str, Any]]:
-        """Yield the outputs of each response of one Triton request, until it finishes.
-        Closing the generator early cancels the request."""
-        import tritonclient.grpc as grpcclient
-
-        inputs = []
-        for name, value in choice.inputs.items():
-            dtype = {"O": "BYTES", "b": "BOOL"}.get(value.dtype.kind, "INT64")
-            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
-        done = asyncio.Event()
-
-        async def requests() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": MODEL_NAME, "inputs": inputs, "request_id": request_id}
-            await done.wait()  # NOTE: the stream stays open until the last response
-
-        server = self._pick()
-        self.in_flight[server] += 1
-        responses = self.clients[server].stream_infer(requests(), headers=self.headers)
-        finished = False
-        try:
-            async for result, error in responses:
-                if error is not None:
-                    raise BackendError(str(error.message() if hasattr(error, "message")
-                                           else error))
-                outputs = {}
-                for name, kind in _OUTPUTS:
-                    array = result.as_numpy(name)
-                    if array is not None:
-                        value = array.reshape(-1)[0]
-                        outputs[name] = value.decode("utf-8") if kind is str else int(value)
-                finished = bool(outputs.get("finish_reason"))
-                yield outputs
-                if finished:
-                    return
-            raise BackendError("the server closed the stream before the request finished")
-        except Exception as e:
-            if isinstance(e, BackendError):
-                raise
-            raise BackendError(f"tritonserver {self.urls[server]}: {e}") from e
-        finally:
-            done.set()
-            if not finished:
-                responses.cancel()  # the client left (or failed): Triton aborts the request
-            self.in_flight[server] -= 1
-
-    async def close(self) -> None:
-        for client in self.clients:
-            with contextlib.suppress(Exception):
-                await client.close()
 
 
 def create_app(cfg: FrontendConfig) -> Any:
@@ -409,7 +311,7 @@ def _fetch(url: str) -> str:
         return f"# {url} unreachable: {e}\n"
 
 
-# --- the process ---------------------------------------------------------------------------------
+# --- the command line ------------------------------------------------------------------------
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--triton-url", default="127.0.0.1:8001",
@@ -455,75 +357,3 @@ def main(args: argparse.Namespace) -> int:
     return run(config_from_args(args))
 
 
-class FrontendProcess:
-    """``kvflow openai`` as a child process (what ``kvflow serve`` and the tests start); a
-    context manager that always stops it."""
-
-    def __init__(self, cfg: FrontendConfig, log_path: Any = None) -> None:
-        self.cfg = cfg
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self._log: Any = None
-
-    @property
-    def url(self) -> str:
-        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else self.cfg.host
-        return f"http://{host}:{self.cfg.port}"
-
-    def start(self, ready_timeout_s: float = 120.0) -> "FrontendProcess":
-        cmd = [sys.executable, "-m", "kvflow.cli", "openai",
-               "--triton-url", ",".join(self.cfg.triton_urls), "--host", self.cfg.host,
-               "--port", str(self.cfg.port), "--metrics-url", ",".join(self.cfg.metrics_urls)]
-        if self.cfg.served_model_name:
-            cmd += ["--served-model-name", self.cfg.served_model_name]
-        env = dict(os.environ)
-        env.pop("KVFLOW_API_KEY", None)
-        if self.cfg.api_key:  # NOTE: in the environment, never on a command line (ps shows it)
-            env["KVFLOW_API_KEY"] = self.cfg.api_key
-        if self.log_path is not None:
-            self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop())
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT if self._log else None,
-                                     start_new_session=True)
-        deadline = time.monotonic() + ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.stop()
-                raise RuntimeError(f"the OpenAI frontend exited with code {code} at start")
-            with (contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
-                  urllib.request.urlopen(self.url + "/health", timeout=2) as resp):
-                if resp.status == 200:
-                    return self
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the OpenAI frontend was not ready within {ready_timeout_s:.0f}s")
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM (uvicorn's graceful shutdown), then SIGKILL after ``timeout_s``. Returns 0
-        after a graceful shutdown: uvicorn ends by re-raising the SIGTERM it handled."""
-        code = None
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGTERM)
-                try:
-                    code = self.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self.proc.pid, signal.SIGKILL)
-                    code = self.proc.wait(10)
-            else:
-                code = self.proc.returncode
-            self.proc = None
-            code = 0 if code == -signal.SIGTERM else code
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return code
-
-    def __enter__(self) -> "FrontendProcess":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

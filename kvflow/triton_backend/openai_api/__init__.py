@@ -1,0 +1,14 @@
+"""The OpenAI-compatible API in front of tritonserver (``kvflow openai``).
+
+- ``protocol``: an OpenAI request body -> one Triton request per choice; backend errors ->
+  OpenAI errors.
+- ``responses``: Triton responses -> OpenAI bodies, SSE chunks, logprobs and usage.
+- ``pool``: the gRPC aio clients of the servers, one stream per request.
+- ``app``: the FastAPI app and the ``kvflow openai`` command line.
+- ``process``: the frontend as a child process.
+"""
+
+from kvflow.triton_backend.openai_api.app import FrontendConfig
+from kvflow.triton_backend.openai_api.process import FrontendProcess
+
+__all__ = ["FrontendConfig", "FrontendProcess"]

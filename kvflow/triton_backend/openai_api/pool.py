@@ -1,0 +1,105 @@
+"""The tritonservers behind one frontend: a gRPC aio client each, one stream per request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvflow.triton_backend.openai_api.protocol import ChoiceRequest
+
+MODEL_NAME = "kvflow"  # the Triton model
+GRPC_API_KEY_HEADER = "triton-grpc-protocol-x-api-key"
+_OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
+            ("num_output_tokens", int), ("cached_tokens", int), ("output_logprobs", str))
+
+
+class BackendError(Exception):
+    """A Triton request failed; the message is the backend's (or the transport's)."""
+
+
+class TritonPool:
+    """One gRPC aio client per server; each request goes to the least loaded one."""
+
+    def __init__(self, urls: tuple[str, ...], api_key: str | None) -> None:
+        import tritonclient.grpc.aio as grpcaio
+
+        self.urls = urls
+        self.clients = [grpcaio.InferenceServerClient(url) for url in urls]
+        self.in_flight = [0] * len(urls)
+        self.headers = {GRPC_API_KEY_HEADER: api_key} if api_key else None
+        self._turn = itertools.count()
+
+    def _pick(self) -> int:
+        start = next(self._turn) % len(self.clients)  # ties go round the servers
+        order = [(start + k) % len(self.clients) for k in range(len(self.clients))]
+        return min(order, key=lambda i: self.in_flight[i])
+
+    async def served_model_name(self) -> str:
+        """The name ``kvflow serve`` wrote into the model config (the first server's)."""
+        config = await self.clients[0].get_model_config(MODEL_NAME, headers=self.headers,
+                                                        as_json=True)
+        parameters = config.get("config", {}).get("parameters", {})
+        return parameters.get("served_model_name", {}).get("string_value") or MODEL_NAME
+
+    async def ready(self) -> bool:
+        for client in self.clients:
+            with contextlib.suppress(Exception):
+                if await client.is_model_ready(MODEL_NAME, headers=self.headers):
+                    return True
+        return False
+
+    async def generate(self, choice: ChoiceRequest,
+                       request_id: str) -> AsyncIterator[dict[str, Any]]:
+        """Yield the outputs of each response of one Triton request, until it finishes.
+        Closing the generator early cancels the request."""
+        import tritonclient.grpc as grpcclient
+
+        inputs = []
+        for name, value in choice.inputs.items():
+            dtype = {"O": "BYTES", "b": "BOOL"}.get(value.dtype.kind, "INT64")
+            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        done = asyncio.Event()
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": MODEL_NAME, "inputs": inputs, "request_id": request_id}
+            await done.wait()  # NOTE: the stream stays open until the last response
+
+        server = self._pick()
+        self.in_flight[server] += 1
+        responses = self.clients[server].stream_infer(requests(), headers=self.headers)
+        finished = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise BackendError(str(error.message() if hasattr(error, "message")
+                                           else error))
+                outputs = {}
+                for name, kind in _OUTPUTS:
+                    array = result.as_numpy(name)
+                    if array is not None:
+                        value = array.reshape(-1)[0]
+                        outputs[name] = value.decode("utf-8") if kind is str else int(value)
+                finished = bool(outputs.get("finish_reason"))
+                yield outputs
+                if finished:
+                    return
+            raise BackendError("the server closed the stream before the request finished")
+        except Exception as e:
+            if isinstance(e, BackendError):
+                raise
+            raise BackendError(f"tritonserver {self.urls[server]}: {e}") from e
+        finally:
+            done.set()
+            if not finished:
+                responses.cancel()  # the client left (or failed): Triton aborts the request
+            self.in_flight[server] -= 1
+
+    async def close(self) -> None:
+        for client in self.clients:
+            with contextlib.suppress(Exception):
+                await client.close()

@@ -1,0 +1,89 @@
+"""``kvflow openai`` as a child process: what ``kvflow serve`` and the tests start."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from kvflow.triton_backend.openai_api.app import FrontendConfig
+
+
+class FrontendProcess:
+    """``kvflow openai`` as a child process (what ``kvflow serve`` and the tests start); a
+    context manager that always stops it."""
+
+    def __init__(self, cfg: FrontendConfig, log_path: Any = None) -> None:
+        self.cfg = cfg
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._log: Any = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else self.cfg.host
+        return f"http://{host}:{self.cfg.port}"
+
+    def start(self, ready_timeout_s: float = 120.0) -> FrontendProcess:
+        cmd = [sys.executable, "-m", "kvflow.cli", "openai",
+               "--triton-url", ",".join(self.cfg.triton_urls), "--host", self.cfg.host,
+               "--port", str(self.cfg.port), "--metrics-url", ",".join(self.cfg.metrics_urls)]
+        if self.cfg.served_model_name:
+            cmd += ["--served-model-name", self.cfg.served_model_name]
+        env = dict(os.environ)
+        env.pop("KVFLOW_API_KEY", None)
+        if self.cfg.api_key:  # NOTE: in the environment, never on a command line (ps shows it)
+            env["KVFLOW_API_KEY"] = self.cfg.api_key
+        if self.log_path is not None:
+            self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop())
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT if self._log else None,
+                                     start_new_session=True)
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"the OpenAI frontend exited with code {code} at start")
+            with (contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+                  urllib.request.urlopen(self.url + "/health", timeout=2) as resp):
+                if resp.status == 200:
+                    return self
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the OpenAI frontend was not ready within {ready_timeout_s:.0f}s")
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM (uvicorn's graceful shutdown), then SIGKILL after ``timeout_s``. Returns 0
+        after a graceful shutdown: uvicorn ends by re-raising the SIGTERM it handled."""
+        code = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                try:
+                    code = self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    code = self.proc.wait(10)
+            else:
+                code = self.proc.returncode
+            self.proc = None
+            code = 0 if code == -signal.SIGTERM else code
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    def __enter__(self) -> FrontendProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
