@@ -246,6 +246,19 @@ def shm_regions_of(pgid: int) -> set[Path]:
     return regions
 
 
+def stop_process_group(proc: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM the process group led by ``proc``, wait up to ``timeout_s`` for ``proc``, then
+    SIGKILL the group; returns ``proc``'s exit code."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(10)
+
+
 class TritonServer:
     """A tritonserver process serving one engine; a context manager that always cleans up."""
 
@@ -304,14 +317,7 @@ class TritonServer:
         code = None
         if self.proc is not None and self.proc.poll() is None:
             self._shm_regions |= shm_regions_of(self.proc.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                code = self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                code = self.proc.wait(10)
+            code = stop_process_group(self.proc, timeout_s)
         elif self.proc is not None:
             code = self.proc.returncode
         if self.proc is not None:

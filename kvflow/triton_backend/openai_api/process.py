@@ -13,6 +13,7 @@ import urllib.request
 from typing import Any
 
 from kvflow.triton_backend.openai_api.app import FrontendConfig
+from kvflow.triton_backend.server import stop_process_group
 
 
 class FrontendProcess:
@@ -64,17 +65,8 @@ class FrontendProcess:
         after a graceful shutdown: uvicorn ends by re-raising the SIGTERM it handled."""
         code = None
         if self.proc is not None:
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGTERM)
-                try:
-                    code = self.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self.proc.pid, signal.SIGKILL)
-                    code = self.proc.wait(10)
-            else:
-                code = self.proc.returncode
+            code = (stop_process_group(self.proc, timeout_s) if self.proc.poll() is None
+                    else self.proc.returncode)
             self.proc = None
             code = 0 if code == -signal.SIGTERM else code
         if self._log is not None:
