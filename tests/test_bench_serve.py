@@ -78,16 +78,20 @@ def test_compare_arguments_are_checked_by_name(default_engines, tmp_path):
     assert not (tmp_path / "never").exists()
 
 
-def test_short_bench_compare_serves_each_mode_and_measures_hf(default_engines, tmp_path):
+def test_short_bench_compare_serves_each_mode_and_measures_hf(tiny_engines, tiny_models,
+                                                             tmp_path):
+    """Every part of `bench compare` on a tiny random-weight model (its HF folder is the
+    baseline): the default model's figures are a benchmark (docs/benchmarks.md)."""
     from kvflow.cli import make_parser
 
     out = tmp_path / "compare"
     args = make_parser().parse_args([
-        "bench", "compare", "--engine", str(default_engines["onnxruntime"]),
+        "bench", "compare", "--engine", str(tiny_engines["llama-gqa4", "onnxruntime"]),
+        "--hf-model", str(tiny_models["llama-gqa4"][0]),
         "--workload", "random", "--num-prompts", "6", "--input-len", "40", "--output-len", "6",
         "--range-ratio", "0.5", "--rates", "8,inf", "--modes", "static,chunked",
         "--chunk-tokens", "32", "--max-num-seqs", "4", "--hf-batch-size", "3",
-        "--max-model-len", "512",
+        "--max-model-len", "256",
         "--slo", f"ttft_ms={NEVER_MISSED_MS}", "--out", str(out), "--no-progress"])
     assert args.func(args) == 0
     report = json.loads((out / "compare.json").read_text())

@@ -126,8 +126,12 @@ def test_kvflow_serve_writes_one_triton_parameter_per_option(tiny_engines, tmp_p
     text = (tmp_path / "models" / "kvflow" / "config.pbtxt").read_text()
     pairs = dict(re.findall(r'parameters \{ key: "(\w+)", value: \{ string_value: "([^"]*)" \} \}',
                             text))
-    assert options_from_parameters(pairs, reserved=("engine_dir", "python_paths")) == {
+    from kvflow.triton_backend.model import BACKEND_PARAMETERS
+
+    assert options_from_parameters(pairs, reserved=BACKEND_PARAMETERS) == {
         "max_num_seqs": 4, "enable_prefix_caching": False}
+    # The name the OpenAI frontend serves: the checkpoint's, never a path.
+    assert pairs["served_model_name"] == "llama-gqa4"
     # The paths go beside the config, not into it (clients can read the config).
     assert "engine_dir" not in pairs and "python_paths" not in pairs
     serve = json.loads((tmp_path / "models" / "kvflow" / "serve.json").read_text())

@@ -87,10 +87,24 @@ def test_bad_arguments_name_the_field(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def calibrated(default_engines, tmp_path_factory):
-    """The default model's ONNX Runtime engine, calibrated (one repeat per grid point)."""
+def calibration_engine(tiny_models, tmp_path_factory):
+    """A tiny random-weight engine with room for the whole calibration grid (prefills of 512,
+    decode batches of 32): the calibration's code paths at a fraction of the default model's
+    time. The real model's figures are a measurement (docs/simulator.md), not a test."""
+    from kvflow.build.engine import build_engine
+
+    path = tmp_path_factory.mktemp("calibration-engine") / "engine"
+    build_engine(str(tiny_models["llama-gqa4"][0]), path, backend="onnxruntime",
+                 max_model_len=512, max_num_tokens=512, max_batch_size=32, block_size=16,
+                 progress=lambda _msg: None)
+    return path
+
+
+@pytest.fixture(scope="module")
+def calibrated(calibration_engine, tmp_path_factory):
+    """The calibration engine, calibrated (one repeat per grid point)."""
     out = tmp_path_factory.mktemp("calibrate") / "cost.json"
-    assert run_cli("simulate", "calibrate", "--engine", str(default_engines["onnxruntime"]),
+    assert run_cli("simulate", "calibrate", "--engine", str(calibration_engine),
                    "--repeats", "1", "--num-requests", "12", "--output", str(out)) == 0
     return out
 
@@ -192,14 +206,14 @@ def test_calibrate_runs_on_the_real_engine(calibrated):
     LinearCostModel.load(calibrated)  # and it loads back
 
 
-def test_served_calibration_runs_and_meets_its_own_target(calibrated, default_engines):
+def test_served_calibration_runs_and_meets_its_own_target(calibrated, calibration_engine):
     """A smoke test of the served calibration through tritonserver. Whatever this machine's
     slowdown, the factor found brackets the served mean E2E in simulation."""
     pytest.importorskip("tritonclient.grpc")
     from kvflow.sim.calibrate import served_slowdown
 
     cost = LinearCostModel.load(calibrated)
-    served = served_slowdown(default_engines["onnxruntime"], cost, rate=4.0,
+    served = served_slowdown(calibration_engine, cost, rate=4.0,
                              progress=print, workload="random", num_requests=10)
     assert served["requests"] == 10 and served["workload"] == "random"
     real = served["real_mean_e2e_s"]
@@ -221,11 +235,12 @@ def test_simulate_with_a_calibrated_model(calibrated, tmp_path):
 
 
 def test_validate_runs_the_real_server_and_the_simulator_on_the_same_requests(
-        calibrated, default_engines, tmp_path):
+        calibrated, calibration_engine, tmp_path):
     pytest.importorskip("tritonclient.grpc")
-    assert run_cli("simulate", "validate", "--engine", str(default_engines["onnxruntime"]),
+    assert run_cli("simulate", "validate", "--engine", str(calibration_engine),
                    "--cost", str(calibrated), "--workload", "random", "--num-prompts", "8",
                    "--input-len", "48", "--output-len", "8", "--request-rate", "4",
+                   "--max-model-len", "512",
                    "--out", str(tmp_path), "--no-progress") == 0
     result = json.loads((tmp_path / "validate.json").read_text())
     assert set(result["errors"]) >= {"mean TTFT", "mean TPOT", "output throughput"}
