@@ -389,3 +389,23 @@ def test_bench_serve_drives_the_openai_api(openai_frontend, triton_server, defau
         assert s["total_input_tokens"] == 4 * 16
     for row in report["requests"]:
         assert row["ttft_s"] <= row["e2e_s"]
+
+
+def test_a_server_that_is_down_is_a_503_and_the_others_keep_serving(triton_server, tmp_path):
+    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.triton_backend.server import free_port
+
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = FrontendConfig((triton_server.grpc_url, dead), port=free_port())
+    with FrontendProcess(cfg, log_path=tmp_path / "log") as frontend:
+        pooled = openai.OpenAI(base_url=frontend.url + "/v1", api_key="x", max_retries=0)
+        outcomes = []
+        for _ in range(4):  # the servers take turns when neither is busy
+            try:
+                pooled.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+                outcomes.append(200)
+            except openai.InternalServerError as e:
+                assert e.status_code == 503 and e.body["code"] == "backend_unavailable"
+                assert e.response.headers["retry-after"] == "1"
+                outcomes.append(503)
+        assert sorted(outcomes) == [200, 200, 503, 503]

@@ -170,7 +170,7 @@ def create_app(cfg: FrontendConfig) -> Any:
             return error_response(e, endpoint)
         except BackendError as e:
             await _close_all(generators)
-            return error_response(error_from_backend(str(e), parsed), endpoint)
+            return error_response(_backend_error(e, parsed), endpoint)
         except ClientGone:
             await _close_all(generators)
             counts[endpoint, CLIENT_CLOSED] += 1
@@ -194,6 +194,12 @@ def create_app(cfg: FrontendConfig) -> Any:
         return await completions(request, chat=True)
 
     return app
+
+
+def _backend_error(error: BackendError, parsed: CompletionRequest) -> OpenAIError:
+    if error.transport:  # no server answered: the client may retry, here or elsewhere
+        return OpenAIError(503, str(error), code="backend_unavailable")
+    return error_from_backend(str(error), parsed)
 
 
 async def _read_json(request: Any) -> Any:
@@ -287,7 +293,8 @@ async def _sse(parsed: CompletionRequest, generators: list[Any], states: list[Ch
             if item is None:
                 open_choices -= 1
             elif isinstance(item, BaseException):
-                err = error_from_backend(str(item), parsed)
+                err = (_backend_error(item, parsed) if isinstance(item, BackendError)
+                       else OpenAIError(500, f"the frontend failed: {item!r}"))
                 yield _event(err.body())
                 break
             else:

@@ -17,7 +17,12 @@ _OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", i
 
 
 class BackendError(Exception):
-    """A Triton request failed; the message is the backend's (or the transport's)."""
+    """A Triton request failed. ``transport``: the server could not be reached or dropped the
+    stream (the message is gRPC's); otherwise the message is the backend's error."""
+
+    def __init__(self, message: str, transport: bool = False) -> None:
+        super().__init__(message)
+        self.transport = transport
 
 
 class TritonPool:
@@ -71,9 +76,10 @@ class TritonPool:
 
         server = self._pick()
         self.in_flight[server] += 1
-        responses = self.clients[server].stream_infer(requests(), headers=self.headers)
+        responses = None
         finished = False
         try:
+            responses = self.clients[server].stream_infer(requests(), headers=self.headers)
             async for result, error in responses:
                 if error is not None:
                     raise BackendError(str(error.message() if hasattr(error, "message")
@@ -88,14 +94,15 @@ class TritonPool:
                 yield outputs
                 if finished:
                     return
-            raise BackendError("the server closed the stream before the request finished")
+            raise BackendError(f"tritonserver {self.urls[server]} closed the stream before the "
+                               "request finished", transport=True)
         except Exception as e:
             if isinstance(e, BackendError):
                 raise
-            raise BackendError(f"tritonserver {self.urls[server]}: {e}") from e
+            raise BackendError(f"tritonserver {self.urls[server]}: {e}", transport=True) from e
         finally:
             done.set()
-            if not finished:
+            if not finished and responses is not None:
                 responses.cancel()  # the client left (or failed): Triton aborts the request
             self.in_flight[server] -= 1
 
