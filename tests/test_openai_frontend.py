@@ -391,21 +391,30 @@ def test_bench_serve_drives_the_openai_api(openai_frontend, triton_server, defau
         assert row["ttft_s"] <= row["e2e_s"]
 
 
-def test_a_server_that_is_down_is_a_503_and_the_others_keep_serving(triton_server, tmp_path):
+def test_a_server_that_is_down_is_passed_over_and_alone_is_a_503(triton_server, tmp_path):
     from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
     from kvflow.triton_backend.server import free_port
 
-    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
-    cfg = FrontendConfig((triton_server.grpc_url, dead), port=free_port())
-    with FrontendProcess(cfg, log_path=tmp_path / "log") as frontend:
+    blocker = socket.socket()  # bound, never listening: connections to it are refused
+    blocker.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{blocker.getsockname()[1]}"
+    cfg = FrontendConfig((dead, triton_server.grpc_url), port=free_port())
+    with FrontendProcess(cfg, log_path=tmp_path / "pool.log") as frontend:
         pooled = openai.OpenAI(base_url=frontend.url + "/v1", api_key="x", max_retries=0)
-        outcomes = []
-        for _ in range(4):  # the servers take turns when neither is busy
-            try:
-                pooled.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
-                outcomes.append(200)
-            except openai.InternalServerError as e:
-                assert e.status_code == 503 and e.body["code"] == "backend_unavailable"
-                assert e.response.headers["retry-after"] == "1"
-                outcomes.append(503)
-        assert sorted(outcomes) == [200, 200, 503, 503]
+        for _ in range(4):  # a request the dead server fails goes to the other one
+            reply = pooled.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+            assert reply.usage.completion_tokens == 1
+        pooled.close()
+    alone = FrontendConfig((dead,), port=free_port(), served_model_name=MODEL)
+    with FrontendProcess(alone, log_path=tmp_path / "alone.log").start(
+            require_backend=False) as frontend:
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(frontend.url + "/health", timeout=60)
+        assert health.value.code == 503
+        lonely = openai.OpenAI(base_url=frontend.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            lonely.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        assert info.value.status_code == 503 and info.value.body["code"] == "backend_unavailable"
+        assert info.value.response.headers["retry-after"] == "1"
+        lonely.close()
+    blocker.close()

@@ -154,30 +154,34 @@ def create_app(cfg: FrontendConfig) -> Any:
         except OpenAIError as e:
             return error_response(e, endpoint)
         pool: TritonPool = state["pool"]
-        generators = [pool.generate(c, f"{parsed.id}-{c.index}") for c in parsed.choices]
-        states = [ChoiceState(c.index) for c in parsed.choices]
-        try:
-            if parsed.stream:
-                # The first response of every choice before the status line: a rejected
-                # request (overload, bad input) gets its own status, not a 200 stream.
-                firsts = await _until_disconnect(request, _all_or_cancel(
-                    [anext(g) for g in generators]))
-            else:
-                await _until_disconnect(request, _all_or_cancel(
-                    [_collect(g, s) for g, s in zip(generators, states, strict=True)]))
-        except OpenAIError as e:
-            await _close_all(generators)
-            return error_response(e, endpoint)
-        except BackendError as e:
-            await _close_all(generators)
-            return error_response(_backend_error(e, parsed), endpoint)
-        except ClientGone:
-            await _close_all(generators)
-            counts[endpoint, CLIENT_CLOSED] += 1
-            return Response(status_code=CLIENT_CLOSED)  # read by no one
-        except asyncio.CancelledError:
-            await _close_all(generators)
-            raise
+        avoid: frozenset[int] = frozenset()
+        while True:  # again on another server while one cannot be reached (nothing sent yet)
+            generators = [pool.generate(c, f"{parsed.id}-{c.index}", avoid)
+                          for c in parsed.choices]
+            states = [ChoiceState(c.index) for c in parsed.choices]
+            try:
+                if parsed.stream:
+                    # The first response of every choice before the status line: a rejected
+                    # request (overload, bad input) gets its own status, not a 200 stream.
+                    firsts = await _until_disconnect(request, _all_or_cancel(
+                        [anext(g) for g in generators]))
+                else:
+                    await _until_disconnect(request, _all_or_cancel(
+                        [_collect(g, s) for g, s in zip(generators, states, strict=True)]))
+                break
+            except BackendError as e:
+                await _close_all(generators)
+                if e.transport and e.server is not None and len(avoid) + 1 < len(pool.urls):
+                    avoid |= {e.server}
+                    continue
+                return error_response(_backend_error(e, parsed), endpoint)
+            except ClientGone:
+                await _close_all(generators)
+                counts[endpoint, CLIENT_CLOSED] += 1
+                return Response(status_code=CLIENT_CLOSED)  # read by no one
+            except BaseException:
+                await _close_all(generators)
+                raise
         counts[endpoint, 200] += 1
         if not parsed.stream:
             return final_response(parsed, states)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -31,7 +30,10 @@ class FrontendProcess:
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else self.cfg.host
         return f"http://{host}:{self.cfg.port}"
 
-    def start(self, ready_timeout_s: float = 120.0) -> FrontendProcess:
+    def start(self, ready_timeout_s: float = 120.0,
+              require_backend: bool = True) -> FrontendProcess:
+        """Start, and wait until ``/health`` says a tritonserver is ready (or, without
+        ``require_backend``, until the frontend answers at all)."""
         cmd = [sys.executable, "-m", "kvflow.cli", "openai",
                "--triton-url", ",".join(self.cfg.triton_urls), "--host", self.cfg.host,
                "--port", str(self.cfg.port), "--metrics-url", ",".join(self.cfg.metrics_urls)]
@@ -52,10 +54,16 @@ class FrontendProcess:
                 code = self.proc.returncode
                 self.stop()
                 raise RuntimeError(f"the OpenAI frontend exited with code {code} at start")
-            with (contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
-                  urllib.request.urlopen(self.url + "/health", timeout=2) as resp):
-                if resp.status == 200:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except urllib.error.HTTPError as e:
+                if not require_backend:  # it answers: "no tritonserver is ready"
                     return self
+                e.close()
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"the OpenAI frontend was not ready within {ready_timeout_s:.0f}s")
@@ -75,7 +83,7 @@ class FrontendProcess:
         return code
 
     def __enter__(self) -> FrontendProcess:
-        return self.start()
+        return self if self.proc is not None else self.start()  # started already, or now
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
