@@ -13,6 +13,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from kvflow.orchestrator.sampling_params import list_unknown
+
 
 class ChatTemplateError(ValueError):
     """The engine has no chat template, or the messages do not render."""
@@ -52,8 +54,8 @@ def _chat_message(i: int, message: Any) -> dict[str, str]:
                          f"{type(message).__name__}")
     unknown = sorted(set(message) - {"role", "content", "name"}, key=str)
     if unknown:
-        shown = ", ".join(repr(str(k)[:40]) for k in unknown[:8])
-        raise ValueError(f"{where} has unknown key(s) {shown}; known: role, content, name")
+        raise ValueError(f"{where} has unknown key(s) {list_unknown([str(k) for k in unknown])}"
+                         "; known: role, content, name")
     role = message.get("role")
     role = "system" if role == "developer" else role
     if role not in CHAT_ROLES:

@@ -57,8 +57,8 @@ TRITON_REQUEST_PARAMETERS = ("priority", "timeout", "sequence_id", "sequence_sta
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")
 INPUT_NAMES = (*PROMPT_INPUTS, "user", "stream", "exclude_input_in_output",
                "sampling_parameters", "max_tokens", "temperature", "top_p", "top_k", "seed",
-               "stop", "priority",
-               "apply_chat_template", "cache_salt", "min_length", *IGNORED_INPUTS)
+               "stop", "priority", "apply_chat_template", "cache_salt", "min_length",
+               *IGNORED_INPUTS)
 
 
 class BadRequestError(ValueError):
