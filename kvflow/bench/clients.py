@@ -20,6 +20,7 @@ class LoadClient(Protocol):
     """One way to send a greedy request and watch its tokens arrive."""
 
     name: str
+    url: str
 
     def connect(self) -> Any: ...
 
@@ -36,7 +37,7 @@ class TritonGrpcClient:
     name = "triton-grpc"
 
     def __init__(self, url: str) -> None:
-        self.url = url
+        self.url = url  # gRPC host:port
 
     def connect(self) -> Any:
         from kvflow.triton_backend.client import StreamingClient
@@ -57,7 +58,8 @@ class OpenAIClient:
 
     def __init__(self, base_url: str, chat: bool = False, model: str | None = None,
                  timeout_s: float = 600.0) -> None:
-        parts = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+        self.url = base_url if "://" in base_url else f"http://{base_url}"
+        parts = urlsplit(self.url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.chat, self.timeout_s = chat, timeout_s
         self.name = "openai-chat" if chat else "openai-completions"

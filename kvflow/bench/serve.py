@@ -315,7 +315,7 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     specs, info = build_workload(args)
     prompts = make_prompts(specs, args.engine, args.seed)
     client = load_client(args)
-    url = args.url or ("http://localhost:9000" if args.backend == "openai" else "localhost:8001")
+    url = client.url
     host = url.split("://")[-1].rsplit(":", 1)[0]
     metrics_url = args.metrics_url or f"http://{host}:8002/metrics"
     with MetricsScraper(metrics_url) as scraper:

@@ -6,13 +6,13 @@ import json
 import queue
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-MODEL_NAME = "kvflow"
+from kvflow.triton_backend.server import GRPC_API_KEY_HEADER, MODEL_NAME
 
 
 @dataclass
@@ -24,24 +24,29 @@ class StreamChunk:
     cached_tokens: int
 
 
+def infer_inputs(arrays: Mapping[str, np.ndarray]) -> list[Any]:
+    """tritonclient gRPC input tensors, named as ``arrays`` and typed from their dtypes."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    tensors = []
+    for name, value in arrays.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    return tensors
+
+
 def build_inputs(prompt: str, sampling: dict[str, Any], stream: bool = True,
                  exclude_input: bool = True, chat: bool = False) -> list[Any]:
     """The request tensors of Triton's vLLM-backend protocol."""
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name: str, value: np.ndarray, dtype: str) -> Any:
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        return t
-
-    return [
-        tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-        tensor("stream", np.array([stream]), "BOOL"),
-        tensor("exclude_input_in_output", np.array([exclude_input]), "BOOL"),
-        tensor("sampling_parameters", np.array([json.dumps(sampling).encode()],
-                                               dtype=np.object_), "BYTES"),
-        tensor("apply_chat_template", np.array([chat]), "BOOL"),
-    ]
+    return infer_inputs({
+        "text_input": np.array([prompt.encode()], dtype=np.object_),
+        "stream": np.array([stream]),
+        "exclude_input_in_output": np.array([exclude_input]),
+        "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_),
+        "apply_chat_template": np.array([chat]),
+    })
 
 
 class StreamingClient:
@@ -49,8 +54,6 @@ class StreamingClient:
 
     def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         import tritonclient.grpc as grpcclient
-
-        from kvflow.triton_backend.server import GRPC_API_KEY_HEADER
 
         self.timeout_s = timeout_s
         self._responses: queue.Queue[Any] = queue.Queue()

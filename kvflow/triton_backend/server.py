@@ -186,8 +186,9 @@ def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], di
 def served_model_name(engine_dir: Path) -> str:
     """The model's name for clients, from the checkpoint the engine was built from:
     ``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``smollm2-135m-instruct``."""
-    config = json.loads((Path(engine_dir) / "engine_config.json").read_text())
-    name = str((config.get("source") or {}).get("name") or Path(engine_dir).name)
+    from kvflow.build.engine_config import EngineConfig
+
+    name = str(EngineConfig.load(engine_dir).source.get("name") or Path(engine_dir).name)
     name = re.sub(r"\.(gguf|safetensors)$", "", name, flags=re.IGNORECASE)
     name = re.sub(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", "", name, flags=re.IGNORECASE)
     return name.lower() or MODEL_NAME
@@ -197,24 +198,38 @@ def _pbtxt_escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def wait_ready(host: str, http_port: int, proc: subprocess.Popen | None,
-               timeout_s: float) -> None:
-    """Poll the model's readiness endpoint until it answers 200."""
-    url = f"http://{_url_host(host)}:{http_port}/v2/models/{MODEL_NAME}/ready"
+def wait_for_http(url: str, proc: subprocess.Popen | None, timeout_s: float, name: str,
+                  what: str, any_status: bool = False) -> None:
+    """Poll ``url`` until it answers 200 (with ``any_status``, any HTTP status: the process
+    is up); ServeError if ``proc`` (``name``) exits first, or ``what`` is not ready in time."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise ServeError(f"tritonserver exited with code {proc.returncode} before "
-                             "the model was ready (see its log above)")
-        with (contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
-              urllib.request.urlopen(url, timeout=2) as resp):
-            if resp.status == 200:
+            raise ServeError(f"{name} exited with code {proc.returncode} before {what} was "
+                             "ready (see its log)")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except urllib.error.HTTPError as e:
+            e.close()
+            if any_status:
                 return
-        time.sleep(0.5)
-    raise ServeError(f"the model was not ready within {timeout_s:.0f}s ({url})")
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.25)
+    raise ServeError(f"{what} was not ready within {timeout_s:.0f}s ({url})")
 
 
-def _url_host(host: str) -> str:
+def wait_ready(host: str, http_port: int, proc: subprocess.Popen | None,
+               timeout_s: float) -> None:
+    """Poll the model's readiness endpoint until it answers 200."""
+    wait_for_http(f"http://{url_host(host)}:{http_port}/v2/models/{MODEL_NAME}/ready", proc,
+                  timeout_s, "tritonserver", "the model")
+
+
+def url_host(host: str) -> str:
+    """The address a local client connects to for a server bound to ``host``."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
@@ -279,15 +294,15 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"{_url_host(self.cfg.host)}:{self.cfg.http_port}"
+        return f"{url_host(self.cfg.host)}:{self.cfg.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{_url_host(self.cfg.host)}:{self.cfg.grpc_port}"
+        return f"{url_host(self.cfg.host)}:{self.cfg.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{_url_host(self.cfg.host)}:{self.cfg.metrics_port}/metrics"
+        return f"http://{url_host(self.cfg.host)}:{self.cfg.metrics_port}/metrics"
 
     def start(self) -> TritonServer:
         self._workspace = tempfile.TemporaryDirectory(prefix="kvflow-serve-")
@@ -374,7 +389,7 @@ def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
 
     frontend = None
     if openai_port is not None:
-        host = _url_host(cfg.host)
+        host = url_host(cfg.host)
         try:
             frontend = FrontendProcess(FrontendConfig(
                 (f"{host}:{cfg.grpc_port}",), cfg.host, openai_port, served_model_name,
@@ -397,7 +412,7 @@ def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
         except RuntimeError as e:
             server.stop()
             raise ServeError(str(e)) from None
-    host = _url_host(cfg.host)
+    host = url_host(cfg.host)
     key_header = f' -H "{API_KEY_HEADER}: $KVFLOW_API_KEY"' if cfg.api_key else ""
     key_flag = " --api-key $KVFLOW_API_KEY" if cfg.api_key else ""
     print(f"""[kvflow serve] ready: model '{MODEL_NAME}'

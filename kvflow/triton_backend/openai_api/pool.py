@@ -9,10 +9,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvflow.triton_backend.client import infer_inputs
 from kvflow.triton_backend.openai_api.protocol import ChoiceRequest
+from kvflow.triton_backend.server import GRPC_API_KEY_HEADER, MODEL_NAME
 
-MODEL_NAME = "kvflow"  # the Triton model
-GRPC_API_KEY_HEADER = "triton-grpc-protocol-x-api-key"
 _OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
             ("num_output_tokens", int), ("cached_tokens", int), ("output_logprobs", str))
 
@@ -79,14 +79,7 @@ class TritonPool:
                        avoid: frozenset[int] = frozenset()) -> AsyncIterator[dict[str, Any]]:
         """Yield the outputs of each response of one Triton request, until it finishes, from
         a server not in ``avoid``. Closing the generator early cancels the request."""
-        import tritonclient.grpc as grpcclient
-
-        inputs = []
-        for name, value in choice.inputs.items():
-            dtype = {"O": "BYTES", "b": "BOOL"}.get(value.dtype.kind, "INT64")
-            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
+        inputs = infer_inputs(choice.inputs)
         done = asyncio.Event()
 
         async def requests() -> AsyncIterator[dict[str, Any]]:

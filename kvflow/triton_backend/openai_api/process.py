@@ -6,13 +6,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from kvflow.triton_backend.openai_api.app import FrontendConfig
-from kvflow.triton_backend.server import stop_process_group
+from kvflow.triton_backend.server import (
+    ServeError,
+    stop_process_group,
+    url_host,
+    wait_for_http,
+)
 
 
 class FrontendProcess:
@@ -27,13 +29,13 @@ class FrontendProcess:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else self.cfg.host
-        return f"http://{host}:{self.cfg.port}"
+        return f"http://{url_host(self.cfg.host)}:{self.cfg.port}"
 
     def start(self, ready_timeout_s: float = 120.0,
               require_backend: bool = True) -> FrontendProcess:
         """Start, and wait until ``/health`` says a tritonserver is ready (or, without
-        ``require_backend``, until the frontend answers at all)."""
+        ``require_backend``, until the frontend answers at all). Raises ServeError (and
+        stops the process) if it exits or is not ready in time."""
         cmd = [sys.executable, "-m", "kvflow.cli", "openai",
                "--triton-url", ",".join(self.cfg.triton_urls), "--host", self.cfg.host,
                "--port", str(self.cfg.port), "--metrics-url", ",".join(self.cfg.metrics_urls)]
@@ -48,25 +50,14 @@ class FrontendProcess:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT if self._log else None,
                                      start_new_session=True)
-        deadline = time.monotonic() + ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.stop()
-                raise RuntimeError(f"the OpenAI frontend exited with code {code} at start")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except urllib.error.HTTPError as e:
-                if not require_backend:  # it answers: "no tritonserver is ready"
-                    return self
-                e.close()
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the OpenAI frontend was not ready within {ready_timeout_s:.0f}s")
+        try:
+            wait_for_http(self.url + "/health", self.proc, ready_timeout_s,
+                          "the OpenAI frontend", "its /health endpoint",
+                          any_status=not require_backend)
+        except ServeError:
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM (uvicorn's graceful shutdown), then SIGKILL after ``timeout_s``. Returns 0
