@@ -33,7 +33,14 @@ def add_build_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["onnxruntime", "torch", "tensorrt"],
                    help="runtime the engine is built for (default: onnxruntime)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="weights and activations (default: float32 on CPU, float16 on TensorRT)")
+                   help="activations, KV cache and unquantized weights (default: float32 on "
+                        "CPU, float16 on TensorRT). Given, a GGUF's quantized weights are "
+                        "dequantized to it; by default onnxruntime engines keep a GGUF's "
+                        "Q4_0/Q4_1/Q8_0 weights quantized")
+    p.add_argument("--quantize", default=None, choices=["int4", "int8"],
+                   help="round every linear weight to nearest, block-wise (onnxruntime)")
+    p.add_argument("--group-size", type=_int, default=32, choices=[32, 128],
+                   help="--quantize: weights per block (default 32)")
     p.add_argument("--max-model-len", type=_int, default=None,
                    help="longest sequence, prompt + output (default: min(model limit, 4096))")
     p.add_argument("--max-num-tokens", type=_int, default=2048,
@@ -49,7 +56,8 @@ def run_build_engine(args: argparse.Namespace) -> int:
 
     build_engine(args.model, args.output, backend=args.backend, dtype=args.dtype,
                  max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
-                 max_batch_size=args.max_batch_size, block_size=args.block_size)
+                 max_batch_size=args.max_batch_size, block_size=args.block_size,
+                 quantize=args.quantize, group_size=args.group_size)
     return 0
 
 

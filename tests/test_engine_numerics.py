@@ -108,15 +108,3 @@ def test_onnx_graph_is_valid_with_one_paged_attention_per_layer(tiny_engines, mo
     assert names == ["input_ids", "positions", "kv_cache_ptrs", "slot_mapping", "block_tables",
                      "seq_lens", "query_start_loc", "logits_indices"]
     assert [o.name for o in graph.output] == ["logits"]
-
-
-def test_unregistered_pool_address_is_a_clear_error(tiny_engines):
-    from kvflow.plugins.paged_attention_host import paged_attention_host
-
-    q = np.zeros((1, 16), np.float32)
-    kv = np.zeros((1, 8), np.float32)
-    with pytest.raises(KeyError, match="no registered KV pool"):
-        paged_attention_host(q, kv, kv, np.array([[12345, 678]], np.int64),
-                             np.array([0], np.int64), np.zeros((1, 1), np.int32),
-                             np.array([1], np.int32), np.array([0, 1], np.int32),
-                             layer_idx=0, num_heads=2, num_kv_heads=1, head_dim=8, scale=1.0)

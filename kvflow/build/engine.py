@@ -16,6 +16,7 @@ from typing import Any
 from kvflow.build.engine_config import (
     BACKEND_DTYPES,
     BACKENDS,
+    QUANTIZED_BACKENDS,
     BuildLimits,
     EngineConfig,
     EngineConfigError,
@@ -58,10 +59,29 @@ def build_engine(
     block_size: int = 16,
     overwrite: bool = True,
     progress: ProgressFn = _print_progress,
+    quantize: str | None = None,
+    group_size: int = 32,
 ) -> EngineConfig:
-    """Build an engine folder; see ``kvflow build-engine --help`` for the arguments."""
+    """Build an engine folder; see ``kvflow build-engine --help`` for the arguments.
+
+    Weights: a GGUF's Q4_0 / Q4_1 / Q8_0 tensors stay quantized on ``--backend onnxruntime``
+    unless ``dtype`` is given (``float32``: dequantized, exact to HF); ``quantize`` (``int4`` or
+    ``int8``, ``group_size`` 32 or 128) rounds any checkpoint's linear weights to nearest.
+    """
+    from kvflow.model.quant import RTN_GROUP_SIZES, RTN_SCHEMES
+
     if backend not in BACKENDS:
         raise EngineConfigError(f"--backend must be one of {BACKENDS}, got {backend!r}")
+    if quantize is not None:
+        if quantize not in RTN_SCHEMES:
+            raise EngineConfigError(f"--quantize must be one of {RTN_SCHEMES}, got {quantize!r}")
+        if group_size not in RTN_GROUP_SIZES:
+            raise EngineConfigError(f"--group-size must be one of {RTN_GROUP_SIZES}, got "
+                                    f"{group_size}")
+        if backend not in QUANTIZED_BACKENDS:
+            raise EngineConfigError(f"--quantize needs --backend in {QUANTIZED_BACKENDS}, got "
+                                    f"{backend!r}")
+    keep_gguf_quantization = dtype is None and quantize is None and backend in QUANTIZED_BACKENDS
     dtype = dtype or ("float16" if backend == "tensorrt" else "float32")
     if dtype not in BACKEND_DTYPES[backend]:
         raise EngineConfigError(
@@ -101,8 +121,18 @@ def build_engine(
     progress("[2/4] writing tokenizer and chat template")
     ckpt.save_tokenizer(out)
 
+    weights = _quantized_weights(ckpt, quantize, group_size) if quantize else (
+        dict(ckpt.quantized) if keep_gguf_quantization else {})
+    if weights and cfg.tie_word_embeddings and "model.embed_tokens.weight" in weights:
+        # The exporter names the tied matrix lm_head.weight; its Gather keeps the fp32 copy.
+        weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
+    quantization = None
+    if weights:
+        quantization = f"{quantize}-g{group_size}" if quantize else "+".join(
+            sorted({w.scheme for w in weights.values()}))
     files: dict[str, str] = {}
-    engine = EngineConfig(cfg, backend, dtype, limits, checkpoint_source(ckpt.source), files)
+    engine = EngineConfig(cfg, backend, dtype, limits, checkpoint_source(ckpt.source), files,
+                          quantization=quantization)
     if backend == "torch":
         from safetensors.torch import save_file
 
@@ -117,17 +147,32 @@ def build_engine(
         progress(f"[3/4] exporting ONNX ({cfg.num_hidden_layers} PagedAttention nodes)")
         net = LlamaForCausalLM(cfg, block_size, max_model_len)
         net.load_hf_state_dict(ckpt.state_dict)
-        files.update(write_graph_artifacts(net, engine, out, progress))
+        files.update(write_graph_artifacts(net, engine, out, progress, weights))
     engine.save(out)
     progress(f"[4/4] engine written to {out} in {time.perf_counter() - t0:.1f}s")
     return engine
 
 
+def _quantized_weights(ckpt: Any, scheme: str, group_size: int) -> dict:
+    """Round-to-nearest quantization of every linear layer's weight of ``ckpt``."""
+    from kvflow.model.quant import quantize_rtn
+
+    linear = (".self_attn.", ".mlp.")
+    names = [k for k, v in ckpt.state_dict.items()
+             if v.ndim == 2 and k.endswith(".weight") and any(p in k for p in linear)]
+    head = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else "lm_head.weight"
+    names.append(head)
+    return {k: quantize_rtn(ckpt.state_dict[k].numpy(), scheme, group_size) for k in names}
+
+
 def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
-                          progress: ProgressFn = _print_progress) -> dict[str, str]:
+                          progress: ProgressFn = _print_progress,
+                          quantized: dict | None = None) -> dict[str, str]:
     """Export ``net`` (a ``LlamaForCausalLM``) in the engine's dtype to ``out/model.onnx`` and,
     for ``--backend tensorrt``, compile ``out/model.plan``; returns the ``files`` entries.
-    ``build_engine`` calls it on a checkpoint, benchmarks on random weights."""
+    ``quantized``: block-quantized weights by name, put into the graph in their blocked form
+    (:mod:`kvflow.build.quantize`). ``build_engine`` calls it on a checkpoint, benchmarks on
+    random weights."""
     import torch
 
     from kvflow.build.export import export_onnx
@@ -135,6 +180,20 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
     net = net.to(getattr(torch, engine.dtype)).eval()
     export_onnx(net, engine.limits.block_size, out / "model.onnx")
     files = {"onnx": "model.onnx", "onnx_data": "model.onnx.data"}
+    if quantized:
+        import onnx
+
+        from kvflow.build.quantize import quantize_graph
+
+        model = onnx.load(str(out / "model.onnx"))
+        report = quantize_graph(model, quantized)
+        (out / "model.onnx.data").unlink()
+        onnx.save_model(model, str(out / "model.onnx"), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location="model.onnx.data",
+                        size_threshold=1024)
+        schemes = ", ".join(f"{n} {s}" for s, n in report.schemes.most_common())
+        progress(f"      quantized weights: {schemes} layers, {report.fp32_bytes / 1e6:.0f} MB "
+                 f"-> {report.quantized_bytes / 1e6:.0f} MB")
     if engine.backend == "tensorrt":
         from kvflow.build.tensorrt_build import build_plan
 

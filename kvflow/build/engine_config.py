@@ -23,6 +23,9 @@ BACKEND_DTYPES = {
     "torch": ("float32", "float16", "bfloat16"),
     "tensorrt": ("float16", "bfloat16"),
 }
+# Where block-quantized weights run today (TensorRT reads the same graph form; its build does
+# not take it yet).
+QUANTIZED_BACKENDS = ("onnxruntime",)
 
 
 class EngineConfigError(ValueError):
@@ -86,8 +89,14 @@ class EngineConfig:
     source: dict[str, str]
     files: dict[str, str]
     kvflow_version: str = "0.1.0"
+    # Block-quantized weights, if any: the schemes kept (``Q4_1+Q8_0`` from a GGUF, ``int4-g32``
+    # by --quantize); None for weights in ``dtype``. Activations and the KV cache are ``dtype``.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization and self.backend not in QUANTIZED_BACKENDS:
+            raise EngineConfigError(f"quantized weights ({self.quantization}) need --backend "
+                                    f"in {QUANTIZED_BACKENDS}, got {self.backend!r}")
         if self.backend not in BACKENDS:
             raise EngineConfigError(f"--backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.dtype not in BACKEND_DTYPES[self.backend]:
@@ -109,6 +118,7 @@ class EngineConfig:
             "kvflow_version": self.kvflow_version,
             "backend": self.backend,
             "dtype": self.dtype,
+            "quantization": self.quantization,
             "limits": asdict(self.limits),
             "source": self.source,
             "files": dict(self.files),
@@ -135,4 +145,5 @@ class EngineConfig:
             source=d["source"] if isinstance(d.get("source"), dict) else {},
             files=d.get("files", {}),
             kvflow_version=d.get("kvflow_version", "0.1.0"),
+            quantization=d.get("quantization"),
         )

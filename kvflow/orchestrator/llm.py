@@ -79,7 +79,8 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
 
     plan = plan_engine(engine_dir, **overrides)
     runner = create_runner(plan.runner, engine_dir, plan.num_blocks, plan.num_host_blocks,
-                           cuda_graphs=plan.cuda_graphs)
+                           cuda_graphs=plan.cuda_graphs,
+                           quantized_matmul=plan.scheduler.quantized_matmul)
     return LLMEngine(runner, EngineTokenizer(engine_dir), plan.scheduler,
                      plan.engine.model.eos_token_ids)
 

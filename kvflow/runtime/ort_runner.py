@@ -1,11 +1,12 @@
 """The ONNX Runtime runner: the engine's ONNX graph on ORT's CPU provider.
 
 ORT executes every node of the graph except ``kvflow::PagedAttention``, which kvflow executes
-on the host (:mod:`kvflow.plugins.paged_attention_host`). At load time the graph is cut at its
-PagedAttention nodes into ``num_layers + 1`` segments; a step runs segment, attention, segment,
-... with the tensors crossing a cut kept on the host. (ORT's Python package ships no C headers to
-compile a native custom-op library against; the cut keeps the one graph as the single artifact
-while the attention runs vectorised in NumPy.)
+on the host with its compiled kernel (:mod:`kvflow.plugins.paged_attention_native`). At load
+time the graph is cut at its PagedAttention nodes into ``num_layers + 1`` segments; a step runs
+segment, attention, segment, ... with the tensors crossing a cut kept on the host. (ORT's Python
+package ships no C headers to compile a native custom-op library against; the cut keeps the one
+graph as the single artifact.) Quantized engines' blocked ``DequantizeLinear`` + ``MatMul``
+pairs become ORT's ``MatMulNBits`` at load time.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import onnxruntime as ort
 from onnx import helper
 
 from kvflow.build.engine_config import EngineConfig
-from kvflow.plugins.paged_attention_host import paged_attention_host
+from kvflow.plugins.paged_attention_native import paged_attention_native
 from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
 from kvflow.runtime.base import PoolRunner, StepInput
 from kvflow.runtime.kv_cache import HostKVPool
 
 ONNX_FILE = "model.onnx"
+ARGMAX_OUTPUT = "kvflow_argmax"
+INT8_ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations (ORT's levels 0-1 are fp32, but slow)
 
 
 @dataclass
@@ -52,7 +55,8 @@ def _split_at_attention(model: onnx.ModelProto) -> list[_Piece]:
     return pieces
 
 
-def build_segments(model: onnx.ModelProto, threads: int | None = None) -> list[_Segment]:
+def build_segments(model: onnx.ModelProto, threads: int | None = None,
+                   int8_activations: bool = False) -> list[_Segment]:
     """Cut ``model`` at its PagedAttention nodes into ORT sessions (see module doc)."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
@@ -75,6 +79,22 @@ def build_segments(model: onnx.ModelProto, threads: int | None = None) -> list[_
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
         opts.intra_op_num_threads = threads
+    if int8_activations:
+        # Blocked DequantizeLinear + MatMul (quantized engines) becomes MatMulNBits at this
+        # accuracy level: activations quantized to int8 per block, int32 accumulation.
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
+                                      str(INT8_ACCURACY_LEVEL))
+    else:
+        # No QDQ fusion: ORT folds each DequantizeLinear of constant codes into an fp32 weight
+        # at load, so the MatMuls are exactly those of the dequantized checkpoint.
+        opts.add_session_config_entry("session.disable_quant_qdq", "1")
+    # The greedy rows' argmax, taken inside the graph (see OnnxRuntimeRunner.execute_argmax).
+    last_nodes = [*pieces[-1][0], helper.make_node("ArgMax", ["logits"], [ARGMAX_OUTPUT],
+                                                   axis=1, keepdims=0)]
+    pieces[-1] = (last_nodes, None)
+    consumed_after[-1].add(ARGMAX_OUTPUT)
+    value_info[ARGMAX_OUTPUT] = helper.make_tensor_value_info(
+        ARGMAX_OUTPUT, onnx.TensorProto.INT64, ["num_logits"])
     segments = []
     for i, (nodes, attn) in enumerate(pieces):
         produced = {o for n in nodes for o in n.output}
@@ -113,7 +133,8 @@ class OnnxRuntimeRunner(PoolRunner):
     name = "onnxruntime"
 
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
-                 num_host_blocks: int = 0, threads: int | None = None) -> None:
+                 num_host_blocks: int = 0, threads: int | None = None,
+                 int8_activations: bool = True) -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
         path = Path(engine_dir) / engine.files.get("onnx", ONNX_FILE)
         if not path.is_file():
@@ -121,26 +142,35 @@ class OnnxRuntimeRunner(PoolRunner):
                 f"{path} is missing: the ONNX Runtime runner needs an engine built with "
                 "--backend onnxruntime"
             )
-        self.segments = build_segments(onnx.load(str(path)), threads)
+        self.segments = build_segments(onnx.load(str(path)), threads, int8_activations)
         m = engine.model
         self.pool = HostKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
                                m.num_key_value_heads, m.head_dim, np.float32,
                                num_host_blocks)
 
     def execute(self, step: StepInput) -> np.ndarray:
+        return self._run(step, "logits")
+
+    def execute_argmax(self, step: StepInput) -> np.ndarray:
+        """The step's argmax rows from the graph's own ArgMax: the logits stay inside ORT."""
+        return self._run(step, ARGMAX_OUTPUT)
+
+    def _run(self, step: StepInput, want: str) -> np.ndarray:
         values: dict[str, np.ndarray] = {
             "input_ids": step.input_ids, "positions": step.positions,
             "kv_cache_ptrs": self.pool.ptrs, "slot_mapping": step.slot_mapping,
             "block_tables": step.block_tables, "seq_lens": step.seq_lens,
             "query_start_loc": step.query_start_loc, "logits_indices": step.logits_indices,
         }
+        last = self.segments[-1]
         for seg in self.segments:
             if seg.session is not None:
-                outs = seg.session.run(seg.output_names, {n: values[n] for n in seg.input_names})
-                values.update(zip(seg.output_names, outs, strict=True))
+                names = [want] if seg is last else seg.output_names
+                outs = seg.session.run(names, {n: values[n] for n in seg.input_names})
+                values.update(zip(names, outs, strict=True))
             if seg.attention is not None:
                 a = seg.attention
-                values[a.output[0]] = paged_attention_host(
+                values[a.output[0]] = paged_attention_native(
                     *(values[x] for x in a.input),
                     layer_idx=seg.attention_attrs["layer_idx"],
                     num_heads=seg.attention_attrs["num_heads"],
@@ -148,4 +178,4 @@ class OnnxRuntimeRunner(PoolRunner):
                     head_dim=seg.attention_attrs["head_dim"],
                     scale=seg.attention_attrs["scale"],
                 )
-        return values["logits"]
+        return values[want]

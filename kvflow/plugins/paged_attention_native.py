@@ -1,0 +1,145 @@
+"""PagedAttention on the host, compiled: the kernel the ONNX Runtime runner executes.
+
+The NumPy implementation (:mod:`kvflow.plugins.paged_attention_host`) gathers every K/V block of
+every sequence into a new array each layer and then multiplies. This kernel reads the blocks in
+place, through the block table, one key at a time with an online softmax in fp32 (FlashAttention's
+running max and sum), so that each byte of the cache is read once per step. Work items are
+(sequence, KV head) pairs spread over the cores with ``numba.prange``; the query heads of a KV
+head's group share each key as it is loaded. A prefill chunk is the same loop with more than one
+query per sequence, causal within the chunk. It runs without the GIL.
+
+It is compiled by numba (LLVM, bundled with the ``llvmlite`` wheel: no system compiler at run
+time) at first use and cached on disk beside this file, so a later process loads it in well
+under a second. ``docs/benchmarks.md`` compares it with the NumPy implementation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from kvflow.plugins import kv_registry
+
+
+@numba.njit(nogil=True, cache=True)
+def _write_kv(k, v, slot_mapping, k_cache, v_cache):  # pragma: no cover  (compiled)
+    block_size = k_cache.shape[1]
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        blk, off = slot // block_size, slot % block_size
+        for h in range(kvh):
+            for x in range(d):
+                k_cache[blk, off, h, x] = k[t, h * d + x]
+                v_cache[blk, off, h, x] = v[t, h * d + x]
+
+
+def _attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+               num_heads, scale):  # pragma: no cover  (compiled)
+    num_seqs = seq_lens.shape[0]
+    block_size, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group = num_heads // kvh
+    for item in numba.prange(num_seqs * kvh):
+        s, h = item // kvh, item % kvh
+        start = query_start_loc[s]
+        n = query_start_loc[s + 1] - start
+        length = seq_lens[s]
+        qg = np.empty((group, d), dtype=np.float32)
+        acc = np.empty((group, d), dtype=np.float32)
+        m = np.empty(group, dtype=np.float32)
+        denom = np.empty(group, dtype=np.float32)
+        p = np.empty((group, block_size), dtype=np.float32)
+        for i in range(n):
+            visible = length - n + i + 1  # causal: keys up to this token's own position
+            for g in range(group):
+                base = (h * group + g) * d
+                for x in range(d):
+                    qg[g, x] = q[start + i, base + x] * scale
+                    acc[g, x] = np.float32(0.0)
+                m[g] = np.float32(-np.inf)
+                denom[g] = np.float32(0.0)
+            for b in range((visible + block_size - 1) // block_size):
+                blk = block_tables[s, b]
+                keys = min(block_size, visible - b * block_size)
+                for g in range(group):
+                    qv, av, pv = qg[g], acc[g], p[g]
+                    block_max = np.float32(-np.inf)
+                    for o in range(keys):
+                        kv = k_cache[blk, o, h]
+                        dot = np.float32(0.0)
+                        for x in range(d):
+                            dot += qv[x] * kv[x]
+                        pv[o] = dot
+                        block_max = max(block_max, dot)
+                    # online softmax: rescale what was accumulated to the new running max
+                    new_max = max(m[g], block_max)
+                    correction = np.float32(math.exp(m[g] - new_max))
+                    m[g] = new_max
+                    total = denom[g] * correction
+                    for x in range(d):
+                        av[x] *= correction
+                    for o in range(keys):
+                        w = np.float32(math.exp(pv[o] - new_max))
+                        total += w
+                        vv = v_cache[blk, o, h]
+                        for x in range(d):
+                            av[x] += w * vv[x]
+                    denom[g] = total
+            for g in range(group):
+                base = (h * group + g) * d
+                inv = np.float32(1.0) / denom[g]
+                for x in range(d):
+                    out[start + i, base + x] = acc[g, x] * inv
+
+
+# One kernel, compiled twice: spread over the cores, and on the calling thread for small steps,
+# where waking the worker threads costs more than the work (a single-stream decode).
+_attention_parallel = numba.njit(parallel=True, nogil=True, cache=True, fastmath=True)(
+    _attention)
+_attention_serial = numba.njit(nogil=True, cache=True, fastmath=True)(_attention)
+# Keys read by the step (summed over sequences, KV heads and query tokens) from which the
+# parallel kernel wins.
+PARALLEL_MIN_KEY_READS = 16384
+
+
+def paged_attention_native(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    kv_cache_ptrs: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start_loc: np.ndarray,
+    *,
+    layer_idx: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+) -> np.ndarray:
+    """One layer: ``q`` ``[T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]`` (fp32).
+
+    The arguments are those of the ONNX node ``kvflow::PagedAttention``; the pool is reached
+    through ``kv_cache_ptrs`` and :mod:`kvflow.plugins.kv_registry`.
+    """
+    k_cache = kv_registry.lookup(int(kv_cache_ptrs[layer_idx, 0]))
+    v_cache = kv_registry.lookup(int(kv_cache_ptrs[layer_idx, 1]))
+    if k_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(f"KV pool of layer {layer_idx} has heads x dim {k_cache.shape[2:]}, "
+                         f"the node says {(num_kv_heads, head_dim)}")
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    _write_kv(np.ascontiguousarray(k, dtype=np.float32), np.ascontiguousarray(v, np.float32),
+              slot_mapping.astype(np.int64, copy=False), k_cache, v_cache)
+    out = np.empty_like(q)
+    lens = seq_lens.astype(np.int32, copy=False)
+    qsl = query_start_loc.astype(np.int32, copy=False)
+    key_reads = int(np.dot(lens.astype(np.int64), np.diff(qsl))) * num_kv_heads
+    kernel = _attention_parallel if key_reads >= PARALLEL_MIN_KEY_READS else _attention_serial
+    kernel(q, k_cache, v_cache, block_tables.astype(np.int32, copy=False),
+           lens, qsl, out, num_heads, np.float32(scale))
+    return out

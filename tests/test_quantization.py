@@ -1,0 +1,137 @@
+"""Block-quantized weights: GGUF blocks decoded exactly, round-to-nearest within half a step,
+the blocked DequantizeLinear graph equal to HF on the dequantized weights, and the default
+engine serving its GGUF's own 4-bit weights."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from kvflow.model.quant import dequantize, from_gguf_blocks, quantize_rtn
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("scheme", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_to_gguf_py_dequantization_bit_for_bit(scheme):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    qtype = GGMLQuantizationType[scheme]
+    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    w[2, :32] = 0.0  # an all-zero block: scale 0
+    blocks = gguf_quantize(w, qtype)
+    ours = from_gguf_blocks(scheme, blocks, 6, 96)
+    assert ours.bits == (8 if scheme == "Q8_0" else 4)
+    assert ours.q.shape == (6, 96) and ours.scale.shape == (6, 3)
+    np.testing.assert_array_equal(dequantize(ours), gguf_dequantize(blocks, qtype))
+
+
+def test_unsupported_gguf_type_names_the_way_out():
+    with pytest.raises(ValueError, match="--dtype float32"):
+        from_gguf_blocks("Q6_K", np.zeros((1, 210), np.uint8), 1, 256)
+
+
+@pytest.mark.parametrize(("scheme", "group"), [("int4", 32), ("int4", 128), ("int8", 32)])
+def test_round_to_nearest_is_within_half_a_step(scheme, group):
+    w = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32)
+    q = quantize_rtn(w, scheme, group)
+    step = np.repeat(q.scale, group, axis=1)
+    err = np.abs(dequantize(q) - w)
+    assert (err <= step / 2 + 1e-6).all()
+    levels = 15 if scheme == "int4" else 254
+    assert q.q.min() >= (0 if scheme == "int4" else -127) and q.q.max() <= levels
+
+
+def test_rtn_refuses_bad_group_size():
+    with pytest.raises(ValueError, match="--group-size"):
+        quantize_rtn(np.zeros((2, 64), np.float32), "int4", 64)
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny(tiny_models, tmp_path_factory):
+    """(name, scheme) -> (engine folder, HF model holding the dequantized weights)."""
+    import torch
+
+    from kvflow.build.engine import _quantized_weights, build_engine
+    from kvflow.model.loader import load_checkpoint
+
+    root = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for name, scheme in (("qwen2-bias", "int4"), ("llama-gqa4", "int8")):
+        folder, hf = tiny_models[name]
+        path = root / f"{name}-{scheme}"
+        build_engine(str(folder), path, max_model_len=256, max_num_tokens=256,
+                     max_batch_size=16, block_size=4, quantize=scheme, group_size=32,
+                     progress=lambda _msg: None)
+        ref = type(hf)(hf.config).eval()
+        ref.load_state_dict(hf.state_dict())
+        weights = _quantized_weights(load_checkpoint(str(folder)), scheme, 32)
+        with torch.no_grad():
+            params = dict(ref.named_parameters())
+            for key, w in weights.items():
+                if key == "model.embed_tokens.weight":  # tied: only the head reads it quantized
+                    ref.lm_head.weight = torch.nn.Parameter(torch.from_numpy(dequantize(w)))
+                else:
+                    params[key].copy_(torch.from_numpy(dequantize(w)))
+        out[name, scheme] = path, ref
+    return out
+
+
+@pytest.mark.parametrize("key", [("qwen2-bias", "int4"), ("llama-gqa4", "int8")])
+def test_quantized_engine_equals_hf_on_the_dequantized_weights(quantized_tiny, key):
+    import torch
+
+    from kvflow.runtime import create_runner
+    from tests.helpers import greedy_generate
+
+    path, ref = quantized_tiny[key]
+    assert json.loads((path / "engine_config.json").read_text())["quantization"] == \
+        f"{key[1]}-g32"
+    graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
+    assert sum(n.op_type == "DequantizeLinear" for n in graph.node) == 2 * 7 + 1
+    prompt = np.random.default_rng(2).integers(3, 320, size=19).tolist()
+    runner = create_runner(None, path, 64, quantized_matmul="fp32")
+    try:
+        tokens, logits = greedy_generate(runner, prompt, 6, chunk=7)
+    finally:
+        runner.close()
+    for i, step_logits in enumerate(logits):
+        with torch.no_grad():
+            expected = ref(torch.tensor([prompt + tokens[:i]])).logits[0, -1].numpy()
+        np.testing.assert_allclose(step_logits, expected, atol=TOL, rtol=0)
+    runner = create_runner(None, path, 64, quantized_matmul="int8")
+    try:
+        _, int8_logits = greedy_generate(runner, prompt, 1)
+    finally:
+        runner.close()
+    # int8 activations round; a wrong code layout would leave nothing of the logits.
+    a, b = int8_logits[0], logits[0]
+    assert np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b) > 0.98
+
+
+def test_default_engine_keeps_the_gguf_4bit_weights(default_engines):
+    folder = default_engines["onnxruntime"]
+    config = json.loads((folder / "engine_config.json").read_text())
+    assert config["quantization"] == "Q4_1+Q8_0"
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    codes = {t.name: t for t in graph.initializer if t.name.endswith(".q")}
+    assert len(codes) == 30 * 7 + 1
+    assert codes["model.layers.0.mlp.up_proj.weight.q"].data_type == onnx.TensorProto.UINT4
+    assert codes["lm_head.weight.q"].data_type == onnx.TensorProto.INT8
+    assert not any(t.name == "model.layers.0.mlp.up_proj.weight" for t in graph.initializer)
+
+
+def test_quantize_needs_the_onnxruntime_backend(tiny_models, tmp_path):
+    from kvflow.build.engine import build_engine
+    from kvflow.build.engine_config import EngineConfigError
+
+    folder, _ = tiny_models["llama-gqa4"]
+    with pytest.raises(EngineConfigError, match="--quantize needs --backend"):
+        build_engine(str(folder), tmp_path / "e", backend="torch", quantize="int4")
+    with pytest.raises(EngineConfigError, match="--group-size must be one of"):
+        build_engine(str(folder), tmp_path / "e", quantize="int4", group_size=64)
