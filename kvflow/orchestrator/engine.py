@@ -158,9 +158,9 @@ class LLMEngine:
         if sched.is_empty:
             return []
         t1 = self.clock()
-        logits = self._execute(sched)
+        logits, greedy = self._execute(sched)
         t2 = self.clock()
-        sampled = self._sample(sched, logits)
+        sampled = self._sample(sched, logits, greedy)
         t3 = self.clock()
         outputs = self._postprocess(sched, sampled)
         self._record(sched, outputs, sampled, (t0, t1, t2, t3, self.clock()))
@@ -179,15 +179,26 @@ class LLMEngine:
         self.counters.preemptions += len(sched.preempted)
         return sched
 
-    def _execute(self, sched: SchedulerOutput) -> np.ndarray:
+    def _execute(self, sched: SchedulerOutput) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The logits, or, when every row to sample is plain greedy, only their argmax (taken
+        by the runner: no vocabulary-wide row crosses to the sampler)."""
         chunks = [SeqChunk(s.request.request_id, s.request.token_ids, s.start, s.num_new_tokens,
                            s.sample) for s in sched.scheduled]
-        return self.runner.execute(build_step(self.kv, chunks))
+        step = build_step(self.kv, chunks)
+        plain = self.sampler.is_plain_greedy
+        if all(plain(s.request.sampling_params, len(s.request.output_token_ids))
+               for s in sched.scheduled if s.sample):
+            return None, self.runner.execute_argmax(step)
+        return self.runner.execute(step), None
 
-    def _sample(self, sched: SchedulerOutput, logits: np.ndarray) -> _Sampled:
+    def _sample(self, sched: SchedulerOutput, logits: np.ndarray | None,
+                greedy: np.ndarray | None) -> _Sampled:
         requests = [s.request for s in sched.scheduled if s.sample]
         if not requests:
             return _Sampled([], [], None)
+        if logits is None:
+            assert greedy is not None
+            return _Sampled(requests, greedy.tolist(), None)
         rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
                             self.states[r.request_id].generator) for r in requests]
         out = self.sampler.sample(logits, rows)

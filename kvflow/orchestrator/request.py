@@ -22,6 +22,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     REJECTED = "rejected"
 
+    # Members are singletons: identity hashing is exact, and several times cheaper than
+    # Enum's hash of the name in the per-step membership tests.
+    __hash__ = object.__hash__
+
     @property
     def finish_reason(self) -> str | None:
         """OpenAI-style reason: ``stop``, ``length``, ``abort``, ``rejected`` or None."""

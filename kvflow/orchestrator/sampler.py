@@ -160,6 +160,15 @@ class Sampler:
         logprobs, top_logprobs = self._logprobs(x, rows, token_list)
         return SamplerOutput(token_ids=token_list, logprobs=logprobs, top_logprobs=top_logprobs)
 
+    def is_plain_greedy(self, params: SamplingParams, num_output_tokens: int) -> bool:
+        """Whether a row's token is the argmax of its raw logits and nothing else is read from
+        them (no penalties, no ``min_tokens`` ban, no logprobs): the runner may then return
+        the argmax alone (:meth:`ModelRunner.execute_argmax`)."""
+        return (params.is_greedy and not params.has_penalties and params.logprobs is None
+                and (num_output_tokens >= params.min_tokens
+                     or not (params.stop_token_ids or not params.ignore_eos
+                             and self.eos_token_ids)))
+
     def processed_logits(self, logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
         """The logits after penalties and ``min_tokens`` masking, before temperature.
 

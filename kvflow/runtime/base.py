@@ -82,6 +82,13 @@ class ModelRunner(ABC):
     def execute(self, step: StepInput) -> np.ndarray:
         """Run one step; returns fp32 logits ``[len(step.logits_indices), vocab_size]``."""
 
+    def execute_argmax(self, step: StepInput) -> np.ndarray:
+        """Run one step whose every sampled row is plain greedy; returns int64
+        ``[len(step.logits_indices)]``, each row's most likely token. Runners that can take the
+        argmax inside the model override this, so that no vocabulary-wide row leaves it."""
+        logits = self.execute(step)
+        return np.argmax(logits[:, : self.engine.model.vocab_size], axis=1)
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host swap blocks: ``(device_block, host_block)`` pairs."""
         raise NotImplementedError(f"the {self.name} runner cannot swap")

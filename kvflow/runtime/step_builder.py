@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -60,10 +61,11 @@ def build_step(kv: KVCacheManager, chunks: Sequence[SeqChunk]) -> StepInput:
         query_start_loc.append(offset)
         if c.sample:
             logits_indices.append(offset - 1)
-    width = max(len(r) for r in rows)
-    block_tables = np.zeros((len(rows), width), dtype=np.int32)
-    for i, r in enumerate(rows):
-        block_tables[i, : len(r)] = r
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    block_tables = np.zeros((len(rows), int(lens.max())), dtype=np.int32)
+    # One scatter of every row's blocks (row i fills its first lens[i] columns).
+    block_tables[np.arange(block_tables.shape[1]) < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(rows), dtype=np.int32, count=int(lens.sum()))
     return StepInput(
         np.array(input_ids, dtype=np.int64), np.array(positions, dtype=np.int64),
         np.array(slots, dtype=np.int64), block_tables, np.array(seq_lens, dtype=np.int32),
