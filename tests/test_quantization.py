@@ -135,3 +135,40 @@ def test_quantize_needs_the_onnxruntime_backend(tiny_models, tmp_path):
         build_engine(str(folder), tmp_path / "e", backend="torch", quantize="int4")
     with pytest.raises(EngineConfigError, match="--group-size must be one of"):
         build_engine(str(folder), tmp_path / "e", quantize="int4", group_size=64)
+
+
+@pytest.mark.parametrize("scheme", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocked_graph_of_a_gguf_weight_with_bias_equals_its_dequantization(scheme):
+    """One ``Gemm(x, W^T) + b`` rewritten: ORT in both modes against NumPy on the
+    dequantized weight (Q4_1: the block minima's extra Gemm, fed the biased product)."""
+    import onnxruntime as ort
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kvflow.build.quantize import quantize_graph
+
+    rng = np.random.default_rng(3)
+    out_f, in_f = 48, 64
+    w = rng.standard_normal((out_f, in_f)).astype(np.float32)
+    bias = rng.standard_normal(out_f).astype(np.float32)
+    qw = from_gguf_blocks(scheme, gguf_quantize(w, GGMLQuantizationType[scheme]), out_f, in_f)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", in_f])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", out_f])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(bias, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    report = quantize_graph(model, {"w": qw})
+    assert report.schemes == {scheme: 1}
+    assert "w" not in {t.name for t in model.graph.initializer}
+    x = rng.standard_normal((5, in_f)).astype(np.float32)
+    expected = x.astype(np.float64) @ dequantize(qw).T.astype(np.float64) + bias
+    for config, tol in (("session.disable_quant_qdq", 1e-5),
+                        ("session.qdq_matmulnbits_accuracy_level", 0.05)):
+        opts = ort.SessionOptions()
+        opts.add_session_config_entry(config, "1" if "disable" in config else "4")
+        sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                    providers=["CPUExecutionProvider"])
+        got = sess.run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, expected, atol=tol * np.abs(expected).max(), rtol=0)

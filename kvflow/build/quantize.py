@@ -4,7 +4,7 @@ Each linear layer the exporter wrote as ``Gemm(x, W, transB=1)`` whose ``W`` has
 :class:`~kvflow.model.quant.QuantizedWeight` becomes::
 
     y = MatMul(x, DequantizeLinear(q, scale, zero_point, axis=0, block_size=B))   (opset 21)
-      [ + MatMul(ReduceSum(Reshape(x, [-1, K/B, B]), axis=-1), minimum) ]           (Q4_1 only)
+      [ + ReduceSum(Reshape(x, [-1, K/B, B]), axis=-1) @ minimum ]  (Q4_1 only: one Gemm)
 
 Blocked ``DequantizeLinear`` + ``MatMul`` is the weight-only quantization that every ONNX
 consumer reads: ONNX Runtime's CPU provider fuses it into ``MatMulNBits`` at load time (the
@@ -12,8 +12,8 @@ codes stay packed, 4 or 8 bits per weight), and TensorRT reads it as INT4/INT8 w
 quantization. Q4_1's per-block minimum ``m`` is not an integer zero point: ``d*q + m`` would need
 the float zero point ``-m/d``, which rounds, and which no fused kernel of TensorRT takes. It is
 instead exact in the algebra: ``sum_k x_k (d q_k + m) = sum_k x_k d q_k + m sum_k x_k``, so the
-minima cost one small ``[T, K/B] x [K/B, N]`` MatMul over the block sums of ``x`` (computed once
-per input, shared by the layers that read it).
+minima cost one small ``[T, K/B] x [K/B, N]`` Gemm over the block sums of ``x`` (computed once
+per input, shared by the layers that read it), whose ``C`` is the main product.
 """
 
 from __future__ import annotations
@@ -93,22 +93,23 @@ def quantize_graph(model: onnx.ModelProto,
                                           name=f"{name}.DequantizeLinear", axis=0,
                                           block_size=w.block_size))
         has_bias = len(node.input) > 2 and bool(node.input[2])
-        terms = [y if w.minimum is None and not has_bias else f"{name}.matmul"]
-        new_nodes.append(helper.make_node("MatMul", [x, f"{name}.dq"], [terms[0]],
+        product = y if w.minimum is None and not has_bias else f"{name}.matmul"
+        new_nodes.append(helper.make_node("MatMul", [x, f"{name}.dq"], [product],
                                           name=f"{name}.MatMul"))
+        if has_bias:
+            biased = y if w.minimum is None else f"{name}.biased"
+            new_nodes.append(helper.make_node("Add", [product, node.input[2]], [biased]))
+            product = biased
         if w.minimum is not None:
             key = (x, in_features, w.block_size)
             if key not in block_sums:
                 block_sums[key] = _block_sum(x, in_features, w.block_size, new_nodes, new_inits)
             new_inits.append(numpy_helper.from_array(np.ascontiguousarray(w.minimum.T),
                                                      f"{name}.minimum"))
-            terms.append(f"{name}.minimum_term")
-            new_nodes.append(helper.make_node("MatMul", [block_sums[key], f"{name}.minimum"],
-                                              [terms[1]], name=f"{name}.MinimumMatMul"))
-        if has_bias:
-            terms.append(node.input[2])
-        if len(terms) > 1:
-            _sum_into(terms, y, name, new_nodes)
+            # y = block_sums @ minimum + product: one Gemm, its C the main product.
+            new_nodes.append(helper.make_node("Gemm", [block_sums[key], f"{name}.minimum",
+                                                       product], [y],
+                                              name=f"{name}.MinimumGemm"))
         report.schemes[w.scheme] += 1
         report.fp32_bytes += out_features * in_features * 4
         report.quantized_bytes += w.nbytes
@@ -137,11 +138,3 @@ def _block_sum(x: str, in_features: int, block_size: int, nodes: list[onnx.NodeP
     nodes.append(helper.make_node("ReduceSum", [f"{tag}.blocks", f"{tag}.axes"], [tag],
                                   keepdims=0))
     return tag
-
-
-def _sum_into(terms: list[str], out: str, name: str, nodes: list[onnx.NodeProto]) -> None:
-    acc = terms[0]
-    for i, t in enumerate(terms[1:]):
-        dst = out if i == len(terms) - 2 else f"{name}.sum_{i}"
-        nodes.append(helper.make_node("Add", [acc, t], [dst]))
-        acc = dst
