@@ -104,7 +104,8 @@ def time_engine(engine_dir: Path, cases: list[tuple[int, int]], int8: bool,
     timed = _Timed(impl)
     original = ort_runner.paged_attention_native
     ort_runner.paged_attention_native = timed  # the benchmark's own probe, not the engine's
-    runner = ort_runner.OnnxRuntimeRunner(engine_dir, engine, max_blocks, int8_activations=int8)
+    runner = ort_runner.OnnxRuntimeRunner(engine_dir, engine, max_blocks,
+                                          quantized_matmul="int8" if int8 else "fp32")
     rows = []
     try:
         for batch, context in cases:

@@ -30,7 +30,7 @@ def _policy_names() -> tuple[str, ...]:
     return tuple(SCHEDULERS)
 
 
-QUANTIZED_MATMUL_MODES = ("int8", "fp32")
+QUANTIZED_MATMUL_MODES = ("auto", "int8", "fp32")
 
 
 def _runner_names() -> tuple[str, ...]:
@@ -108,11 +108,13 @@ class EngineOptions:
                                              "on a CUDA GPU)", flag="--enforce-eager",
                                        flag_value=False, flag_help="the triton runner launches "
                                        "decode steps eagerly, without CUDA graphs")
-    quantized_matmul: str = _option("int8", "quantized engines on the onnxruntime runner: int8 "
-                                    "(4-bit weights multiplied with activations quantized to "
-                                    "int8 per block, as llama.cpp does: fastest) or fp32 "
+    quantized_matmul: str = _option("auto", "quantized engines on the onnxruntime runner: int8 "
+                                    "(the quantized weights multiplied with activations "
+                                    "quantized to int8 per block, as llama.cpp does), fp32 "
                                     "(weights dequantized at load: exact to HF on the same "
-                                    "weights, fp32 speed and memory)",
+                                    "weights, fp32 speed and memory), or auto (int8 for steps "
+                                    "of a few tokens, where reading 4-bit weights wins; fp32 "
+                                    "for larger steps, where fp32 GEMM does)",
                                     choices=lambda: QUANTIZED_MATMUL_MODES)
     debug_checks: bool = _option(help="check the KV pool's and the scheduler's invariants "
                                       f"after every step (default: ${envs.DEBUG_CHECKS})",

@@ -14,18 +14,18 @@ __all__ = ["RUNNERS", "ModelRunner", "StepInput", "create_runner"]
 
 def create_runner(name: str | None, engine_dir: str | Path, num_blocks: int,
                   num_host_blocks: int = 0, cuda_graphs: bool | None = None,
-                  quantized_matmul: str = "int8") -> ModelRunner:
+                  quantized_matmul: str = "auto") -> ModelRunner:
     """The runner ``name`` (default: the engine's backend) over a pool of ``num_blocks`` blocks
     and a host swap pool of ``num_host_blocks``. ``cuda_graphs``: the triton runner's decode
     graphs (default: on a CUDA GPU); the other runners have none. ``quantized_matmul``: how the
-    onnxruntime runner multiplies by quantized weights (``int8`` or ``fp32`` activations)."""
+    onnxruntime runner multiplies by quantized weights (``auto``, ``int8`` or ``fp32``)."""
     engine = EngineConfig.load(engine_dir)
     name = name or engine.backend
     if name == "onnxruntime":
         from kvflow.runtime.ort_runner import OnnxRuntimeRunner
 
         return OnnxRuntimeRunner(engine_dir, engine, num_blocks, num_host_blocks,
-                                 int8_activations=quantized_matmul == "int8")
+                                 quantized_matmul=quantized_matmul)
     if name == "torch":
         from kvflow.runtime.torch_runner import TorchRunner
 

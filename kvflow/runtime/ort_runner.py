@@ -27,6 +27,11 @@ from kvflow.runtime.kv_cache import HostKVPool
 
 ONNX_FILE = "model.onnx"
 ARGMAX_OUTPUT = "kvflow_argmax"
+QUANTIZED_MATMUL_MODES = ("auto", "int8", "fp32")
+# quantized_matmul=auto: the most tokens a step may have to run on MatMulNBits. Measured with
+# benchmarks/cpu_step.py on this AVX2 CPU: 4-bit decode steps win up to 16 sequences (24 vs 58 ms
+# at 1, 123 vs 150 at 16) and lose at 32 (210 vs 156).
+AUTO_INT8_MAX_TOKENS = 16
 INT8_ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations (ORT's levels 0-1 are fp32, but slow)
 
 
@@ -134,7 +139,7 @@ class OnnxRuntimeRunner(PoolRunner):
 
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
                  num_host_blocks: int = 0, threads: int | None = None,
-                 int8_activations: bool = True) -> None:
+                 quantized_matmul: str = "auto") -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
         path = Path(engine_dir) / engine.files.get("onnx", ONNX_FILE)
         if not path.is_file():
@@ -142,7 +147,17 @@ class OnnxRuntimeRunner(PoolRunner):
                 f"{path} is missing: the ONNX Runtime runner needs an engine built with "
                 "--backend onnxruntime"
             )
-        self.segments = build_segments(onnx.load(str(path)), threads, int8_activations)
+        if quantized_matmul not in QUANTIZED_MATMUL_MODES:
+            raise ValueError(f"quantized_matmul must be one of {QUANTIZED_MATMUL_MODES}, got "
+                             f"{quantized_matmul!r}")
+        model = onnx.load(str(path))
+        int8 = engine.quantization is not None and quantized_matmul != "fp32"
+        self.segments = build_segments(model, threads, int8_activations=int8)
+        # auto: MatMulNBits (int8 activations) reads a quarter of the bytes but multiplies
+        # slower than fp32 GEMM once a step has more than a few tokens; big steps (prefill,
+        # large decode batches) run on the weights dequantized at load instead.
+        self.large_segments = (build_segments(model, threads, int8_activations=False)
+                               if int8 and quantized_matmul == "auto" else None)
         m = engine.model
         self.pool = HostKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
                                m.num_key_value_heads, m.head_dim, np.float32,
@@ -162,8 +177,11 @@ class OnnxRuntimeRunner(PoolRunner):
             "block_tables": step.block_tables, "seq_lens": step.seq_lens,
             "query_start_loc": step.query_start_loc, "logits_indices": step.logits_indices,
         }
-        last = self.segments[-1]
-        for seg in self.segments:
+        segments = self.segments
+        if self.large_segments is not None and step.num_tokens > AUTO_INT8_MAX_TOKENS:
+            segments = self.large_segments
+        last = segments[-1]
+        for seg in segments:
             if seg.session is not None:
                 names = [want] if seg is last else seg.output_names
                 outs = seg.session.run(names, {n: values[n] for n in seg.input_names})

@@ -1,0 +1,277 @@
+"""llama.cpp as a peer: a cached CPU build of its tools, an F32 GGUF, ``llama-batched-bench``
+and ``llama-server``.
+
+The source is the llama.cpp that the ``llama-cpp-python`` sdist vendors (``vendor/llama.cpp``),
+fetched with pip (a package, no weights) and built once with cmake (Release, CPU only,
+``GGML_NATIVE``, no curl, no OpenSSL, no web UI, static libraries) into ``ROOT/build/bin``;
+later runs find the binaries there and reuse them. The F32 GGUF is made from the shipped Q4_1
+file by ``llama-quantize --allow-requantize ... F32``, so every peer runs the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvflow.bench.clients import OpenAIClient
+from kvflow.triton_backend.server import free_port, stop_process_group, wait_for_http
+
+SDIST_PACKAGE = "llama-cpp-python"
+VENDORED = "vendor/llama.cpp"
+REQUIRED_TOOLS = ("llama-batched-bench", "llama-server")
+OPTIONAL_TOOLS = ("llama-quantize",)
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CUDA=OFF",
+               "-DGGML_METAL=OFF")
+BENCH_COLUMNS = ("pp", "tg", "batch", "n_kv", "t_pp_s", "s_pp_tok_s", "t_tg_s", "s_tg_tok_s",
+                 "t_s", "s_tok_s")
+
+
+@dataclass(frozen=True)
+class LlamaCppBuild:
+    """A llama.cpp checkout under ``root``: the source in ``src/``, the build in ``build/``."""
+
+    root: Path
+
+    @property
+    def src_dir(self) -> Path:
+        return self.root / "src"
+
+    @property
+    def build_dir(self) -> Path:
+        return self.root / "build"
+
+    def tool(self, name: str) -> Path:
+        return self.build_dir / "bin" / name
+
+    def has(self, name: str) -> bool:
+        return self.tool(name).is_file()
+
+    def missing(self) -> list[str]:
+        return [t for t in REQUIRED_TOOLS if not self.has(t)]
+
+    def version(self) -> str:
+        """Which sdist the source came from, and ``llama-server --version``'s first line."""
+        sdists = sorted(self.root.glob("llama_cpp_python-*.tar.gz"))
+        source = f"vendored by {sdists[-1].name.removesuffix('.tar.gz')}" if sdists else ""
+        try:
+            out = subprocess.run([str(self.tool("llama-server")), "--version"],
+                                 capture_output=True, text=True, timeout=30)
+            server = (out.stdout + out.stderr).strip().splitlines()[0]
+        except (OSError, subprocess.TimeoutExpired, IndexError):
+            server = ""
+        return "; ".join(x for x in (source, server) if x)
+
+
+def _fetch_source(build: LlamaCppBuild, log: Callable[[str], None]) -> None:
+    """Unpack the vendored llama.cpp of the llama-cpp-python sdist into ``build.src_dir``
+    (downloading the sdist with pip unless one is already in ``build.root``)."""
+    build.root.mkdir(parents=True, exist_ok=True)
+    sdists = sorted(build.root.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        log(f"[llama.cpp] pip download {SDIST_PACKAGE} (sdist) into {build.root}")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:", SDIST_PACKAGE, "-d", str(build.root)], check=True)
+        sdists = sorted(build.root.glob("llama_cpp_python-*.tar.gz"))
+    sdist = sdists[-1]
+    log(f"[llama.cpp] unpacking {VENDORED} from {sdist.name}")
+    with tarfile.open(sdist) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        prefix = f"{top}/{VENDORED}/"
+        members = []
+        for m in tar.getmembers():
+            if m.name.startswith(prefix):
+                m.name = m.name[len(prefix):]
+                members.append(m)
+        tar.extractall(build.src_dir, members=members, filter="data")
+
+
+def ensure_build(root: str | Path, jobs: int = 2,
+                 log: Callable[[str], None] = print) -> LlamaCppBuild:
+    """The llama.cpp build cached under ``root``, built first if a required tool is missing
+    (about ten minutes on two cores; progress is printed, the full log is ``root/build.log``).
+    """
+    build = LlamaCppBuild(Path(root).resolve())
+    if not build.missing():
+        log(f"[llama.cpp] reusing the cached build in {build.build_dir / 'bin'}")
+        return build
+    if not (build.src_dir / "CMakeLists.txt").is_file():
+        _fetch_source(build, log)
+    log(f"[llama.cpp] building {', '.join(build.missing())} in {build.build_dir} "
+        f"(-j{jobs}; about 10 minutes on 2 cores; log: {build.root / 'build.log'})")
+    with open(build.root / "build.log", "a") as out:
+        subprocess.run(["cmake", "-S", str(build.src_dir), "-B", str(build.build_dir),
+                        *CMAKE_FLAGS], stdout=out, stderr=subprocess.STDOUT, check=True)
+        listing = subprocess.run(["cmake", "--build", str(build.build_dir), "--target", "help"],
+                                 capture_output=True, text=True, check=True).stdout
+        targets = [t for t in (*REQUIRED_TOOLS, *OPTIONAL_TOOLS)
+                   if re.search(rf"\b{re.escape(t)}\b", listing)]
+        proc = subprocess.Popen(["cmake", "--build", str(build.build_dir), f"-j{jobs}",
+                                 "--target", *targets], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        shown = ""
+        for line in proc.stdout:
+            out.write(line)
+            step = re.match(r"\[\s*(\d+)%\]", line)
+            if step and step.group(1) != shown:
+                shown = step.group(1)
+                log(f"[llama.cpp] build {shown}%")
+        if proc.wait() != 0:
+            raise RuntimeError(f"the llama.cpp build failed (see {build.root / 'build.log'})")
+    if build.missing():
+        raise RuntimeError(f"the llama.cpp build did not produce {build.missing()}")
+    return build
+
+
+def ensure_f32_gguf(build: LlamaCppBuild, source: str | Path, out: str | Path,
+                    log: Callable[[str], None] = print) -> Path:
+    """An F32 GGUF of ``source``'s weights at ``out`` (made once, with llama-quantize)."""
+    out = Path(out)
+    if out.is_file():
+        return out
+    if not build.has("llama-quantize"):
+        raise RuntimeError(f"{out} is missing and this build has no llama-quantize to make it")
+    log(f"[llama.cpp] writing {out} (F32, from {Path(source).name})")
+    tmp = out.with_suffix(".part")
+    with open(out.parent / "quantize.log", "w") as quant_log:
+        subprocess.run([str(build.tool("llama-quantize")), "--allow-requantize", str(source),
+                        str(tmp), "F32"], stdout=quant_log, stderr=subprocess.STDOUT, check=True)
+    tmp.rename(out)
+    return out
+
+
+def parse_batched_bench(text: str) -> list[dict[str, float]]:
+    """The rows of ``llama-batched-bench``'s markdown table, keyed by :data:`BENCH_COLUMNS`."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != len(BENCH_COLUMNS):
+            continue
+        try:
+            values = [float(c) for c in cells]
+        except ValueError:
+            continue  # the header and the rule
+        row: dict[str, float] = dict(zip(BENCH_COLUMNS, values, strict=True))
+        for key in ("pp", "tg", "batch", "n_kv"):
+            row[key] = int(row[key])
+        rows.append(row)
+    return rows
+
+
+def batched_bench(build: LlamaCppBuild, model: str | Path, prompt_tokens: int,
+                  output_tokens: int, batches: list[int], threads: int,
+                  log_path: Path | None = None) -> list[dict[str, float]]:
+    """Run ``llama-batched-bench`` (B independent prompts, no shared prefix) once over all
+    ``batches``; one row per batch size. The context holds the largest batch whole (the tool
+    silently skips a batch whose KV does not fit)."""
+    ctx = max(batches) * (prompt_tokens + output_tokens)
+    cmd = [str(build.tool("llama-batched-bench")), "-m", str(model), "-c", str(ctx),
+           "-npp", str(prompt_tokens), "-ntg", str(output_tokens),
+           "-npl", ",".join(map(str, batches)), "-t", str(threads), "-tb", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    if log_path is not None:
+        log_path.write_text(" ".join(cmd) + "\n" + text)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench exited with {proc.returncode}: "
+                           f"{text.strip()[-500:]}")
+    rows = parse_batched_bench(text)
+    got = sorted(r["batch"] for r in rows)
+    if got != sorted(batches):
+        raise RuntimeError(f"llama-batched-bench reported batches {got}, asked for {batches}")
+    return rows
+
+
+class LlamaServer:
+    """``llama-server`` on loopback, a free port, ``slots`` parallel slots, prompt caching
+    off; a context manager that stops its process group whatever happens."""
+
+    def __init__(self, build: LlamaCppBuild, model: str | Path, slots: int, ctx_per_slot: int,
+                 threads: int, log_path: Path | None = None,
+                 ready_timeout_s: float = 300.0) -> None:
+        self.port = free_port()
+        self.cmd = [str(build.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
+                    "--port", str(self.port), "-t", str(threads), "-tb", str(threads),
+                    "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-cache-prompt",
+                    "--cache-reuse", "0", "--cache-ram", "0", "--no-webui"]
+        self.log_path, self.ready_timeout_s = log_path, ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self._log: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> LlamaServer:
+        if self.log_path is not None:
+            self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop())
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log or subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for_http(f"{self.url}/health", self.proc, self.ready_timeout_s,
+                          "llama-server", "the model")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stop_process_group(self.proc, 20.0)
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> LlamaServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LlamaServerClient(OpenAIClient):
+    """:class:`OpenAIClient` for ``llama-server``'s ``/v1/completions``: the same connections,
+    request and SSE stream, plus ``cache_prompt: false``. llama-server sends no usage in its
+    stream chunks, so each chunk's token counts come from its per-token timings
+    (``timings_per_token``: ``predicted_n``, ``prompt_n``). It closes the connection after
+    each streamed response, so each request opens a new one (on loopback, well under a ms)."""
+
+    name = "llama-server"
+
+    def stream(self, conn: Any, prompt: str, max_tokens: int) -> Iterator[tuple[int, int]]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "cache_prompt": False, "timings_per_token": True}
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"/v1/completions: HTTP {response.status}: "
+                               f"{response.read()[:300]!r}")
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                response.read()
+                # NOTE: llama-server closes the connection after a streamed response (despite
+                # its Keep-Alive header); closed here, the next request opens a new one.
+                conn.close()
+                return
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"/v1/completions: {event['error']}")
+            timings = event.get("timings")
+            if timings:
+                yield int(timings["predicted_n"]), int(timings["prompt_n"])
+
