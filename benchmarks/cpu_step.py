@@ -24,19 +24,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from kvflow.bench.report import pyplot, save_figure, write_report
+from kvflow.bench.report import memory_bandwidth_gb_s, pyplot, save_figure, write_report
 from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins import paged_attention_host, paged_attention_native
 from kvflow.runtime import ort_runner
 from kvflow.runtime.base import StepInput
-
-
-def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
-    """Read + write bandwidth of a large copy, best of ``repeats`` (GB/s of bytes moved)."""
-    src = np.ones(mb << 18, dtype=np.float32)
-    dst = np.empty_like(src)
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
-    return 2 * src.nbytes / best / 1e9
 
 
 def _timed(fn) -> float:
@@ -144,8 +136,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
-    bandwidth = memory_bandwidth_gbs()
-    print(f"memory bandwidth (copy): {bandwidth:.1f} GB/s", flush=True)
+    bandwidth = memory_bandwidth_gb_s()
+    print(f"memory bandwidth (copy, read + write): {bandwidth:.1f} GB/s", flush=True)
     results = []
     for spec in args.engine:
         name, folder = spec.split("=", 1)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 def write_report(path: str | Path, lines: Sequence[str], echo: bool = True) -> str:
@@ -37,3 +40,16 @@ def save_figure(fig: Any, path: Path) -> str:
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
     return path.name
+
+
+def memory_bandwidth_gb_s(size_mb: int = 512, repeats: int = 5) -> float:
+    """Best-of-``repeats`` numpy copy of a ``size_mb`` MB array, bytes read plus written per
+    second (one thread), in GB/s."""
+    src = np.ones(size_mb * 1_000_000 // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
