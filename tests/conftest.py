@@ -143,7 +143,10 @@ def triton_server(default_engines, tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     cfg = ServerConfig.on_free_ports(
         default_engines["onnxruntime"], {"max_waiting_requests": 40, "kv_cache_bytes": 256 << 20,
-                                         "debug_checks": True},  # invariants every step
+                                         "debug_checks": True,  # invariants every step
+                                         # batch-invariant, so that tests can compare requests
+                                         # exactly (servers of their own test the default)
+                                         "quantized_matmul": "fp32"},
         ready_timeout_s=300)
     server = TritonServer(cfg, log_path=log)
     try:

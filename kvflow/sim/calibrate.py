@@ -123,11 +123,21 @@ def _engine_run(runner: Any, engine_dir: str | Path, num_requests: int, seed: in
     engine = LLMEngine(runner, EngineTokenizer(engine_dir) if has_tokenizer else None,
                        plan.scheduler, plan.engine.model.eos_token_ids)
     shapes: list[StepShape] = []
-    execute = runner.execute
+    execute, execute_argmax = runner.execute, runner.execute_argmax
+    last: list[object] = [None]
+
+    def record(step) -> None:  # type: ignore[no-untyped-def]
+        if step is not last[0]:  # a runner's execute_argmax may call its own execute
+            shapes.append(StepShape.of(step))
+            last[0] = step
 
     def recording_execute(step):  # type: ignore[no-untyped-def]
-        shapes.append(StepShape.of(step))
+        record(step)
         return execute(step)
+
+    def recording_execute_argmax(step):  # type: ignore[no-untyped-def]
+        record(step)
+        return execute_argmax(step)
 
     rng = np.random.default_rng(seed)
     vocab = runner.engine.model.vocab_size
@@ -144,10 +154,11 @@ def _engine_run(runner: Any, engine_dir: str | Path, num_requests: int, seed: in
                                                   ignore_eos=True))
 
     runner.execute = recording_execute
+    runner.execute_argmax = recording_execute_argmax
     try:
         run_in_real_time(engine, arrivals, add)
     finally:
-        runner.execute = execute
+        runner.execute, runner.execute_argmax = execute, execute_argmax
     stats = engine.step_stats
     assert len(stats) == len(shapes), "one shape per model step"
     return [{"shape": sh, "model_s": st.model_time_s, "overhead_s": st.overhead_time_s}
