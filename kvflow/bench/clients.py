@@ -78,16 +78,9 @@ class OpenAIClient:
 
     def stream(self, conn: http.client.HTTPConnection, prompt: str,
                max_tokens: int) -> Iterator[tuple[int, int]]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens,
-                                "temperature": 0.0, "ignore_eos": True, "stream": True,
-                                "stream_options": {"include_usage": True,
-                                                   "continuous_usage_stats": True}}
-        if self.chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
         path = "/v1/chat/completions" if self.chat else "/v1/completions"
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(self.request_body(prompt, max_tokens)),
+                     {"Content-Type": "application/json"})
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"{path}: HTTP {response.status}: {response.read()[:300]!r}")
@@ -97,13 +90,36 @@ class OpenAIClient:
             data = line[6:].strip()
             if data == b"[DONE]":
                 response.read()  # NOTE: to the end of the body, so the connection is reusable
+                self.after_stream(conn)
                 return
             event = json.loads(data)
             if "error" in event:
-                raise RuntimeError(f"{path}: {event['error']['message']}")
-            usage = event.get("usage")
-            if usage:
-                yield usage["completion_tokens"], usage["prompt_tokens"]
+                error = event["error"]
+                raise RuntimeError(f"{path}: {error.get('message', error)}"
+                                   if isinstance(error, dict) else f"{path}: {error}")
+            counts = self.token_counts(event)
+            if counts is not None:
+                yield counts
+
+    def request_body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        """One greedy streamed request of exactly ``max_tokens`` tokens."""
+        body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens,
+                                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                                "stream_options": {"include_usage": True,
+                                                   "continuous_usage_stats": True}}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+    def token_counts(self, event: dict[str, Any]) -> tuple[int, int] | None:
+        """(output tokens so far, prompt tokens) from one SSE event, if it says."""
+        usage = event.get("usage")
+        return (usage["completion_tokens"], usage["prompt_tokens"]) if usage else None
+
+    def after_stream(self, conn: http.client.HTTPConnection) -> None:  # noqa: B027
+        """Called once a response has ended (the connection is reused by default)."""
 
     def close(self, conn: http.client.HTTPConnection) -> None:
         conn.close()

@@ -10,12 +10,11 @@ file by ``llama-quantize --allow-requantize ... F32``, so every peer runs the sa
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,30 +247,17 @@ class LlamaServerClient(OpenAIClient):
 
     name = "llama-server"
 
-    def stream(self, conn: Any, prompt: str, max_tokens: int) -> Iterator[tuple[int, int]]:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+    def request_body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "cache_prompt": False, "timings_per_token": True}
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"/v1/completions: HTTP {response.status}: "
-                               f"{response.read()[:300]!r}")
-        for line in response:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                response.read()
-                # NOTE: llama-server closes the connection after a streamed response (despite
-                # its Keep-Alive header); closed here, the next request opens a new one.
-                conn.close()
-                return
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(f"/v1/completions: {event['error']}")
-            timings = event.get("timings")
-            if timings:
-                yield int(timings["predicted_n"]), int(timings["prompt_n"])
+
+    def token_counts(self, event: dict[str, Any]) -> tuple[int, int] | None:
+        timings = event.get("timings")
+        return (int(timings["predicted_n"]), int(timings["prompt_n"])) if timings else None
+
+    def after_stream(self, conn: Any) -> None:
+        # NOTE: llama-server closes the connection after a streamed response (despite its
+        # Keep-Alive header); closed here, the next request opens a new one.
+        conn.close()
 
