@@ -29,7 +29,7 @@ NON_DEFAULT = {
     "preemption_mode": "swap", "recompute_tokens_per_s": 123.0, "swap_bytes_per_s": 1e6,
     "cache_aware_max_wait_s": 1.5, "kv_cache_bytes": 1 << 20, "num_kv_blocks": 64,
     "swap_space_bytes": 1 << 20, "runner": "torch", "cuda_graphs": False,
-    "quantized_matmul": "fp32",
+    "quantized_matmul": "auto",
     "debug_checks": True,
 }
 

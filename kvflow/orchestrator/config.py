@@ -108,13 +108,14 @@ class EngineOptions:
                                              "on a CUDA GPU)", flag="--enforce-eager",
                                        flag_value=False, flag_help="the triton runner launches "
                                        "decode steps eagerly, without CUDA graphs")
-    quantized_matmul: str = _option("auto", "quantized engines on the onnxruntime runner: int8 "
+    quantized_matmul: str = _option("int8", "quantized engines on the onnxruntime runner: int8 "
                                     "(the quantized weights multiplied with activations "
                                     "quantized to int8 per block, as llama.cpp does), fp32 "
                                     "(weights dequantized at load: exact to HF on the same "
                                     "weights, fp32 speed and memory), or auto (int8 for steps "
-                                    "of a few tokens, where reading 4-bit weights wins; fp32 "
-                                    "for larger steps, where fp32 GEMM does)",
+                                    "of at most 16 tokens, where reading 4-bit weights wins; "
+                                    "fp32 for larger steps, where fp32 GEMM does: faster on "
+                                    "big batches, both weight copies in memory)",
                                     choices=lambda: QUANTIZED_MATMUL_MODES)
     debug_checks: bool = _option(help="check the KV pool's and the scheduler's invariants "
                                       f"after every step (default: ${envs.DEBUG_CHECKS})",
