@@ -68,16 +68,15 @@ def build_engine(
     unless ``dtype`` is given (``float32``: dequantized, exact to HF); ``quantize`` (``int4`` or
     ``int8``, ``group_size`` 32 or 128) rounds any checkpoint's linear weights to nearest.
     """
-    from kvflow.model.quant import RTN_GROUP_SIZES, RTN_SCHEMES
+    from kvflow.model.quant import check_rtn_args
 
     if backend not in BACKENDS:
         raise EngineConfigError(f"--backend must be one of {BACKENDS}, got {backend!r}")
     if quantize is not None:
-        if quantize not in RTN_SCHEMES:
-            raise EngineConfigError(f"--quantize must be one of {RTN_SCHEMES}, got {quantize!r}")
-        if group_size not in RTN_GROUP_SIZES:
-            raise EngineConfigError(f"--group-size must be one of {RTN_GROUP_SIZES}, got "
-                                    f"{group_size}")
+        try:
+            check_rtn_args(quantize, group_size)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         if backend not in QUANTIZED_BACKENDS:
             raise EngineConfigError(f"--quantize needs --backend in {QUANTIZED_BACKENDS}, got "
                                     f"{backend!r}")

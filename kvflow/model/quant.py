@@ -116,16 +116,21 @@ def from_gguf_blocks(scheme: str, data: np.ndarray, out: int, cols: int) -> Quan
 
 
 # --- round to nearest -----------------------------------------------------------------------
+def check_rtn_args(scheme: str, block_size: int) -> None:
+    """Refuse a scheme or group size that :func:`quantize_rtn` does not take, by name."""
+    if scheme not in RTN_SCHEMES:
+        raise ValueError(f"--quantize must be one of {RTN_SCHEMES}, got {scheme!r}")
+    if block_size not in RTN_GROUP_SIZES:
+        raise ValueError(f"--group-size must be one of {RTN_GROUP_SIZES}, got {block_size}")
+
+
 def quantize_rtn(w: np.ndarray, scheme: str, block_size: int) -> QuantizedWeight:
     """Round-to-nearest block quantization of an fp32 ``[out, in]`` weight.
 
     ``int4`` is asymmetric (each block's min..max onto 0..15 with an integer zero point);
     ``int8`` is symmetric (each block's absolute max onto 127).
     """
-    if scheme not in RTN_SCHEMES:
-        raise ValueError(f"--quantize must be one of {RTN_SCHEMES}, got {scheme!r}")
-    if block_size not in RTN_GROUP_SIZES:
-        raise ValueError(f"--group-size must be one of {RTN_GROUP_SIZES}, got {block_size}")
+    check_rtn_args(scheme, block_size)
     out, cols = w.shape
     if cols % block_size:
         raise ValueError(f"a weight of {cols} columns is not a multiple of --group-size "

@@ -30,13 +30,16 @@ def _policy_names() -> tuple[str, ...]:
     return tuple(SCHEDULERS)
 
 
-QUANTIZED_MATMUL_MODES = ("auto", "int8", "fp32")
-
-
 def _runner_names() -> tuple[str, ...]:
     from kvflow.runtime import RUNNERS  # light: names only, no runtime is imported
 
     return RUNNERS
+
+
+def _quantized_matmul_modes() -> tuple[str, ...]:
+    from kvflow.runtime import QUANTIZED_MATMUL_MODES  # light, as above
+
+    return QUANTIZED_MATMUL_MODES
 
 
 def _option(default: Any = MISSING, help: str = "", *,  # noqa: A002  (argparse's word)
@@ -116,7 +119,7 @@ class EngineOptions:
                                     "of at most 16 tokens, where reading 4-bit weights wins; "
                                     "fp32 for larger steps, where fp32 GEMM does: faster on "
                                     "big batches, both weight copies in memory)",
-                                    choices=lambda: QUANTIZED_MATMUL_MODES)
+                                    choices=_quantized_matmul_modes)
     debug_checks: bool = _option(help="check the KV pool's and the scheduler's invariants "
                                       f"after every step (default: ${envs.DEBUG_CHECKS})",
                                  default_factory=envs.debug_checks)

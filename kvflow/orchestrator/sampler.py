@@ -136,7 +136,7 @@ class Sampler:
         bans: dict[int, np.ndarray] = {}
         for i, row in enumerate(rows):
             p = row.params
-            ban = self._min_tokens_ban(row)
+            ban = self._min_tokens_ban(row.params, len(row.output_token_ids))
             if ban is not None:
                 bans[i] = ban
             if p.is_greedy:
@@ -165,9 +165,7 @@ class Sampler:
         them (no penalties, no ``min_tokens`` ban, no logprobs): the runner may then return
         the argmax alone (:meth:`ModelRunner.execute_argmax`)."""
         return (params.is_greedy and not params.has_penalties and params.logprobs is None
-                and (num_output_tokens >= params.min_tokens
-                     or not (params.stop_token_ids or not params.ignore_eos
-                             and self.eos_token_ids)))
+                and self._min_tokens_ban(params, num_output_tokens) is None)
 
     def processed_logits(self, logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
         """The logits after penalties and ``min_tokens`` masking, before temperature.
@@ -178,7 +176,8 @@ class Sampler:
         x = self._valid_logits(logits, len(rows))
         work = np.array(x, dtype=np.float32)
         self._apply_penalties(work, list(rows))
-        self._apply_bans(work, [self._min_tokens_ban(r) for r in rows])
+        self._apply_bans(work, [self._min_tokens_ban(r.params, len(r.output_token_ids))
+                                for r in rows])
         return work
 
     # --------------------------------------------------------------- internals
@@ -199,9 +198,8 @@ class Sampler:
             raise TypeError(f"logits must be a float array, got dtype {logits.dtype}")
         return logits[:, : self.vocab_size]  # a view: padding columns drop out for free
 
-    def _min_tokens_ban(self, row: SamplingRow) -> np.ndarray | None:
-        p = row.params
-        if len(row.output_token_ids) >= p.min_tokens:
+    def _min_tokens_ban(self, p: SamplingParams, num_output_tokens: int) -> np.ndarray | None:
+        if num_output_tokens >= p.min_tokens:
             return None
         ids = list(p.stop_token_ids)
         if not p.ignore_eos:

@@ -8,8 +8,10 @@ from kvflow.build.engine_config import EngineConfig
 from kvflow.runtime.base import ModelRunner, StepInput
 
 RUNNERS = ("onnxruntime", "torch", "triton", "tensorrt")
+# How the onnxruntime runner multiplies by a quantized engine's weights (EngineOptions).
+QUANTIZED_MATMUL_MODES = ("auto", "int8", "fp32")
 
-__all__ = ["RUNNERS", "ModelRunner", "StepInput", "create_runner"]
+__all__ = ["QUANTIZED_MATMUL_MODES", "RUNNERS", "ModelRunner", "StepInput", "create_runner"]
 
 
 def create_runner(name: str | None, engine_dir: str | Path, num_blocks: int,

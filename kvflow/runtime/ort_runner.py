@@ -22,12 +22,12 @@ from onnx import helper
 from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins.paged_attention_native import paged_attention_native
 from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
+from kvflow.runtime import QUANTIZED_MATMUL_MODES
 from kvflow.runtime.base import PoolRunner, StepInput
 from kvflow.runtime.kv_cache import HostKVPool
 
 ONNX_FILE = "model.onnx"
 ARGMAX_OUTPUT = "kvflow_argmax"
-QUANTIZED_MATMUL_MODES = ("auto", "int8", "fp32")
 # quantized_matmul=auto: the most tokens a step may have to run on MatMulNBits. Measured with
 # benchmarks/cpu_step.py on this AVX2 CPU: 4-bit decode steps win up to 16 sequences (24 vs 58 ms
 # at 1, 123 vs 150 at 16) and lose at 32 (210 vs 156).
