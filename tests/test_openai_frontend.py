@@ -55,13 +55,14 @@ def triton_generate(server, body: dict) -> dict:
 
 # --- the translation, without a server ------------------------------------------------------
 
-def test_each_choice_of_each_prompt_is_one_engine_request():
+def test_each_prompt_is_one_engine_request_of_n_sequences():
     parsed = parse_completion_request({"model": MODEL, "prompt": ["a", [5, 6]], "n": 3,
                                        "seed": 7, "max_tokens": 4}, MODEL, chat=False)
     assert [c.index for c in parsed.choices] == list(range(6))
     assert [c.prompt_index for c in parsed.choices] == [0, 0, 0, 1, 1, 1]
-    seeds = [json.loads(c.inputs["sampling_parameters"][0])["seed"] for c in parsed.choices]
-    assert seeds == [7, 8, 9, 7, 8, 9]  # n different samples, each reproducible
+    params = [json.loads(c.inputs["sampling_parameters"][0]) for c in parsed.choices]
+    # The engine gives sequence j of a seeded request seed + j.
+    assert [(p["n"], p["seed"]) for p in params] == [(3, 7)] * 6
     assert parsed.choices[3].inputs["input_ids"].tolist() == [5, 6]
     assert parsed.choices[0].inputs["text_input"][0] == b"a"
 
@@ -196,11 +197,15 @@ def test_a_repeated_prompt_reports_cached_tokens(client):
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_n_choices_are_separate_requests_that_share_the_prompt(client):
+def test_n_choices_are_the_sequences_of_one_request(client):
     got = client.completions.create(model=MODEL, prompt="Once upon a time", n=3, max_tokens=6,
                                     temperature=1.0, seed=3, extra_body={"ignore_eos": True})
     assert [c.index for c in got.choices] == [0, 1, 2]
     assert got.usage.completion_tokens == 18
+    assert len({c.text for c in got.choices}) > 1, "the three sequences drew the same"
+    one = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
+                                    temperature=1.0, seed=4, extra_body={"ignore_eos": True})
+    assert one.choices[0].text == got.choices[1].text  # choice j draws from seed + j
     again = client.completions.create(model=MODEL, prompt="Once upon a time", n=3,
                                       max_tokens=6, temperature=1.0, seed=3,
                                       extra_body={"ignore_eos": True})

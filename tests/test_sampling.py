@@ -86,8 +86,8 @@ class TestSamplingParamsValidation:
     @pytest.mark.parametrize(
         ("field", "value", "fragments"),
         [
-            ("n", 2, ["n must be 1", "got 2"]),
-            ("n", 0, ["n must be 1", "got 0"]),
+            ("n", 257, ["n must be in [1, 256]", "got 257"]),
+            ("n", 0, ["n must be in [1, 256]", "got 0"]),
             ("max_tokens", 0, ["max_tokens must be >= 1", "got 0"]),
             ("max_tokens", -5, ["max_tokens must be >= 1", "got -5"]),
             ("min_tokens", -1, ["min_tokens must be >= 0", "got -1"]),

@@ -9,6 +9,12 @@ new request's tokens; ``allocate_slots(..., computed_blocks=...)`` shares them; 
 ``cache_blocks`` indexes the blocks that became full. Swap: ``swap_out`` moves a sequence's
 table to host blocks and ``swap_in`` back; the runner copies the data as the returned
 ``(from, to)`` pairs say.
+
+Fork (parallel sampling): ``fork(parent, child, num_tokens)`` starts the child's table with the
+parent's blocks holding its first ``num_tokens`` tokens, shared by reference count. A shared
+block is never written: ``allocate_slots`` copies a shared block the sequence is about to write
+into a fresh one first (copy on write), and queues the ``(src, dst)`` copy in
+``pending_copies`` for the runner to make before the step.
 """
 
 from __future__ import annotations
@@ -81,6 +87,8 @@ class KVCacheManager:
         self._num_cached: dict[Hashable, int] = {}
         self.host_pool = BlockPool(num_host_blocks + 1) if num_host_blocks > 0 else None
         self.host_tables: dict[Hashable, list[int]] = {}
+        # Copy-on-write copies (src, dst) decided since the scheduler last took them.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,21 +153,25 @@ class KVCacheManager:
 
     # --- allocation ---------------------------------------------------------------------------
     def allocate_slots(self, request_id: Hashable, num_tokens: int, reserve: int = 0,
-                       computed_blocks: Sequence[int] = ()) -> bool:
+                       computed_blocks: Sequence[int] = (),
+                       num_computed_tokens: int | None = None) -> bool:
         """Grow the sequence's table to hold ``num_tokens`` tokens; all or nothing.
 
         ``computed_blocks`` (cache hits, for a sequence without a table yet) start the table,
-        shared. Returns False (and changes nothing) when the pool would keep fewer than
-        ``reserve`` free blocks.
+        shared. ``num_computed_tokens``: where the sequence's writes start; a block from there
+        on that is shared (a fork's) is first copied to a block of its own (copy on write).
+        Returns False (and changes nothing) when the pool would keep fewer than ``reserve``
+        free blocks.
         """
         table = self.block_tables.get(request_id)
         have = len(table) if table is not None else 0
         need = -(-num_tokens // self.block_size) - have - len(computed_blocks)
-        if need <= 0 and not computed_blocks:  # the common decode step: the block has room
-            return True
+        shared = self._shared_from(table, num_computed_tokens) if table else []
+        if need <= 0 and not computed_blocks and not shared:
+            return True  # the common decode step: the block has room and is the sequence's own
         # Cache hits sitting on the free queue stop being free once shared.
         revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
-        if max(need, 0) + revived + reserve > self.pool.num_free_blocks:
+        if max(need, 0) + len(shared) + revived + reserve > self.pool.num_free_blocks:
             return False
         if table is None:
             table = self.block_tables[request_id] = []
@@ -168,9 +180,42 @@ class KVCacheManager:
             self.pool.touch(computed_blocks)
             table.extend(computed_blocks)
             self._num_cached[request_id] = len(computed_blocks)
+        if shared:
+            for i, dst in zip(shared, self.pool.allocate(len(shared)), strict=True):
+                self.pending_copies.append((table[i], dst))
+                self.pool.free([table[i]])  # still referenced by the other sharers
+                table[i] = dst
+            self._num_cached[request_id] = min(self._num_cached.get(request_id, 0), shared[0])
         if need > 0:
             table.extend(self.pool.allocate(need))
         return True
+
+    def _shared_from(self, table: list[int], num_computed_tokens: int | None) -> list[int]:
+        """Indexes of the table's shared blocks at or past the write position."""
+        if num_computed_tokens is None:
+            return []
+        first = num_computed_tokens // self.block_size
+        refs = self.pool.ref_counts
+        return [i for i in range(first, len(table)) if refs[table[i]] > 1]
+
+    def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
+        """Start ``child_id``'s table with ``parent_id``'s blocks holding its first
+        ``num_tokens`` tokens, shared (one more reference each); the child has no table yet."""
+        assert child_id not in self.block_tables, f"{child_id!r} already has blocks"
+        n = self.blocks_needed(num_tokens)
+        blocks = self.block_tables[parent_id][:n]
+        assert len(blocks) == n, f"{parent_id!r} holds fewer than {num_tokens} tokens"
+        self.pool.touch(blocks)
+        self.block_tables[child_id] = list(blocks)
+        full = num_tokens // self.block_size
+        if parent_id in self._hashes:
+            self._hashes[child_id] = self._hashes[parent_id][:full]
+        self._num_cached[child_id] = min(self._num_cached.get(parent_id, 0), full)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies queued since the last call (the runner makes them)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, request_id: Hashable, forget: bool = True) -> int:
         """Release a sequence's device blocks (no-op for an unknown id); returns how many.
@@ -191,8 +236,19 @@ class KVCacheManager:
 
     # --- swap ---------------------------------------------------------------------------------
     def can_swap_out(self, request_id: Hashable, num_tokens: int) -> bool:
+        return self.can_swap_out_many([(request_id, num_tokens)])
+
+    def can_swap_out_many(self, items: Sequence[tuple[Hashable, int]]) -> bool:
+        """Whether the host pool has room for these sequences' blocks (shared ones once)."""
         return (self.host_pool is not None
-                and self.blocks_needed(num_tokens) <= self.host_pool.num_free_blocks)
+                and len(self._distinct_blocks(items)) <= self.host_pool.num_free_blocks)
+
+    def _distinct_blocks(self, items: Sequence[tuple[Hashable, int]]) -> dict[int, None]:
+        blocks: dict[int, None] = {}
+        for request_id, num_tokens in items:
+            blocks.update(dict.fromkeys(
+                self.block_tables[request_id][:self.blocks_needed(num_tokens)]))
+        return blocks
 
     def swap_out(self, request_id: Hashable, num_tokens: int) -> list[tuple[int, int]]:
         """Move the blocks holding the first ``num_tokens`` tokens to host blocks.
@@ -200,14 +256,23 @@ class KVCacheManager:
         Frees the device table; returns ``(device_block, host_block)`` copies to make before the
         freed device blocks are written again.
         """
+        return self.swap_out_many([(request_id, num_tokens)])
+
+    def swap_out_many(self, items: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
+        """:meth:`swap_out` of several sequences together (a forked group): a block they
+        share is copied once, to one host block they share."""
         assert self.host_pool is not None
-        n = self.blocks_needed(num_tokens)
-        table = self.block_tables[request_id]
-        host = self.host_pool.allocate(n)
-        self.host_tables[request_id] = host
-        pairs = list(zip(table[:n], host, strict=True))
-        self.free(request_id, forget=False)
-        return pairs
+        distinct = list(self._distinct_blocks(items))
+        to_host = dict(zip(distinct, self.host_pool.allocate(len(distinct)), strict=True))
+        taken: set[int] = set()
+        for request_id, num_tokens in items:
+            host = [to_host[b] for b in
+                    self.block_tables[request_id][:self.blocks_needed(num_tokens)]]
+            self.host_pool.touch(b for b in host if b in taken)
+            taken.update(host)
+            self.host_tables[request_id] = host
+            self.free(request_id, forget=False)
+        return list(to_host.items())
 
     def swap_in(self, request_id: Hashable, num_tokens: int,
                 reserve: int = 0) -> list[tuple[int, int]] | None:
@@ -215,16 +280,32 @@ class KVCacheManager:
 
         Returns ``(host_block, device_block)`` copies to make before the step runs.
         """
+        return self.swap_in_many([(request_id, num_tokens)], reserve)
+
+    def swap_in_many(self, items: Sequence[tuple[Hashable, int]],
+                     reserve: int = 0) -> list[tuple[int, int]] | None:
+        """:meth:`swap_in` of several sequences together, all or none: a host block they share
+        comes back as one device block they share."""
         assert self.host_pool is not None
-        host = self.host_tables[request_id]
-        need = max(self.blocks_needed(num_tokens), len(host))
-        if need + reserve > self.pool.num_free_blocks:
+        distinct: dict[int, None] = {}
+        extra = 0
+        for request_id, num_tokens in items:
+            host = self.host_tables[request_id]
+            distinct.update(dict.fromkeys(host))
+            extra += max(0, self.blocks_needed(num_tokens) - len(host))
+        if len(distinct) + extra + reserve > self.pool.num_free_blocks:
             return None
-        device = self.pool.allocate(need)
-        self.block_tables[request_id] = device
-        pairs = list(zip(host, device[:len(host)], strict=True))
-        self.host_pool.free(self.host_tables.pop(request_id))
-        return pairs
+        to_device = dict(zip(distinct, self.pool.allocate(len(distinct)), strict=True))
+        taken: set[int] = set()
+        for request_id, num_tokens in items:
+            host = self.host_tables.pop(request_id)
+            table = [to_device[b] for b in host]
+            self.pool.touch(b for b in table if b in taken)
+            taken.update(table)
+            table.extend(self.pool.allocate(max(0, self.blocks_needed(num_tokens) - len(host))))
+            self.block_tables[request_id] = table
+            self.host_pool.free(host)
+        return list(to_device.items())
 
     def is_swapped(self, request_id: Hashable) -> bool:
         return request_id in self.host_tables

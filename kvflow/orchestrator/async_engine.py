@@ -88,7 +88,7 @@ class EngineLoop:
                 _, rejected = self.engine.add_request(prompt, params, request_id, priority,
                                                       cache_salt=salt, tenant=tenant)
             except ValueError as e:
-                callback(_error_output(request_id, str(e), "bad_request"))
+                callback(_error_output(request_id, str(e), "bad_request", params.n))
                 return
             if rejected is not None:
                 callback(rejected)
@@ -181,13 +181,8 @@ class EngineLoop:
             self._callbacks.clear()
 
 
-def _error_output(request_id: str, message: str, code: str) -> RequestOutput:
-    from kvflow.orchestrator.request import RequestMetrics
-
-    return RequestOutput(request_id=request_id, text="", token_ids=[], delta_text="",
-                         delta_token_ids=[], finished=True, finish_reason="rejected",
-                         num_prompt_tokens=0, metrics=RequestMetrics(0.0), error=message,
-                         error_code=code)
+def _error_output(request_id: str, message: str, code: str, n: int = 1) -> RequestOutput:
+    return RequestOutput.failed(request_id, message, code, n)
 
 
 class AsyncLLMEngine:

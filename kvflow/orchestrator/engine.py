@@ -20,10 +20,15 @@ import numpy as np
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.detokenizer import IncrementalDetokenizer
-from kvflow.orchestrator.outputs import EngineCounters, RequestOutput, StepStats
-from kvflow.orchestrator.request import Request, RequestStatus
+from kvflow.orchestrator.outputs import (
+    CompletionOutput,
+    EngineCounters,
+    RequestOutput,
+    StepStats,
+)
+from kvflow.orchestrator.request import Request, RequestMetrics, RequestStatus, SequenceGroup
 from kvflow.orchestrator.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.orchestrator.sampling_params import MAX_SEED, SamplingParams
 from kvflow.orchestrator.scheduler import Clock, SchedulerOutput, make_scheduler
 from kvflow.orchestrator.tokenizer import EngineTokenizer, Prompt, tokenize_prompt
 from kvflow.runtime.base import ModelRunner
@@ -103,18 +108,26 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         prompt_ids = tokenize_prompt(self.tokenizer, prompt)
         self._check_token_ids(prompt_ids, params)
-        request = Request(request_id, prompt_ids, params,
-                          self.clock() if arrival_time is None else arrival_time, priority,
-                          self.eos_token_ids, self.config.max_model_len, cache_salt, tenant)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        n = params.n
+        seqs = [Request(request_id if n == 1 else f"{request_id}#{j}", prompt_ids, params,
+                        arrival, priority, self.eos_token_ids, self.config.max_model_len,
+                        cache_salt, tenant, parent_id=request_id, index=j) for j in range(n)]
+        request = seqs[0]
+        if n > 1:
+            SequenceGroup(request_id, seqs)
         if not self.scheduler.add_request(request):
             self.counters.rejected += 1
-            return request, self._output(request, None, [])
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
-                                           params.skip_special_tokens, params.stop)
-        self.states[request_id] = _RequestState(detok, make_generator(params.seed),
-                                                params.logprobs is not None)
+            return request, self._output(request, {})
+        for seq in seqs:
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
+                                               params.skip_special_tokens, params.stop)
+            # Sequence j of a seeded request draws from its own stream, seed + j.
+            seed = None if params.seed is None else (params.seed + seq.index) % (MAX_SEED + 1)
+            self.states[seq.request_id] = _RequestState(detok, make_generator(seed),
+                                                        params.logprobs is not None)
         return request, None
 
     def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -135,8 +148,7 @@ class LLMEngine:
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
-        state = self.states.pop(request_id, None)
-        return self._output(request, state, [])
+        return self._output(request, {})
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -176,6 +188,8 @@ class LLMEngine:
             self.runner.swap_out(sched.blocks_to_swap_out)
         if sched.blocks_to_swap_in:
             self.runner.swap_in(sched.blocks_to_swap_in)
+        if sched.blocks_to_copy:
+            self.runner.copy_blocks(sched.blocks_to_copy)
         self.counters.preemptions += len(sched.preempted)
         return sched
 
@@ -196,6 +210,23 @@ class LLMEngine:
         requests = [s.request for s in sched.scheduled if s.sample]
         if not requests:
             return _Sampled([], [], None)
+        # A group's first token: the leader's logits row is every parked member's too (each
+        # samples it with its own stream), and the scheduler forks them when it appends.
+        first = [r for r in requests if r.group is not None and r.group.parked
+                 and r is r.group.leader and not r.output_token_ids]
+        if first:
+            row_of = list(range(len(requests)))
+            for r in first:
+                k = requests.index(r)
+                members = [m for m in r.group.parked  # type: ignore[union-attr]
+                           if not m.output_token_ids]
+                requests.extend(members)
+                row_of.extend([k] * len(members))
+            if logits is not None:
+                logits = logits[row_of]
+            else:
+                assert greedy is not None
+                greedy = greedy[row_of]
         if logits is None:
             assert greedy is not None
             return _Sampled(requests, greedy.tolist(), None)
@@ -217,7 +248,9 @@ class LLMEngine:
         tokens = {r.request_id: t for r, t in zip(sampled.requests, sampled.token_ids,
                                                   strict=True)}
         self.scheduler.update_from_output(sched, tokens, stop_strings)
-        outputs = []
+        # One output per request (a group's sequences together), in the order they sampled.
+        new: dict[str, dict[int, tuple[int, str]]] = {}
+        leaders: dict[str, Request] = {}
         for row, (request, token) in enumerate(zip(sampled.requests, sampled.token_ids,
                                                    strict=True)):
             state = self.states[request.request_id]
@@ -228,8 +261,11 @@ class LLMEngine:
                 state.logprobs.append(entry)
             if request.is_finished and state.detok is not None and not state.detok.stopped:
                 delta += state.detok.finish()  # text held back for a possible stop string
-            outputs.append(self._output(request, state, [token], delta))
-        return outputs
+            state.text += delta
+            new.setdefault(request.parent_id, {})[request.index] = (token, delta)
+            leaders.setdefault(request.parent_id,
+                               request.group.seqs[0] if request.group else request)
+        return [self._output(leaders[pid], news) for pid, news in new.items()]
 
     def _record(self, sched: SchedulerOutput, outputs: list[RequestOutput], sampled: _Sampled,
                 times: tuple[float, float, float, float, float]) -> None:
@@ -254,24 +290,42 @@ class LLMEngine:
             finished=[o.request_id for o in outputs if o.finished],
             scheduled=[(s.request.request_id, s.num_new_tokens) for s in sched.scheduled]))
 
-    def _output(self, request: Request, state: _RequestState | None,
-                new_tokens: list[int], delta: str = "") -> RequestOutput:
-        finished = request.is_finished
-        if state is not None:
-            state.text += delta
-            text, logprobs = state.text, state.logprobs
-        else:
-            text, logprobs = "", None
+    def _output(self, request: Request,
+                new: dict[int, tuple[int, str]]) -> RequestOutput:
+        """The request's output (every sequence of a group), with ``new``: per sequence index,
+        the token and text this step added. The last output of a request drops its state."""
+        seqs = request.group.seqs if request.group is not None else [request]
+        outputs = []
+        for seq in seqs:
+            state = self.states.get(seq.request_id)
+            token, delta = new.get(seq.index, (None, ""))
+            outputs.append(CompletionOutput(
+                index=seq.index, text=state.text if state is not None else "",
+                token_ids=list(seq.output_token_ids), delta_text=delta,
+                delta_token_ids=[] if token is None else [token],
+                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=state.logprobs if state is not None else None))
+        finished = all(seq.is_finished for seq in seqs)
         if finished:
-            self.states.pop(request.request_id, None)
+            for seq in seqs:
+                self.states.pop(seq.request_id, None)
             if request.status != RequestStatus.REJECTED:
                 self.counters.finished += 1
         return RequestOutput(
-            request_id=request.request_id, text=text,
-            token_ids=list(request.output_token_ids), delta_text=delta,
-            delta_token_ids=new_tokens, finished=finished,
-            finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-            metrics=request.metrics, stop_reason=request.stop_reason,
+            request_id=request.parent_id, outputs=outputs, finished=finished,
+            num_prompt_tokens=request.num_prompt_tokens, metrics=_request_metrics(seqs),
             error=request.reject_reason, error_code=request.reject_code,
-            cached_tokens=request.metrics.cached_tokens,
-            logprobs=logprobs)
+            cached_tokens=request.metrics.cached_tokens)
+
+
+def _request_metrics(seqs: list[Request]) -> RequestMetrics:
+    """The request's metrics: a single sequence's own; a group's first sequence's (its token
+    times), finished when the last sequence finished."""
+    first = seqs[0].metrics
+    if len(seqs) == 1:
+        return first
+    ends = [s.metrics.finished_time for s in seqs]
+    m = RequestMetrics(**{**first.__dict__, "token_times": list(first.token_times)})
+    m.finished_time = None if any(t is None for t in ends) else max(ends)  # type: ignore[type-var]
+    m.num_preemptions = max(s.metrics.num_preemptions for s in seqs)
+    return m

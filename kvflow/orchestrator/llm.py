@@ -101,7 +101,7 @@ class LLM:
                  priorities: Sequence[int] | None = None,
                  cache_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids or a :class:`ChatPrompt`); outputs in
-        prompt order.
+        prompt order, each with its ``n`` sequences in ``outputs[j]`` (vLLM's shape).
 
         ``cache_salts``: per prompt; prompts with different salts share no prefix-cache blocks.
         """
@@ -120,9 +120,9 @@ class LLM:
             request, rejected = self.engine.add_request(
                 prompt, params, priority=priorities[i] if priorities else 0,
                 cache_salt=cache_salts[i] if cache_salts else None)
-            order.append(request.request_id)
+            order.append(request.parent_id)
             if rejected is not None:
-                results[request.request_id] = rejected
+                results[request.parent_id] = rejected
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:

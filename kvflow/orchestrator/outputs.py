@@ -14,33 +14,95 @@ ENGINE_ERROR_PREFIX = "engine failed"
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """The state of one request after a step, with what is new since the last output.
+class CompletionOutput:
+    """One sequence of a request (vLLM's ``CompletionOutput``): ``index`` in ``0 .. n-1``.
 
     ``text`` and ``token_ids`` are cumulative; ``delta_text`` and ``delta_token_ids`` are what
-    this step added (streaming clients concatenate the deltas).
+    the last step added (empty when this sequence produced nothing in it).
     """
 
-    request_id: str
+    index: int
     text: str
     token_ids: list[int]
     delta_text: str
     delta_token_ids: list[int]
-    finished: bool
     finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request after a step: ``outputs`` holds its ``n`` sequences in index
+    order (``outputs[j]`` as in vLLM), each with what is new since the last output.
+
+    ``finished``: every sequence has finished (a request's last output). The properties
+    ``text``, ``token_ids``, ``delta_text``, ``delta_token_ids``, ``finish_reason``,
+    ``stop_reason`` and ``logprobs`` are those of ``outputs[0]``: the whole answer of an
+    ``n = 1`` request.
+    """
+
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
     num_prompt_tokens: int
     metrics: RequestMetrics
-    stop_reason: str | int | None = None
     error: str | None = None
     # With ``error``: "bad_request" (the client's fault), "overloaded" (retry later) or
     # "engine_error".
     error_code: str | None = None
     cached_tokens: int = 0
-    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def delta_text(self) -> str:
+        return self.outputs[0].delta_text
+
+    @property
+    def delta_token_ids(self) -> list[int]:
+        return self.outputs[0].delta_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids)
+        """Output tokens of every sequence together."""
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    @property
+    def aborted(self) -> bool:
+        """The request was aborted (some sequence ended with ``abort``)."""
+        return any(o.finish_reason == "abort" for o in self.outputs)
+
+    @classmethod
+    def failed(cls, request_id: str, message: str, code: str, n: int = 1,
+               metrics: RequestMetrics | None = None) -> RequestOutput:
+        """A final output for a request refused before it ran (every sequence ``rejected``)."""
+        return cls(request_id=request_id,
+                   outputs=[CompletionOutput(j, "", [], "", [], "rejected") for j in range(n)],
+                   finished=True, num_prompt_tokens=0, metrics=metrics or RequestMetrics(0.0),
+                   error=message, error_code=code)
 
 
 @dataclass(slots=True)

@@ -3,6 +3,10 @@
     WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_STOPPED | FINISHED_LENGTH
                                                    | FINISHED_ABORTED
     WAITING -> REJECTED (with a reason), at once
+
+A request with ``n > 1`` is a :class:`SequenceGroup` of n sequences, each a :class:`Request`
+of its own (ids ``"<id>#<index>"``): the scheduler runs one of them, the leader, until its
+prompt is computed, then forks the others off the leader's KV blocks.
 """
 
 from __future__ import annotations
@@ -106,8 +110,14 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float, priority: int = 0,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
-                 cache_salt: str | None = None, tenant: str | None = None) -> None:
-        self.request_id = request_id
+                 cache_salt: str | None = None, tenant: str | None = None,
+                 parent_id: str | None = None, index: int = 0) -> None:
+        self.request_id = request_id  # this sequence's id (the KV manager's key)
+        # The client's request id and this sequence's index in it (``n > 1``: see
+        # SequenceGroup); for a single sequence parent_id == request_id and index == 0.
+        self.parent_id = request_id if parent_id is None else parent_id
+        self.index = index
+        self.group: SequenceGroup | None = None
         self.tenant = tenant  # whom the request is accounted to (OpenAI's `user`), or None
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -177,3 +187,36 @@ class Request:
         return (f"Request({self.request_id!r}, {self.status.name}, "
                 f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+class SequenceGroup:
+    """The ``n`` sequences of one request with ``n > 1`` (parallel sampling), in index order.
+
+    Until it is forked, only the *leader* runs (is queued or scheduled); the other members are
+    *parked*: they hold no device blocks and wait for the leader. Once the leader's prompt is
+    computed, the scheduler forks every parked member off the leader's blocks: they share the
+    prompt's blocks by reference count (the partial last block is copied on write at the
+    member's first write). The very first fork happens at the step that samples the leader's
+    first token: that step's logits give every member its own first token, each from its own
+    random stream. A group preempted by recompute parks all but one member again and forks
+    again; one preempted by swap swaps out together, its shared blocks once, and comes back
+    together.
+    """
+
+    __slots__ = ("parent_id", "seqs", "leader", "parked")
+
+    def __init__(self, parent_id: str, seqs: list[Request]) -> None:
+        self.parent_id = parent_id
+        self.seqs = seqs
+        self.leader = seqs[0]
+        self.parked: list[Request] = list(seqs[1:])
+        for s in seqs:
+            s.group = self
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def unfinished(self) -> list[Request]:
+        return [s for s in self.seqs if not s.is_finished]

@@ -16,6 +16,7 @@ from typing import Any
 GREEDY_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
+MAX_N = 256  # completions per request; the scheduler also caps n at max_num_seqs
 MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
 # The sampler works in float32 and int32: larger values would overflow or wrap there.
 MAX_FLOAT32 = 3.4028234663852886e38
@@ -84,7 +85,9 @@ class SamplingParams:
     """How to pick the next tokens of one request (vLLM's ``SamplingParams`` vocabulary).
 
     Attributes:
-        n: Completions per prompt; only 1 is supported.
+        n: Completions per prompt (parallel sampling: the prompt is computed once and its KV
+            blocks shared); in [1, 256] and at most the engine's ``max_num_seqs``. Sequence
+            ``j`` of a seeded request draws from ``seed + j``.
         max_tokens: Most tokens to generate (>= 1), or None for "until the context is full".
         min_tokens: Tokens to generate before EOS or ``stop_token_ids`` may be sampled.
         temperature: Softmax temperature (>= 0); below 1e-5 sampling is greedy.
@@ -183,8 +186,8 @@ class SamplingParams:
         return tuple(result)
 
     def _check_ranges(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (only one completion per request), got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
         if self.min_tokens < 0:

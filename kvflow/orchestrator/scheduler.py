@@ -9,6 +9,10 @@ policy is a small subclass with its own ``schedule()``:
 
 The scheduler hands the engine a :class:`SchedulerOutput` and gets the sampled tokens back
 through :meth:`Scheduler.update_from_output` (vLLM v1's handshake).
+
+Parallel sampling (``n > 1``, a :class:`SequenceGroup`): the base class forks a group's parked
+members off its leader once the leader's prompt is computed, and preempts, swaps and aborts a
+group as one.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.outputs import OVERLOADED_PREFIX
-from kvflow.orchestrator.request import Request, RequestStatus
+from kvflow.orchestrator.request import Request, RequestStatus, SequenceGroup
 
 Clock = Callable[[], float]
 
@@ -59,8 +63,10 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # (device block, host block) copies to make before this step (preemption by swap) ...
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    # ... and (host block, device block) copies of swapped requests resuming this step.
+    # ... and (host block, device block) copies of swapped requests resuming this step ...
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # ... then (src, dst) device copies: copy on write of blocks forked sequences share.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -91,7 +97,8 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by sequence id
+        self.groups: dict[str, SequenceGroup] = {}  # requests with n > 1, by the client's id
         self.num_preemptions = 0
         self.num_swapped_out = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
@@ -105,18 +112,26 @@ class Scheduler:
     def add_request(self, request: Request) -> bool:
         """Queue ``request``, or reject it at once (status REJECTED; ``reject_reason`` says why
         with the numbers, ``reject_code`` is ``bad_request`` or ``overloaded``)."""
+        group = request.group
+        members = group.seqs if group is not None else [request]
         reason = self._rejection_reason(request)
         if reason is not None:
-            request.status = RequestStatus.REJECTED
-            request.reject_reason, request.reject_code = reason
-            request.metrics.finished_time = self.clock()
+            for m in members:
+                m.status = RequestStatus.REJECTED
+                m.reject_reason, m.reject_code = reason
+                m.metrics.finished_time = self.clock()
             return False
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        # max_tokens=None: as much as the context (and the pool) allow.
-        request.max_output_tokens = min(request.max_output_tokens,
-                                        self.max_seq_len - request.num_prompt_tokens)
-        self.requests[request.request_id] = request
+        if request.parent_id in self.groups or any(
+                m.request_id in self.requests for m in (*members, request)) or (
+                request.parent_id in self.requests):
+            raise ValueError(f"request_id {request.parent_id!r} is already in flight")
+        for m in members:
+            # max_tokens=None: as much as the context (and the pool) allow.
+            m.max_output_tokens = min(m.max_output_tokens,
+                                      self.max_seq_len - m.num_prompt_tokens)
+            self.requests[m.request_id] = m
+        if group is not None:
+            self.groups[group.parent_id] = group
         self.waiting.append(request)
         return True
 
@@ -143,29 +158,46 @@ class Scheduler:
             return (f"prompt has {n} tokens, more than max_num_batched_tokens "
                     f"({cfg.max_num_batched_tokens}) with chunked prefill disabled",
                     "bad_request")
+        if params.n > cfg.max_num_seqs:
+            return (f"n is {params.n}; max_num_seqs is {cfg.max_num_seqs} (the n sequences of a "
+                    "request run together)", "bad_request")
         if len(self.waiting) >= cfg.max_waiting_requests:
             return (f"{OVERLOADED_PREFIX}: the waiting queue is full (max_waiting_requests="
                     f"{cfg.max_waiting_requests}); retry later", "overloaded")
         return None
 
     def abort_request(self, request_id: str) -> Request | None:
-        """Abort a queued or running request; its KV blocks are freed now."""
+        """Abort a queued or running request (by the client's id: every sequence of an
+        ``n > 1`` request); its KV blocks are freed now. Returns the request (a group's first
+        sequence)."""
+        group = self.groups.get(request_id)
+        if group is not None:
+            for member in group.unfinished:
+                self.finish_request(member, RequestStatus.FINISHED_ABORTED)
+            return group.seqs[0]
         request = self.requests.get(request_id)
-        if request is None:
+        if request is None or request.group is not None:
             return None
         self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return request
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Move ``request`` to a finished status and release everything it holds."""
+        group = request.group
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif group is not None and request in group.parked:
+            group.parked.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
         request.metrics.finished_time = self.clock()
         self.kv.free(request.request_id)
         self.requests.pop(request.request_id, None)
+        # NOTE: a group's leader finishes only by sampling, after its parked members were
+        # forked, or by an abort, which takes the whole group (check_integrity checks it).
+        if group is not None and group.is_finished:
+            self.groups.pop(group.parent_id, None)
 
     # --- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -183,7 +215,7 @@ class Scheduler:
         """
         stop_strings = stop_strings or {}
         now = self.clock()
-        finished = []
+        finished: list[Request] = []
         caching = self.kv.enable_caching
         for s in output.scheduled:
             request = s.request
@@ -193,20 +225,47 @@ class Scheduler:
             if caching:
                 self.kv.cache_blocks(request.request_id, request.token_ids,
                                      request.num_computed_tokens, request.cache_salt)
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            m = request.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            m.token_times.append(now)
-            status = request.check_stop(stop_strings.get(request.request_id))
-            if status is not None:
-                self.finish_request(request, status)
-                finished.append(request)
+            group = request.group
+            if (group is not None and group.parked and request is group.leader
+                    and request.num_computed_tokens >= request.num_prompt_tokens):
+                # Before the leader's own token: it may finish, and its blocks go with it.
+                for member in self._fork(group):
+                    self._append(member, sampled, stop_strings, now, finished)
+            self._append(request, sampled, stop_strings, now, finished)
         return finished
+
+    def _append(self, request: Request, sampled: Mapping[str, int],
+                stop_strings: Mapping[str, str], now: float, finished: list[Request]) -> None:
+        """Append the request's sampled token, if it has one, and finish it if it stopped."""
+        token = sampled.get(request.request_id)
+        if token is None:
+            return
+        request.append_output_token(token)
+        m = request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.token_times.append(now)
+        status = request.check_stop(stop_strings.get(request.request_id))
+        if status is not None:
+            self.finish_request(request, status)
+            finished.append(request)
+
+    def _fork(self, group: SequenceGroup) -> list[Request]:
+        """Fork the group's parked members (those not swapped out) off its leader, whose
+        prompt is computed: each shares the blocks of the prompt and starts running with the
+        prompt computed (its own output tokens, if it has any, are computed next)."""
+        leader, forked = group.leader, []
+        prompt_len = leader.num_prompt_tokens
+        for member in list(group.parked):
+            if self.kv.is_swapped(member.request_id):
+                continue
+            self.kv.fork(leader.request_id, member.request_id, prompt_len)
+            member.num_computed_tokens = prompt_len
+            group.parked.remove(member)
+            self._start_running(member)
+            forked.append(member)
+        return forked
 
     # --- helpers for the policies -----------------------------------------------------------
     def _chunk(self, num_new: int, budget: int, prefill: bool) -> int:
@@ -223,36 +282,47 @@ class Scheduler:
             request.metrics.first_scheduled_time = self.clock()
         self.running.append(request)
 
-    def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
-        """Preempt by swap or recompute (see :meth:`_swap_is_cheaper`); back to the queue front."""
-        self.running.remove(victim)
-        if self._swap_is_cheaper(victim):
-            output.blocks_to_swap_out.extend(
-                self.kv.swap_out(victim.request_id, victim.num_computed_tokens))
-            self.num_swapped_out += 1
+    def _preempt(self, victim: Request, output: SchedulerOutput) -> list[Request]:
+        """Preempt ``victim`` and every running sequence of its group, all by swap or all by
+        recompute (see :meth:`_swap_is_cheaper`); unschedule them. The first goes back to the
+        queue front; a group's others are parked behind it. Returns the preempted sequences."""
+        group = victim.group
+        members = ([m for m in group.seqs if m.status == RequestStatus.RUNNING]
+                   if group is not None else [victim])
+        if self._swap_is_cheaper(members):
+            output.blocks_to_swap_out.extend(self.kv.swap_out_many(
+                [(m.request_id, m.num_computed_tokens) for m in members]))
+            self.num_swapped_out += len(members)
         else:
-            self.kv.free(victim.request_id, forget=False)
-            victim.num_computed_tokens = 0
-        victim.status = RequestStatus.PREEMPTED
-        victim.metrics.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(victim)
-        output.preempted.append(victim)
-        for i, s in enumerate(output.scheduled):
-            if s.request is victim:
-                del output.scheduled[i]
-                break
+            for m in members:
+                self.kv.free(m.request_id, forget=False)
+                m.num_computed_tokens = 0
+        for m in members:
+            self.running.remove(m)
+            m.status = RequestStatus.PREEMPTED
+            m.metrics.num_preemptions += 1
+            self.num_preemptions += 1
+            output.preempted.append(m)
+        output.scheduled = [s for s in output.scheduled if s.request not in members]
+        self.waiting.appendleft(members[0])
+        if group is not None:
+            group.leader = members[0]
+            group.parked = sorted([*group.parked, *members[1:]], key=lambda r: r.index)
+        return members
 
-    def _swap_is_cheaper(self, request: Request) -> bool:
+    def _swap_is_cheaper(self, members: list[Request]) -> bool:
         """Swap when forced, or (``auto``) when moving the KV out and back is estimated cheaper
         than recomputing it; never when the host pool lacks room or nothing is computed."""
-        n, cfg = request.num_computed_tokens, self.config
-        if n == 0 or cfg.preemption_mode == "recompute" or not self.kv.can_swap_out(
-                request.request_id, n):
+        cfg = self.config
+        items = [(m.request_id, m.num_computed_tokens) for m in members]
+        n = sum(t for _, t in items)
+        if (any(t == 0 for _, t in items) or cfg.preemption_mode == "recompute"
+                or not self.kv.can_swap_out_many(items)):
             return False
         if cfg.preemption_mode == "swap":
             return True
-        swap_s = 2 * self.kv.blocks_needed(n) * self.kv.bytes_per_block / cfg.swap_bytes_per_s
+        blocks = len(self.kv._distinct_blocks(items))
+        swap_s = 2 * blocks * self.kv.bytes_per_block / cfg.swap_bytes_per_s
         return swap_s < n / cfg.recompute_tokens_per_s
 
     def _admit_tokens(self, request: Request, budget: int, reserve: int,
@@ -265,11 +335,18 @@ class Scheduler:
         if self.kv.is_swapped(rid):
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = self._chunk(remaining, budget, prefill=remaining > 1)
-            pairs = (self.kv.swap_in(rid, request.num_computed_tokens + num_new, reserve)
-                     if num_new else None)
+            # A swapped group comes back together: its parked swapped members with it.
+            companions = [m for m in request.group.parked if self.kv.is_swapped(m.request_id)
+                          ] if request.group is not None else []
+            items = [(rid, request.num_computed_tokens + num_new),
+                     *((m.request_id, m.num_computed_tokens) for m in companions)]
+            pairs = self.kv.swap_in_many(items, reserve) if num_new else None
             if pairs is None:
                 return 0
             output.blocks_to_swap_in.extend(pairs)
+            for m in companions:
+                request.group.parked.remove(m)  # type: ignore[union-attr]
+                self._start_running(m)
             return num_new
         hits, num_cached = self.kv.get_computed_blocks(rid, request.token_ids,
                                                        request.cache_salt)
@@ -297,9 +374,32 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_seats_taken(self) -> int:
+        """Running sequences, and the parked members running leaders will fork."""
+        return len(self.running) + sum(len(g.parked) for g in self.groups.values()
+                                       if g.parked and g.leader.status == RequestStatus.RUNNING)
+
+    def seats(self, request: Request) -> int:
+        """Running slots admitting ``request`` takes: a group's leader brings its parked
+        members (they fork off it, or swap in with it)."""
+        return 1 + len(request.group.parked) if request.group is not None else 1
+
     def check_integrity(self) -> None:
-        """KV pool consistent; exactly the running requests hold blocks, enough for their KV."""
+        """KV pool consistent; exactly the running requests hold blocks, enough for their KV;
+        a group's parked members hold no device block and wait for a leader in the queue or
+        running."""
         self.kv.check_integrity()
+        for parent_id, group in self.groups.items():
+            assert not group.is_finished, f"finished group {parent_id!r} still registered"
+            for m in group.parked:
+                assert m.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), m
+                assert m.request_id not in self.kv.block_tables, m
+                assert m not in self.waiting and m not in self.running, m
+                assert m.num_computed_tokens == 0 or self.kv.is_swapped(m.request_id), m
+            if group.parked:
+                leader = group.leader
+                assert leader in self.waiting or leader in self.running, leader
         holders = set(self.kv.block_tables)
         running = {r.request_id for r in self.running}
         assert holders <= running, f"blocks held by non-running requests {holders - running}"
@@ -312,7 +412,7 @@ class Scheduler:
             swapped = self.kv.is_swapped(r.request_id)
             assert r.num_computed_tokens == 0 or swapped, r
             assert r.request_id not in self.kv.block_tables, r
-        assert len(self.running) <= self.config.max_num_seqs
+        assert self.num_seats_taken <= self.config.max_num_seqs
 
 
 class ContinuousScheduler(Scheduler):
@@ -355,17 +455,15 @@ class ContinuousScheduler(Scheduler):
                 i += 1
                 continue
             total = request.num_computed_tokens + num_new
-            while not self.kv.allocate_slots(request.request_id, total):
-                victim = self._pick_victim()
-                victim_index = self.running.index(victim)
-                restored = next((s.num_new_tokens for s in out.scheduled
-                                 if s.request is victim), 0)
-                self._preempt(victim, out)
-                budget += restored
-                if victim is request:
+            while not self.kv.allocate_slots(request.request_id, total,
+                                             num_computed_tokens=request.num_computed_tokens):
+                before = {s.request: s.num_new_tokens for s in out.scheduled}
+                indexes = {r: k for k, r in enumerate(self.running)}
+                preempted = self._preempt(self._pick_victim(), out)
+                budget += sum(before.get(r, 0) for r in preempted)
+                if request in preempted:
                     break
-                if victim_index < i:
-                    i -= 1
+                i -= sum(1 for r in preempted if indexes[r] < i)
             else:
                 out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens,
                                                       num_new))
@@ -373,9 +471,11 @@ class ContinuousScheduler(Scheduler):
                 i += 1
 
         if out.preempted:
-            return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            return self._take_copies(out)
+        while self.waiting and budget > 0 and self.num_seats_taken < self.config.max_num_seqs:
             request = self._peek_waiting()
+            if self.num_seats_taken + self.seats(request) > self.config.max_num_seqs:
+                break
             reserve = self.watermark_blocks if self.running else 0
             num_new = self._admit_tokens(request, budget, reserve, out)
             if num_new == 0:
@@ -384,6 +484,10 @@ class ContinuousScheduler(Scheduler):
             self._start_running(request)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
+        return self._take_copies(out)
+
+    def _take_copies(self, out: SchedulerOutput) -> SchedulerOutput:
+        out.blocks_to_copy = self.kv.take_copies()
         return out
 
     def _pick_victim(self) -> Request:
@@ -430,6 +534,12 @@ class StaticBatchScheduler(Scheduler):
         super().__init__(config, kv, clock)
         self.batch_size = min(config.static_batch_size or config.max_num_seqs,
                               config.max_num_seqs)
+
+    def _rejection_reason(self, request: Request) -> tuple[str, str] | None:
+        if request.sampling_params.n > 1:
+            return ("n > 1 (parallel sampling) needs a continuous policy, not static",
+                    "bad_request")
+        return super()._rejection_reason(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

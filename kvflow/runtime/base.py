@@ -97,6 +97,11 @@ class ModelRunner(ABC):
         """Copy host swap blocks back: ``(host_block, device_block)`` pairs."""
         raise NotImplementedError(f"the {self.name} runner cannot swap")
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to device blocks, ``(src, dst)`` pairs (copy on write of a block
+        forked sequences share)."""
+        raise NotImplementedError(f"the {self.name} runner cannot copy blocks")
+
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release the KV pool and any device resources."""
 
@@ -108,12 +113,15 @@ class ModelRunner(ABC):
 
 
 class KVPool(Protocol):
-    """What a runner's KV pool does besides holding the cache: block swaps and release
+    """What a runner's KV pool does besides holding the cache: block swaps, block copies and
+    release
     (:class:`HostKVPool` on the host, ``DeviceKVPool`` on a GPU)."""
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None: ...
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -128,6 +136,9 @@ class PoolRunner(ModelRunner):
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self.pool.swap_in(pairs)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.copy_blocks(pairs)
 
     def close(self) -> None:
         self.pool.close()

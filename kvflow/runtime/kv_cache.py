@@ -46,6 +46,13 @@ class HostKVPool:
             k[dst] = hk[src]
             v[dst] = hv[src]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """``(src, dst)`` device-block copies, every layer, K and V (destinations distinct)."""
+        src, dst = (np.array(x, dtype=np.int64) for x in zip(*pairs, strict=True))
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
     def close(self) -> None:
         for a in (*self.k, *self.v):
             kv_registry.unregister(a)

@@ -64,6 +64,14 @@ class DeviceKVPool:
             k[dst.to(k.device)] = hk[src].to(k.device, non_blocking=True)
             v[dst.to(v.device)] = hv[src].to(v.device, non_blocking=True)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """``(src, dst)`` device-block copies, every layer, K and V (destinations distinct)."""
+        src, dst = (torch.tensor(x) for x in zip(*pairs, strict=True))
+        for k, v in zip(self.k, self.v, strict=True):
+            s, d = src.to(k.device), dst.to(k.device)
+            k[d] = k[s]
+            v[d] = v[s]
+
     def close(self) -> None:
         for t in (*self.k, *self.v):
             kv_registry.unregister_device(t)

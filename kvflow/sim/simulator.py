@@ -54,6 +54,9 @@ class SimRunner(ModelRunner):
         self._logits = np.zeros((1, SIM_VOCAB), dtype=np.float32)
         self._logits[:, 0] = 1.0
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Nothing to copy: the simulated pool holds no data (a copy's time is not modelled)."""
+
     def execute(self, step: StepInput) -> np.ndarray:
         self.clock.now += self.cost.step_time_s(StepShape.of(step))
         return np.repeat(self._logits, len(step.logits_indices), axis=0)

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvflow.orchestrator.async_engine import EngineLoop
 from kvflow.orchestrator.config import options_from_parameters
-from kvflow.orchestrator.outputs import RequestOutput
+from kvflow.orchestrator.outputs import CompletionOutput, RequestOutput
 from kvflow.triton_backend.metrics import TritonMetrics
 from kvflow.triton_backend.params import (
     INPUT_NAMES,
@@ -68,7 +68,7 @@ def _request_parameters(request: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def logprob_entries(out: RequestOutput, start: int = 0,
+def logprob_entries(out: RequestOutput | CompletionOutput, start: int = 0,
                     decode: Callable[[int], str] | None = None) -> list[dict[str, Any]]:
     """``output_logprobs``: per output token from ``start``, its id, its log-probability and
     the top ``logprobs`` alternatives (token id as a string -> log-probability). With
@@ -88,7 +88,14 @@ def logprob_entries(out: RequestOutput, start: int = 0,
 
 
 class _ResponseStream:
-    """Turns one request's engine outputs into Triton responses."""
+    """Turns one request's engine outputs into Triton responses.
+
+    As Triton's vLLM backend does, every response carries all ``n`` sequences of the request:
+    ``text_output``, ``finish_reason``, ``num_output_tokens`` and ``output_logprobs`` have one
+    entry per sequence, entry ``j`` being sequence ``j``'s (its new text when streaming, ""
+    when it added none; its finish reason, "" while it runs). A stream sends a response each
+    step that added text to some sequence, and the final one when all have finished.
+    """
 
     __slots__ = ("pb", "sender", "parsed", "lock", "logprobs_sent", "decode")
 
@@ -99,43 +106,49 @@ class _ResponseStream:
         self.sender = sender
         self.parsed = parsed
         self.lock = threading.Lock()
-        self.logprobs_sent = 0  # tokens whose logprobs earlier responses carried
+        self.logprobs_sent: list[int] = []  # per sequence: tokens whose logprobs were sent
 
     def on_output(self, out: RequestOutput) -> None:
         pb = self.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if out.error is not None and out.finish_reason in ("rejected", "abort"):
+        if out.error is not None and (out.finish_reason == "rejected" or out.aborted):
             self._send(error_response(pb, out.error, out.error_code), final)
             return
-        if out.finish_reason == "abort":  # the client cancelled: just close the stream
+        if out.aborted:  # the client cancelled: just close the stream
             self._send(None, final)
             return
         if self.parsed.stream:
-            if out.delta_text or out.finished:
-                self._send(self._response(out, out.delta_text), final if out.finished else 0)
+            if out.finished or any(c.delta_text for c in out.outputs):
+                self._send(self._response(out, [c.delta_text for c in out.outputs]),
+                           final if out.finished else 0)
         elif out.finished:
-            text = out.text
-            if not self.parsed.exclude_input_in_output:
-                text = self.parsed.prompt_text + text
-            self._send(self._response(out, text), final)
+            echo = "" if self.parsed.exclude_input_in_output else self.parsed.prompt_text
+            self._send(self._response(out, [echo + c.text for c in out.outputs]), final)
 
-    def _response(self, out: RequestOutput, text: str) -> Any:
+    def _response(self, out: RequestOutput, texts: list[str]) -> Any:
         pb = self.pb
+        seqs = out.outputs
         tensors = [
-            pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb.Tensor("finish_reason",
-                      np.array([(out.finish_reason or "").encode()], dtype=np.object_)),
+            pb.Tensor("text_output", np.array([t.encode("utf-8") for t in texts],
+                                              dtype=np.object_)),
+            pb.Tensor("finish_reason", np.array([(c.finish_reason or "").encode()
+                                                 for c in seqs], dtype=np.object_)),
             pb.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)),
-            pb.Tensor("num_output_tokens", np.array([len(out.token_ids)], dtype=np.uint32)),
+            pb.Tensor("num_output_tokens", np.array([len(c.token_ids) for c in seqs],
+                                                    dtype=np.uint32)),
             pb.Tensor("cached_tokens", np.array([out.cached_tokens], dtype=np.uint32)),
         ]
-        if out.logprobs is not None:
+        if seqs[0].logprobs is not None:
             # Every token since the last response (a stream sends nothing for a token that
             # adds no text yet, so its logprobs ride on the next response).
-            new = logprob_entries(out, self.logprobs_sent, self.decode)
-            self.logprobs_sent = len(out.logprobs)
-            tensors.append(pb.Tensor("output_logprobs", np.array([json.dumps(new).encode()],
-                                                                 dtype=np.object_)))
+            if not self.logprobs_sent:
+                self.logprobs_sent = [0] * len(seqs)
+            entries = []
+            for c in seqs:
+                entries.append(json.dumps(logprob_entries(c, self.logprobs_sent[c.index],
+                                                          self.decode)).encode())
+                self.logprobs_sent[c.index] = len(c.logprobs or ())
+            tensors.append(pb.Tensor("output_logprobs", np.array(entries, dtype=np.object_)))
         return pb.InferenceResponse(output_tensors=tensors)
 
     def _send(self, response: Any, flags: int) -> None:

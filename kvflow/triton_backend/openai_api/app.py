@@ -1,8 +1,9 @@
 """``kvflow openai``: an OpenAI-compatible HTTP server in front of running tritonservers.
 
 A FastAPI app on uvicorn, one process beside tritonserver (``kvflow serve`` starts it on port
-9000). It holds no model state: every choice of every request is one Triton request over its
-own gRPC stream (``tritonclient.grpc.aio``), sent to the server with the fewest requests in
+9000). It holds no model state: every prompt of every request is one Triton request over its
+own gRPC stream (``tritonclient.grpc.aio``; its ``n`` choices are that request's ``n``
+sequences, which share the prompt's KV blocks), sent to the server with the fewest requests in
 flight, so any number of frontends can stand in front of any number of servers.
 
 - ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
@@ -156,8 +157,10 @@ def create_app(cfg: FrontendConfig) -> Any:
         pool: TritonPool = state["pool"]
         avoid: frozenset[int] = frozenset()
         while True:  # again on another server while one cannot be reached (nothing sent yet)
-            generators = [pool.generate(c, f"{parsed.id}-{c.index}", avoid)
-                          for c in parsed.choices]
+            # One Triton request per prompt; its n sequences are the prompt's n choices.
+            generators = [g for c in parsed.choices if c.index % parsed.n == 0
+                          for g in pool.generate_n(c, f"{parsed.id}-{c.prompt_index}",
+                                                   parsed.n, avoid)]
             states = [ChoiceState(c.index) for c in parsed.choices]
             try:
                 if parsed.stream:

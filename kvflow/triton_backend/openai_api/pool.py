@@ -15,6 +15,8 @@ from kvflow.triton_backend.server import GRPC_API_KEY_HEADER, MODEL_NAME
 
 _OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
             ("num_output_tokens", int), ("cached_tokens", int), ("output_logprobs", str))
+# The outputs with one entry per sequence (n > 1); the others are the request's.
+_PER_SEQUENCE = ("text_output", "finish_reason", "num_output_tokens", "output_logprobs")
 
 
 class BackendError(Exception):
@@ -75,10 +77,18 @@ class TritonPool:
                     return True
         return False
 
+    def generate_n(self, choice: ChoiceRequest, request_id: str, n: int,
+                   avoid: frozenset[int] = frozenset()) -> list[AsyncIterator[dict[str, Any]]]:
+        """The ``n`` sequences of one Triton request (``choice``'s inputs ask for ``n``), as
+        one stream of outputs each; closing one early cancels the request."""
+        return _Fanout(self.generate(choice, request_id, avoid), n).views()
+
     async def generate(self, choice: ChoiceRequest, request_id: str,
-                       avoid: frozenset[int] = frozenset()) -> AsyncIterator[dict[str, Any]]:
-        """Yield the outputs of each response of one Triton request, until it finishes, from
-        a server not in ``avoid``. Closing the generator early cancels the request."""
+                       avoid: frozenset[int] = frozenset()
+                       ) -> AsyncIterator[list[dict[str, Any]]]:
+        """Yield the outputs of each response of one Triton request, one dict per sequence,
+        until every sequence has finished, from a server not in ``avoid``. Closing the
+        generator early cancels the request."""
         inputs = infer_inputs(choice.inputs)
         done = asyncio.Event()
 
@@ -96,13 +106,16 @@ class TritonPool:
                 if error is not None:
                     raise BackendError(str(error.message() if hasattr(error, "message")
                                            else error))
-                outputs = {}
+                columns: dict[str, list[Any]] = {}
                 for name, kind in _OUTPUTS:
                     array = result.as_numpy(name)
                     if array is not None:
-                        value = array.reshape(-1)[0]
-                        outputs[name] = value.decode("utf-8") if kind is str else int(value)
-                finished = bool(outputs.get("finish_reason"))
+                        columns[name] = [v.decode("utf-8") if kind is str else int(v)
+                                         for v in array.reshape(-1)]
+                n = len(columns.get("finish_reason", [""]))
+                outputs = [{name: values[j] if name in _PER_SEQUENCE else values[0]
+                            for name, values in columns.items()} for j in range(n)]
+                finished = all(o.get("finish_reason") for o in outputs)
                 yield outputs
                 if finished:
                     return
@@ -126,3 +139,59 @@ class TritonPool:
         for client in self.clients:
             with contextlib.suppress(Exception):
                 await client.close()
+
+
+class _Fanout:
+    """One Triton request's stream of ``n`` sequences, read as ``n`` streams of one each.
+
+    Each view yields its sequence's outputs (the first response always, then those that carry
+    something for it) until its sequence finishes. The first view read starts the pump; a
+    view closed before its sequence finished cancels the request, and the other views fail.
+    """
+
+    def __init__(self, source: AsyncIterator[list[dict[str, Any]]], n: int) -> None:
+        self.source = source
+        self.queues: list[asyncio.Queue[dict[str, Any] | BaseException]] = [
+            asyncio.Queue() for _ in range(n)]
+        self.task: asyncio.Future[None] | None = None
+        self.open = n
+
+    def views(self) -> list[AsyncIterator[dict[str, Any]]]:
+        return [self._view(j) for j in range(len(self.queues))]
+
+    async def _pump(self) -> None:
+        first, done = True, [False] * len(self.queues)
+        try:
+            async for outputs in self.source:
+                for j, out in enumerate(outputs[:len(self.queues)]):
+                    news = (out.get("text_output") or out.get("finish_reason")
+                            or out.get("output_logprobs", "[]") != "[]")
+                    if not done[j] and (first or news):
+                        self.queues[j].put_nowait(out)
+                        done[j] = bool(out.get("finish_reason"))
+                first = False
+        except BaseException as e:  # noqa: BLE001  every view reports it
+            for q in self.queues:
+                q.put_nowait(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+
+    async def _view(self, j: int) -> AsyncIterator[dict[str, Any]]:
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._pump())
+        finished = False
+        try:
+            while True:
+                item = await self.queues[j].get()
+                if isinstance(item, BaseException):
+                    if isinstance(item, asyncio.CancelledError):
+                        raise BackendError("the request was cancelled")
+                    raise item
+                finished = bool(item.get("finish_reason"))
+                yield item
+                if finished:
+                    return
+        finally:
+            self.open -= 1
+            if not finished and not self.task.done():
+                self.task.cancel()  # closes the source: Triton aborts the request

@@ -26,7 +26,7 @@ import numpy as np
 from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, OVERLOADED_PREFIX
 from kvflow.orchestrator.sampling_params import SamplingParams, list_unknown, short_repr
 
-MAX_N = 64  # choices per prompt; each is one engine request
+MAX_N = 64  # choices per prompt: the sequences of its one engine request
 MAX_PROMPTS = 256  # prompts in one /v1/completions batch
 RETRY_AFTER_S = 1
 
@@ -82,7 +82,8 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 @dataclass(frozen=True)
 class ChoiceRequest:
-    """One engine request: the Triton input tensors of one choice of one prompt."""
+    """One choice of one prompt; ``inputs``: the Triton input tensors of the prompt's engine
+    request (the same for the prompt's ``n`` choices, whose sequences it holds)."""
 
     index: int
     prompt_index: int
@@ -102,6 +103,7 @@ class CompletionRequest:
     logprobs: int | None
     choices: list[ChoiceRequest]
     renamed: dict[str, str] = field(default_factory=dict)  # kvflow field -> the client's
+    n: int = 1  # choices per prompt: the sequences of one engine request
     id: str = ""
     created: int = 0
 
@@ -200,18 +202,18 @@ def parse_completion_request(body: Any, served_model: str, chat: bool) -> Comple
         if echo and not prompt_text:
             raise bad_request("echo needs a text prompt (token-id prompts have no text to "
                               "echo)", "echo")
+        # One engine request of n sequences per prompt (they share its KV blocks; sequence j
+        # of a seeded request draws from seed + j); choice p * n + j is its sequence j.
+        own = {**sampling, "n": n} if n > 1 else dict(sampling)
+        inputs = {**prompt_inputs, **extra,
+                  "stream": np.array([True]),
+                  "exclude_input_in_output": np.array([True]),
+                  "sampling_parameters": _bytes_tensor(json.dumps(own))}
         for j in range(n):
-            own = dict(sampling)
-            if n > 1 and own.get("seed") is not None and isinstance(own["seed"], int):
-                own["seed"] = own["seed"] + j  # n different samples, each reproducible
-            inputs = {**prompt_inputs, **extra,
-                      "stream": np.array([True]),
-                      "exclude_input_in_output": np.array([True]),
-                      "sampling_parameters": _bytes_tensor(json.dumps(own))}
             choices.append(ChoiceRequest(p * n + j, p, inputs, prompt_text if echo else ""))
     return CompletionRequest(chat, served_model, stream, bool(options.get("include_usage")),
                              bool(options.get("continuous_usage_stats")), logprobs, choices,
-                             renamed)
+                             renamed, n=n)
 
 
 def _logprobs(body: dict[str, Any], chat: bool, renamed: dict[str, str]) -> int | None:
