@@ -30,6 +30,12 @@ from kvflow.orchestrator.request import Request, RequestMetrics, RequestStatus, 
 from kvflow.orchestrator.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from kvflow.orchestrator.sampling_params import MAX_SEED, SamplingParams
 from kvflow.orchestrator.scheduler import Clock, SchedulerOutput, make_scheduler
+from kvflow.orchestrator.structured import (
+    Grammar,
+    GrammarCompiler,
+    allocate_bitmask,
+    fill_bitmasks,
+)
 from kvflow.orchestrator.tokenizer import EngineTokenizer, Prompt, tokenize_prompt
 from kvflow.runtime.base import ModelRunner
 from kvflow.runtime.step_builder import SeqChunk, build_step
@@ -38,12 +44,13 @@ from kvflow.runtime.step_builder import SeqChunk, build_step
 class _RequestState:
     """Engine-side state of a live request (the scheduler owns the rest)."""
 
-    __slots__ = ("detok", "generator", "text", "logprobs", "emitted_tokens")
+    __slots__ = ("detok", "generator", "grammar", "text", "logprobs", "emitted_tokens")
 
     def __init__(self, detok: IncrementalDetokenizer | None, generator: np.random.Generator,
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, grammar: Grammar | None = None) -> None:
         self.detok = detok
         self.generator = generator
+        self.grammar = grammar  # the structured output's state, advanced token by token
         self.text = ""
         self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
         self.emitted_tokens = 0
@@ -89,6 +96,7 @@ class LLMEngine:
         self.step_stats: deque[StepStats] = deque(maxlen=stats_window)
         self.counters = EngineCounters()  # written by this engine alone
         self._ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -110,6 +118,12 @@ class LLMEngine:
         self._check_token_ids(prompt_ids, params)
         arrival = self.clock() if arrival_time is None else arrival_time
         n = params.n
+        # Compiled (or found in the cache) before the scheduler sees the request: a bad schema
+        # is refused here, having taken no KV block. One grammar state per sequence.
+        grammars: list[Grammar | None] = [None] * n
+        if params.structured is not None:
+            compiler = self.grammar_compiler()
+            grammars = [compiler.compile(params.structured) for _ in range(n)]
         seqs = [Request(request_id if n == 1 else f"{request_id}#{j}", prompt_ids, params,
                         arrival, priority, self.eos_token_ids, self.config.max_model_len,
                         cache_salt, tenant, parent_id=request_id, index=j) for j in range(n)]
@@ -127,8 +141,21 @@ class LLMEngine:
             # Sequence j of a seeded request draws from its own stream, seed + j.
             seed = None if params.seed is None else (params.seed + seq.index) % (MAX_SEED + 1)
             self.states[seq.request_id] = _RequestState(detok, make_generator(seed),
-                                                        params.logprobs is not None)
+                                                        params.logprobs is not None,
+                                                        grammars[seq.index])
         return request, None
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's structured-output compiler (built at the first constrained request:
+        llguidance's view of the tokenizer takes about a second to build)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the engine's tokenizer, and this "
+                                 "engine has none")
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer.tokenizer.to_str(), self.runner.engine.model.vocab_size,
+                self.eos_token_ids)
+        return self._grammar_compiler
 
     def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Token ids the model has no embedding for are refused, naming the vocabulary size."""
@@ -230,8 +257,16 @@ class LLMEngine:
         if logits is None:
             assert greedy is not None
             return _Sampled(requests, greedy.tolist(), None)
+        states = [self.states[r.request_id] for r in requests]
         rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                            self.states[r.request_id].generator) for r in requests]
+                            st.generator) for r, st in zip(requests, states, strict=True)]
+        constrained = [k for k, st in enumerate(states) if st.grammar is not None]
+        if constrained:  # the grammars' next-token masks, for their rows alone
+            bitmask = allocate_bitmask(len(constrained), self.sampler.vocab_size)
+            fill_bitmasks([states[k].grammar for k in constrained],  # type: ignore[misc]
+                          bitmask)
+            for j, k in enumerate(constrained):
+                rows[k].bitmask = bitmask[j]
         out = self.sampler.sample(logits, rows)
         return _Sampled(requests, out.token_ids, out)
 
@@ -240,14 +275,21 @@ class LLMEngine:
         which appends them and finishes the requests that stopped, then build the outputs."""
         deltas: list[str] = []
         stop_strings: dict[str, str] = {}
+        grammar_done: set[str] = set()
         for request, token in zip(sampled.requests, sampled.token_ids, strict=True):
-            detok = self.states[request.request_id].detok
+            state = self.states[request.request_id]
+            detok = state.detok
             deltas.append(detok.step([token]) if detok is not None else "")
             if detok is not None and detok.stopped:
                 stop_strings[request.request_id] = detok.stop_reason or ""
+            # NOTE: a token the grammar refuses (it cannot be sampled: the mask bans it) would
+            # leave the matcher in error, and is_stopped then ends the sequence.
+            if state.grammar is not None and (not state.grammar.accept(token)
+                                              or state.grammar.is_stopped):
+                grammar_done.add(request.request_id)
         tokens = {r.request_id: t for r, t in zip(sampled.requests, sampled.token_ids,
                                                   strict=True)}
-        self.scheduler.update_from_output(sched, tokens, stop_strings)
+        self.scheduler.update_from_output(sched, tokens, stop_strings, grammar_done)
         # One output per request (a group's sequences together), in the order they sampled.
         new: dict[str, dict[int, tuple[int, str]]] = {}
         leaders: dict[str, Request] = {}

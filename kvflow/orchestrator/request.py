@@ -161,11 +161,13 @@ class Request:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
-    def check_stop(self, stop_string: str | None = None) -> RequestStatus | None:
+    def check_stop(self, stop_string: str | None = None,
+                   grammar_done: bool = False) -> RequestStatus | None:
         """Whether the request is finished after its last token, and why: the one place that
         decides. ``stop_string``: the stop string the detokenizer found in the new text (it
-        ends the request whatever ``min_tokens`` says, since the text is cut there). Sets
-        ``stop_reason`` (the stop token id or string; None for EOS)."""
+        ends the request whatever ``min_tokens`` says, since the text is cut there);
+        ``grammar_done``: its structured output's grammar is complete and admits nothing more.
+        Sets ``stop_reason`` (the stop token id or string; None for EOS and a grammar)."""
         if not self.output_token_ids:
             return None
         last = self.output_token_ids[-1]
@@ -176,6 +178,9 @@ class Request:
             if last in self.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if grammar_done:
+            self.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if stop_string is not None:
             self.stop_reason = stop_string
             return RequestStatus.FINISHED_STOPPED

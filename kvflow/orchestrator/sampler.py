@@ -6,7 +6,9 @@ Order of operations per row (vLLM's):
 2. penalties: repetition (HF, over prompt + output), then frequency and presence (OpenAI, over
    the output only);
 3. ``min_tokens``: until that many tokens exist, EOS (unless ``ignore_eos``) and
-   ``stop_token_ids`` are masked to -inf;
+   ``stop_token_ids`` are masked to -inf; a structured output's row instead has every token its
+   grammar does not allow masked (:func:`~kvflow.orchestrator.structured.apply_bitmask`, one
+   pass over the constrained rows);
 4. greedy rows take the argmax (ties go to the lowest token id);
 5. other rows: divide by the temperature, keep top_k, then top_p (of the top-k renormalised
    distribution), then min_p, and invert the CDF of the softmax at ONE uniform draw from the
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvflow.orchestrator.sampling_params import MAX_SEED, SamplingParams
+from kvflow.orchestrator.structured import apply_bitmask
 
 # Width of the blocks the dense inverse CDF sums first; a row's cumulative sum is then only
 # taken inside one block. Any width gives the same distribution.
@@ -71,6 +74,9 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: np.random.Generator
+    # A structured output's allowed next tokens: int32 [ceil(vocab / 32)], bit t of word
+    # t // 32 set for an allowed token (llguidance's layout); None: unconstrained.
+    bitmask: np.ndarray | None = None
 
 
 @dataclass
@@ -136,11 +142,13 @@ class Sampler:
         bans: dict[int, np.ndarray] = {}
         for i, row in enumerate(rows):
             p = row.params
-            ban = self._min_tokens_ban(row.params, len(row.output_token_ids))
+            constrained = row.bitmask is not None
+            # A grammar decides when a constrained row may end: min_tokens does not ban EOS.
+            ban = None if constrained else self._min_tokens_ban(p, len(row.output_token_ids))
             if ban is not None:
                 bans[i] = ban
             if p.is_greedy:
-                if p.has_penalties or ban is not None:
+                if p.has_penalties or ban is not None or constrained:
                     work_keys.append((_GREEDY_MODIFIED, 0, i))
                 else:
                     plain.append(i)
@@ -165,6 +173,7 @@ class Sampler:
         them (no penalties, no ``min_tokens`` ban, no logprobs): the runner may then return
         the argmax alone (:meth:`ModelRunner.execute_argmax`)."""
         return (params.is_greedy and not params.has_penalties and params.logprobs is None
+                and params.structured is None
                 and self._min_tokens_ban(params, num_output_tokens) is None)
 
     def processed_logits(self, logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
@@ -222,6 +231,10 @@ class Sampler:
         work = np.asarray(x[order], dtype=np.float32)
         self._apply_penalties(work, [rows[i] for i in order])
         self._apply_bans(work, [bans.get(i) for i in order])
+        masked = [j for j, i in enumerate(order) if rows[i].bitmask is not None]
+        if masked:  # one vectorised pass over the constrained rows alone
+            masks = [rows[order[j]].bitmask for j in masked]
+            apply_bitmask(work, np.stack(masks), rows=masked)  # type: ignore[arg-type]
 
         # Contiguous [start, stop) slices per (category, top_k) group; slices are views.
         start = 0

@@ -12,6 +12,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvflow.orchestrator.structured_output import FIELD_NAMES, StructuredOutput
+
+# vLLM's request fields for structured outputs; from_dict turns them into ``structured``.
+GUIDED_FIELDS = tuple(FIELD_NAMES.values())
+
 # Below this temperature the softmax is numerically a one-hot, so sampling is greedy (as vLLM).
 GREEDY_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1
@@ -107,6 +112,12 @@ class SamplingParams:
         logprobs: Return the log-probability of the sampled token and of the top ``logprobs``
             tokens (0..20), or None for none.
         skip_special_tokens: Leave special tokens out of the detokenized text.
+        structured: What the output must match (a JSON schema, a regex, a choice, a
+            grammar, any JSON object), or None; :meth:`from_dict` also takes vLLM's
+            ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` and
+            ``guided_json_object`` for it. A constrained sequence ends when its grammar is
+            complete (``min_tokens`` does not hold it open), or at ``max_tokens`` with
+            ``length``.
     """
 
     n: int = 1
@@ -125,6 +136,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Normalise types first (ints/floats from numpy or JSON, lists into tuples) so the
@@ -145,6 +157,12 @@ class SamplingParams:
         self._set("ignore_eos", _as_bool("ignore_eos", self.ignore_eos))
         self._set("logprobs", _as_int("logprobs", self.logprobs, optional=True))
         self._set("skip_special_tokens", _as_bool("skip_special_tokens", self.skip_special_tokens))
+        if isinstance(self.structured, Mapping):
+            self._set("structured", StructuredOutput.from_dict(self.structured))
+        elif self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise SamplingParamsTypeError(
+                f"structured must be a StructuredOutput, its dict or None, got "
+                f"{short_repr(self.structured)} ({_type_name(self.structured)})")
         self._check_ranges()
 
     def _set(self, name: str, value: object) -> None:
@@ -251,8 +269,9 @@ class SamplingParams:
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
         """Build from a parsed JSON object such as Triton's ``sampling_parameters`` input.
 
-        Keys are the field names; absent keys keep their defaults. Values must already have the
-        right JSON type (``"0.5"`` is not a number): coercing strings would hide client bugs.
+        Keys are the field names, or vLLM's ``guided_*`` fields for ``structured``; absent keys
+        keep their defaults. Values must already have the right JSON type (``"0.5"`` is not a
+        number): coercing strings would hide client bugs.
 
         Raises:
             ValueError: on unknown keys (the message lists them and the known ones) or on a bad
@@ -262,13 +281,19 @@ class SamplingParams:
             raise SamplingParamsTypeError(
                 f"sampling parameters must be a JSON object (mapping), got {_type_name(d)}"
             )
-        known = cls.field_names()
+        known = (*cls.field_names(), *GUIDED_FIELDS)
         unknown = sorted((k for k in d if k not in known), key=str)
         if unknown:
             raise ValueError(
                 f"unknown sampling parameter(s): {list_unknown(unknown)}; "
                 f"known parameters: {', '.join(known)}"
             )
+        guided = {k: d[k] for k in GUIDED_FIELDS if k in d}
+        if guided:
+            if "structured" in d:
+                raise ValueError(f"give structured or {', '.join(guided)}, not both")
+            d = {k: v for k, v in d.items() if k not in guided}
+            d["structured"] = StructuredOutput.from_guided(**guided)
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -276,4 +301,5 @@ class SamplingParams:
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["structured"] = self.structured.to_dict() if self.structured is not None else None
         return d

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from kvflow.kv_manager import KVCacheManager
@@ -204,12 +204,14 @@ class Scheduler:
         raise NotImplementedError
 
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
-                           stop_strings: Mapping[str, str] | None = None) -> list[Request]:
+                           stop_strings: Mapping[str, str] | None = None,
+                           grammar_done: Collection[str] = ()) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish what stopped.
 
         ``sampled`` maps request ids to the token sampled for them this step (requests whose
         chunk did not reach the end of the sequence sample nothing); ``stop_strings`` maps
-        those whose new text completed a stop string to it. Each request's
+        those whose new text completed a stop string to it; ``grammar_done`` holds those whose
+        structured output is complete. Each request's
         :meth:`Request.check_stop` decides; this is where a running request finishes. Returns
         the requests that finished.
         """
@@ -230,12 +232,13 @@ class Scheduler:
                     and request.num_computed_tokens >= request.num_prompt_tokens):
                 # Before the leader's own token: it may finish, and its blocks go with it.
                 for member in self._fork(group):
-                    self._append(member, sampled, stop_strings, now, finished)
-            self._append(request, sampled, stop_strings, now, finished)
+                    self._append(member, sampled, stop_strings, grammar_done, now, finished)
+            self._append(request, sampled, stop_strings, grammar_done, now, finished)
         return finished
 
     def _append(self, request: Request, sampled: Mapping[str, int],
-                stop_strings: Mapping[str, str], now: float, finished: list[Request]) -> None:
+                stop_strings: Mapping[str, str], grammar_done: Collection[str], now: float,
+                finished: list[Request]) -> None:
         """Append the request's sampled token, if it has one, and finish it if it stopped."""
         token = sampled.get(request.request_id)
         if token is None:
@@ -246,7 +249,8 @@ class Scheduler:
             m.first_token_time = now
         m.last_token_time = now
         m.token_times.append(now)
-        status = request.check_stop(stop_strings.get(request.request_id))
+        status = request.check_stop(stop_strings.get(request.request_id),
+                                    request.request_id in grammar_done)
         if status is not None:
             self.finish_request(request, status)
             finished.append(request)

@@ -29,7 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.orchestrator.sampling_params import SamplingParams, list_unknown, short_repr
+from kvflow.orchestrator.sampling_params import (
+    GUIDED_FIELDS,
+    SamplingParams,
+    list_unknown,
+    short_repr,
+)
 from kvflow.orchestrator.tokenizer import ChatPrompt, Prompt
 
 # Triton's vLLM backend clients send every sampling parameter as a JSON string ("0.7"); these
@@ -39,7 +44,7 @@ _NUMERIC_KEYS: dict[str, type] = {
     "temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
     "presence_penalty": float, "frequency_penalty": float,
 }
-_BOOL_KEYS = ("ignore_eos", "skip_special_tokens")
+_BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "guided_json_object")
 MAX_PRIORITY = 1 << 30
 # Inputs accepted from TensorRT-LLM-style clients and ignored on purpose (see module doc).
 IGNORED_INPUTS = ("end_id", "accumulate_tokens")
@@ -172,7 +177,7 @@ def parse_sampling_json(text: str) -> dict[str, Any]:
                         MAX_SAMPLING_JSON_DEPTH)
     if not isinstance(raw, dict):
         raise BadRequestError("sampling_parameters must be a JSON object")
-    known = SamplingParams.field_names()
+    known = (*SamplingParams.field_names(), *GUIDED_FIELDS)
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise unknown_keys_error("sampling_parameters", unknown, sorted(known))
@@ -185,6 +190,10 @@ def parse_sampling_json(text: str) -> dict[str, Any]:
             out[key] = _typed(field, value, bool)
         elif key == "stop" and isinstance(value, str):
             out[key] = [value]
+        elif key == "guided_choice" and isinstance(value, str):
+            # vLLM-backend clients send every parameter as a string: here a JSON list.
+            out[key] = _bounded_json(field, value, MAX_SAMPLING_JSON_BYTES,
+                                     MAX_SAMPLING_JSON_DEPTH)
         else:
             out[key] = value
     return out

@@ -24,7 +24,12 @@ from typing import Any
 import numpy as np
 
 from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, OVERLOADED_PREFIX
-from kvflow.orchestrator.sampling_params import SamplingParams, list_unknown, short_repr
+from kvflow.orchestrator.sampling_params import (
+    GUIDED_FIELDS,
+    SamplingParams,
+    list_unknown,
+    short_repr,
+)
 
 MAX_N = 64  # choices per prompt: the sequences of its one engine request
 MAX_PROMPTS = 256  # prompts in one /v1/completions batch
@@ -33,11 +38,11 @@ RETRY_AFTER_S = 1
 # Body fields passed to the backend under the same name (SamplingParams validates them).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
-                   "stop", "stop_token_ids", "skip_special_tokens")
+                   "stop", "stop_token_ids", "skip_special_tokens", *GUIDED_FIELDS)
 # Body fields sent as request tensors of their own.
 TENSOR_FIELDS = ("user", "priority", "cache_salt")
 COMMON_FIELDS = ("model", "max_tokens", "n", "stream", "stream_options", "logprobs",
-                 *SAMPLING_FIELDS, *TENSOR_FIELDS)
+                 "response_format", *SAMPLING_FIELDS, *TENSOR_FIELDS)
 COMPLETION_FIELDS = ("prompt", "echo", *COMMON_FIELDS)
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", *COMMON_FIELDS)
 # OpenAI fields kvflow does not serve: accepted only when absent, null or their default.
@@ -45,7 +50,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
-    "response_format": (None, {"type": "text"}), "store": (None, False),
+    "store": (None, False),
     "metadata": (None, {}), "service_tier": (None, "auto", "default"),
 }
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
@@ -179,6 +184,7 @@ def parse_completion_request(body: Any, served_model: str, chat: bool) -> Comple
     logprobs = _logprobs(body, chat, renamed)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    sampling.update(_response_format(body.get("response_format"), sampling, renamed))
 
     extra: dict[str, np.ndarray] = {}
     for name in TENSOR_FIELDS:
@@ -214,6 +220,33 @@ def parse_completion_request(body: Any, served_model: str, chat: bool) -> Comple
     return CompletionRequest(chat, served_model, stream, bool(options.get("include_usage")),
                              bool(options.get("continuous_usage_stats")), logprobs, choices,
                              renamed, n=n)
+
+
+def _response_format(value: Any, sampling: dict[str, Any],
+                     renamed: dict[str, str]) -> dict[str, Any]:
+    """OpenAI's ``response_format`` as the engine's guided fields: ``json_schema`` (its
+    ``json_schema.schema``) is ``guided_json``, ``json_object`` is ``guided_json_object``."""
+    if value is None:
+        return {}
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad_request("response_format must be an object whose type is text, json_object "
+                          f"or json_schema, got {short_repr(value)}", "response_format")
+    if kind == "text":
+        return {}
+    if any(sampling.get(k) is not None for k in GUIDED_FIELDS):
+        raise bad_request("give response_format or a guided_* field, not both",
+                          "response_format")
+    if kind == "json_object":
+        renamed["guided_json_object"] = "response_format"
+        return {"guided_json_object": True}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad_request("response_format.json_schema must be an object with a schema "
+                          "object ({\"name\": ..., \"schema\": {...}})",
+                          "response_format.json_schema")
+    renamed["guided_json"] = "response_format"  # the backend's errors name the client's field
+    return {"guided_json": spec["schema"]}
 
 
 def _logprobs(body: dict[str, Any], chat: bool, renamed: dict[str, str]) -> int | None:
