@@ -268,3 +268,39 @@ def test_generate_returns_each_prompts_n_outputs(llm):
     outs = llm.generate(["Hello", "Name a colour:"], SamplingParams(n=2, max_tokens=4, seed=7))
     assert [len(o.outputs) for o in outs] == [2, 2]
     assert all(len(c.token_ids) <= 4 and c.finished for o in outs for c in o.outputs)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_preempted_group_generates_what_an_unpreempted_one_does(tiny_engines, mode):
+    """Real KV (a tiny random model): a group forced out by swap or recompute, copies on write
+    included, comes back with exactly the tokens it would have had."""
+    from kvflow.runtime import create_runner
+
+    def run(num_blocks: int, **options) -> tuple[list[list[list[int]]], int]:
+        runner = create_runner("torch", tiny_engines["llama-gqa4", "torch"], num_blocks,
+                               num_host_blocks=64)
+        config = EngineOptions(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                               enable_prefix_caching=False, kv_watermark=0.0,
+                               debug_checks=True, **options)
+        engine = LLMEngine(runner, None, config, (), clock=SimClock())
+        try:
+            for g in range(2):
+                engine.add_request([3 + (g * 5 + i) % 90 for i in range(10)],
+                                   SamplingParams(n=3, max_tokens=14, temperature=1.0,
+                                                  seed=40 + g, ignore_eos=True),
+                                   request_id=f"g{g}")
+            finals = {}
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        finals[o.request_id] = [c.token_ids for c in o.outputs]
+            preempted = sum(s.num_preempted for s in engine.step_stats)
+            assert engine.kv.pool.num_used_blocks == 0
+            return [finals[f"g{g}"] for g in range(2)], preempted
+        finally:
+            runner.close()
+
+    roomy, none = run(64)
+    tight, preempted = run(16, preemption_mode=mode)
+    assert none == 0 and preempted > 0
+    assert tight == roomy

@@ -210,13 +210,14 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
         # NOTE: before the step, and even if nothing runs: swapped-out blocks may be rewritten
-        # by the very next allocation.
+        # by the very next allocation. Copies on write first: a sequence that copied a block
+        # and was then preempted by swap in the same step swaps out the copy.
+        if sched.blocks_to_copy:
+            self.runner.copy_blocks(sched.blocks_to_copy)
         if sched.blocks_to_swap_out:
             self.runner.swap_out(sched.blocks_to_swap_out)
         if sched.blocks_to_swap_in:
             self.runner.swap_in(sched.blocks_to_swap_in)
-        if sched.blocks_to_copy:
-            self.runner.copy_blocks(sched.blocks_to_copy)
         self.counters.preemptions += len(sched.preempted)
         return sched
 

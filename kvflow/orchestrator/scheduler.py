@@ -63,9 +63,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # (device block, host block) copies to make before this step (preemption by swap) ...
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    # ... and (host block, device block) copies of swapped requests resuming this step ...
+    # ... and (host block, device block) copies of swapped requests resuming this step.
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # ... then (src, dst) device copies: copy on write of blocks forked sequences share.
+    # (src, dst) device copies, made first: copy on write of blocks forked sequences share.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
