@@ -206,10 +206,31 @@ def test_n_choices_are_the_sequences_of_one_request(client):
     one = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
                                     temperature=1.0, seed=4, extra_body={"ignore_eos": True})
     assert one.choices[0].text == got.choices[1].text  # choice j draws from seed + j
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(model=MODEL, prompt="Once upon a time", n=3,
+                                           max_tokens=6, temperature=1.0, seed=3, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in got.choices]
     again = client.completions.create(model=MODEL, prompt="Once upon a time", n=3,
                                       max_tokens=6, temperature=1.0, seed=3,
                                       extra_body={"ignore_eos": True})
     assert [c.text for c in again.choices] == [c.text for c in got.choices]  # seeded
+
+
+def test_response_format_json_schema_is_followed(client):
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "rank": {"enum": ["low", "high"]}}, "required": ["city", "rank"],
+        "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a city."}], max_tokens=40,
+        temperature=1.0, seed=1, response_format={
+            "type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    value = json.loads(reply.choices[0].message.content)
+    assert set(value) == {"city", "rank"} and value["rank"] in ("low", "high")
+    assert reply.choices[0].finish_reason == "stop"
 
 
 def test_logprobs_come_back_in_openai_shape(client):
@@ -237,8 +258,11 @@ def test_logprobs_come_back_in_openai_shape(client):
     ({"extra_body": {"min_tokens": 10, "max_tokens": 5}}, "min_tokens", "min_tokens"),
     ({"stop": [""]}, "stop", "stop[0] must be a non-empty string"),
     ({"extra_body": {"temprature": 0.5}}, "temprature", "unknown field"),
-    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format",
-     "not supported"),
+    ({"extra_body": {"response_format": {"type": "xml"}}}, "response_format",
+     "response_format must be an object whose type is"),
+    ({"extra_body": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}}, "response_format", "response_format: "),
+    ({"extra_body": {"guided_regex": "("}}, "guided_regex", "guided_regex: "),
 ])
 def test_a_bad_field_is_a_400_naming_it(client, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as info:

@@ -272,13 +272,17 @@ class Scheduler:
         return forked
 
     # --- helpers for the policies -----------------------------------------------------------
-    def _chunk(self, num_new: int, budget: int, prefill: bool) -> int:
-        """How many of ``num_new`` tokens fit this step (0: none; the request waits)."""
+    def _chunk(self, num_new: int, budget: int, prefill: bool, recompute: bool = False) -> int:
+        """How many of ``num_new`` tokens fit this step (0: none; the request waits).
+
+        ``recompute``: the tokens are a preempted request's prompt and output, computed again;
+        they are chunked even with chunked prefill off, since together they may exceed the
+        budget, and the request would then never run again."""
         if prefill and self.config.long_prefill_token_threshold:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         if num_new <= budget:
             return num_new
-        return budget if self.config.enable_chunked_prefill else 0
+        return budget if self.config.enable_chunked_prefill or recompute else 0
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -354,7 +358,8 @@ class Scheduler:
             return num_new
         hits, num_cached = self.kv.get_computed_blocks(rid, request.token_ids,
                                                        request.cache_salt)
-        num_new = self._chunk(request.num_tokens - num_cached, budget, prefill=True)
+        num_new = self._chunk(request.num_tokens - num_cached, budget, prefill=True,
+                              recompute=request.num_output_tokens > 0)
         if num_new == 0 or not self.kv.allocate_slots(rid, num_cached + num_new, reserve,
                                                       computed_blocks=hits):
             return 0
@@ -454,7 +459,8 @@ class ContinuousScheduler(Scheduler):
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = len(request.token_ids) - request.num_computed_tokens
-            num_new = 1 if remaining == 1 else self._chunk(remaining, budget, prefill=True)
+            num_new = 1 if remaining == 1 else self._chunk(
+                remaining, budget, prefill=True, recompute=request.num_output_tokens > 0)
             if num_new == 0:
                 i += 1
                 continue
