@@ -6,7 +6,8 @@ Reported: prompt tokens computed, the most KV blocks in use, wall time, output t
 
     python benchmarks/parallel_sampling.py [--engine engines/smollm2-135m] [--n 8]
 
-Writes reports/parallel_sampling/{report.json,summary.md} and prints the table.
+Writes reports/parallel_sampling/{report.json,summary.md,parallel_sampling.png} and prints the
+table.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvflow import LLM, SamplingParams
+from kvflow.bench.report import pyplot, save_figure, write_report
 
 PROMPT = ("You are a helpful assistant. Read the following notes and write a short, friendly "
           "summary of them for a colleague who missed the meeting. ") * 6
@@ -69,8 +71,20 @@ def main() -> None:
              "output tok/s |", "|---|---|---|---|---|"]
     lines += [f"| {m} | {r['prompt_tokens_computed']} | {r['peak_kv_blocks']} | {r['wall_s']} "
               f"| {r['output_tok_s']} |" for m, r in rows.items()]
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(out / "summary.md", lines)
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    names = [m.replace(", ", ",\n") for m in modes]
+    for ax, key, title in zip(axes, ("prompt_tokens_computed", "peak_kv_blocks",
+                                     "output_tok_s"),
+                              ("prompt tokens computed", "peak KV blocks", "output tok/s"),
+                              strict=True):
+        ax.bar(names, [rows[m][key] for m in modes], color=["C2", "C0", "C1"])
+        ax.set_title(title)
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"n = {args.n} samples of one {prompt}-token prompt, {args.max_tokens} tokens "
+                 "each")
+    save_figure(fig, out / "parallel_sampling.png")
 
 
 if __name__ == "__main__":

@@ -194,6 +194,36 @@ def time_compile(engine_dir: Path, repeats: int) -> dict:
     return out
 
 
+LONG_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],
+               "properties": {"items": {"type": "array", "minItems": 40, "items": {
+                   "type": "object", "additionalProperties": False, "required": ["id", "ok"],
+                   "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}}}}}}
+
+
+def time_engine_steps(engine_dir: Path, batch: int, constrained: int,
+                      max_tokens: int) -> dict[str, float]:
+    """The real engine: ``batch`` requests decoding together, ``constrained`` of them under a
+    JSON schema too long to finish; the mean per decode step of the engine's sampling and
+    postprocessing stages (where the grammar work is) and of the model."""
+    from kvflow import LLM, SamplingParams
+
+    with LLM(str(engine_dir)) as llm:
+        so = StructuredOutput("json", json.dumps(LONG_SCHEMA))
+        plain = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, ignore_eos=True)
+        tight = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, structured=so)
+        llm.generate(["warm up"], tight)
+        llm.engine.step_stats.clear()
+        llm.generate([f"Item list number {i}:" for i in range(batch)],
+                     [tight] * constrained + [plain] * (batch - constrained))
+        steps = [s for s in llm.engine.step_stats
+                 if s.num_decode_tokens == batch and not s.num_prefill_tokens]
+    ms = 1e3 / max(len(steps), 1)
+    return {"constrained_rows": constrained, "decode_steps": len(steps),
+            "sample_ms": sum(s.sample_time_s for s in steps) * ms,
+            "postprocess_ms": sum(s.postprocess_time_s for s in steps) * ms,
+            "model_ms": sum(s.model_time_s for s in steps) * ms}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,6 +234,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300, help="timed steps per case")
     p.add_argument("--compile-repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-tokens", type=int, default=48,
+                   help="tokens per request in the engine-step measurement")
     p.add_argument("--out", default="reports/structured_cost")
     args = p.parse_args()
     engine_dir = Path(args.engine)
@@ -217,12 +249,15 @@ def main() -> int:
     for constrained in (int(x) for x in args.rows.split(",")):
         print(f"timing {constrained} constrained rows of {args.batch}", flush=True)
         cases.append(time_steps(compiler, args.batch, constrained, args.steps, args.seed))
+    print("timing the engine's own steps", flush=True)
+    engine_steps = [time_engine_steps(engine_dir, args.batch, k, args.engine_tokens)
+                    for k in (0, 8)]
     mid = min(cases, key=lambda c: abs(c["constrained_rows"] - 8))
     alone = time_apply_alone(mid["masks"], model.vocab_size, args.seed)
     for c in cases:
         del c["masks"]
     report = {"vocab_size": model.vocab_size, "cpus": os.cpu_count(), "cases": cases,
-              "apply_alone": alone, "compile": compile_times}
+              "apply_alone": alone, "compile": compile_times, "engine_steps": engine_steps}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
     def fmt(s: dict[str, float]) -> str:
@@ -241,6 +276,12 @@ def main() -> int:
               f"float32 array, warm in cache, the masks of that run: "
               f"{fmt(alone['apply_bitmask_ms'])} ms (llguidance.numpy: "
               f"{fmt(alone['llguidance_numpy_apply_ms'])} ms)."]
+    lines += ["", f"The engine itself ({args.batch} requests decoding, the engine's default "
+              "options), mean ms per decode step:", "",
+              "| constrained rows | sampling | postprocess | model | decode steps |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {e['constrained_rows']} | {e['sample_ms']:.2f} | {e['postprocess_ms']:.2f} "
+              f"| {e['model_ms']:.1f} | {e['decode_steps']} |" for e in engine_steps]
     lines += ["", f"Compile (llguidance tokenizer, once per engine: "
               f"{compile_times['tokenizer_build_ms']:.0f} ms); ms, mean / p50 / p99:", "",
               "| schema | spec bytes | cold (miss) | cached (hit) |", "|---|---|---|---|"]
