@@ -128,7 +128,7 @@ def test_n_above_max_num_seqs_is_refused_by_name():
 
 def test_aborting_a_group_frees_every_sequence():
     engine = make_sim_engine(enable_prefix_caching=False)
-    engine.add_request(list(range(1, 11)), SamplingParams(n=4, max_tokens=20, ignore_eos=True),
+    engine.add_request(list(range(1, 11)), SamplingParams(n=4, max_tokens=12, ignore_eos=True),
                        request_id="g")
     engine.step()
     engine.step()
@@ -226,6 +226,151 @@ def test_random_forks_aborts_and_preemptions_keep_the_pool_whole(actions, mode, 
     assert engine.kv.pool.num_used_blocks == 0
     assert engine.kv.host_pool is not None and engine.kv.host_pool.num_used_blocks == 0
     assert not engine.scheduler.groups and not engine.scheduler.requests and not engine.states
+
+
+# --- KV contents: a runner whose logits are a function of what it reads ---------------------
+
+_MOD = (1 << 61) - 1
+
+
+class ProvenanceRunner(SimRunner):
+    """Holds, in every KV slot, the token written there and a hash of the whole prefix up to
+    it, as a real model's KV depends on the whole prefix. Each step it checks that every slot
+    a sequence reads holds a prefix consistent with the slots before it (never a slot nobody
+    wrote), and its logits are drawn from the hash of everything read: KV that came from the
+    wrong sequence, or a copy or swap made in the wrong order, changes the tokens."""
+
+    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int = 4) -> None:
+        engine = sim_engine_config(block_size, 128, 32, 8)
+        super().__init__(engine, num_blocks, FixedCostModel(1.0), SimClock())
+        self.num_host_blocks = num_host_blocks
+        self.bs = block_size
+        self.dev = np.zeros((num_blocks * block_size, 2), dtype=np.int64)  # (hash, token)
+        self.host = np.zeros(((num_host_blocks + 1) * block_size, 2), dtype=np.int64)
+
+    def _blocks(self, a: np.ndarray, b: int) -> np.ndarray:
+        return a[b * self.bs:(b + 1) * self.bs]
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, pairs) -> None:  # type: ignore[no-untyped-def]
+        assert len({d for _, d in pairs}) == len(pairs), f"copies share a destination: {pairs}"
+        saved = [self._blocks(src, s).copy() for s, _ in pairs]
+        for (_, d), block in zip(pairs, saved, strict=True):
+            self._blocks(dst, d)[:] = block
+
+    def copy_blocks(self, pairs):  # type: ignore[no-untyped-def]
+        self._copy(self.dev, self.dev, pairs)
+
+    def swap_out(self, pairs):  # type: ignore[no-untyped-def]
+        self._copy(self.dev, self.host, pairs)
+
+    def swap_in(self, pairs):  # type: ignore[no-untyped-def]
+        self._copy(self.host, self.dev, pairs)
+
+    def execute(self, step):  # type: ignore[no-untyped-def]
+        super().execute(step)
+        bs, rows = self.bs, []
+        for i in range(step.num_seqs):
+            q0, q1 = int(step.query_start_loc[i]), int(step.query_start_loc[i + 1])
+            table = step.block_tables[i]
+            start = int(step.positions[q0])
+            prev = 0
+            for p in range(start):  # what attention reads
+                h, token = self.dev[table[p // bs] * bs + p % bs]
+                assert h == (prev * 1_000_003 + int(token) + 1) % _MOD, (
+                    f"sequence {i} reads position {p}: KV of another prefix (or none)")
+                prev = int(h)
+            for k in range(q0, q1):  # what this step writes
+                p, token = int(step.positions[k]), int(step.input_ids[k])
+                prev = (prev * 1_000_003 + token + 1) % _MOD
+                self.dev[table[p // bs] * bs + p % bs] = (prev, token)
+            rows.append(prev)
+        last = {int(q) - 1: h for q, h in zip(step.query_start_loc[1:], rows, strict=True)}
+        return np.stack([np.random.default_rng(last[int(k)]).normal(size=SIM_VOCAB)
+                         for k in step.logits_indices]).astype(np.float32)
+
+
+def run_workload(requests, num_blocks, num_host_blocks=32, **options):  # type: ignore[no-untyped-def]
+    """Final token ids per (request, sequence) of ``requests`` ((id, prompt, params, step to
+    arrive at[, priority])), or "rejected", on a ProvenanceRunner."""
+    runner = ProvenanceRunner(num_blocks, num_host_blocks)
+    config = EngineOptions(**{"max_num_seqs": 8, "max_num_batched_tokens": 32,
+                              "max_model_len": 128, "debug_checks": True, **options})
+    engine = LLMEngine(runner, None, config, (SIM_EOS,), clock=runner.clock)
+    pending = sorted(requests, key=lambda r: r[3])
+    results, step = {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][3] <= step:
+            rid, prompt, params, _, *priority = pending.pop(0)
+            _, rejected = engine.add_request(prompt, params, request_id=rid,
+                                             priority=priority[0] if priority else 0)
+            if rejected is not None:
+                results[rid] = "rejected"
+        for o in engine.step():
+            if o.finished:
+                results[o.request_id] = [c.token_ids for c in o.outputs]
+        step += 1
+        assert step < 3000, "no progress"
+    assert engine.kv.pool.num_used_blocks == 0
+    return results, sum(s.num_preempted for s in engine.step_stats)
+
+
+def test_a_forked_member_never_writes_a_block_the_prefix_cache_holds():
+    # The group is preempted and recomputed; its new leader fills and caches the block at the
+    # prompt's end with its own output, then finishes; the member holding that block must copy
+    # it, or X, arriving later with the leader's tokens, hits the cache and reads the member's
+    # KV, and its tokens change.
+    def workload(x_prompt):  # type: ignore[no-untyped-def]
+        return [("A", [9] * 7, SamplingParams(max_tokens=5, ignore_eos=True, seed=2), 0, 0),
+                ("g", [1, 2, 3, 4, 5, 6], SamplingParams(n=2, max_tokens=3, ignore_eos=True,
+                                                         seed=0), 1, 0),
+                ("X", x_prompt, SamplingParams(max_tokens=3, ignore_eos=True, seed=1), 12, 0)]
+    options = {"preemption_mode": "recompute", "kv_watermark": 0.0}
+    first, _ = run_workload(workload([1]), 64, **options)
+    x_prompt = [1, 2, 3, 4, 5, 6, *first["g"][0][:2], 0]  # the leader's first 8 tokens, then 0
+    roomy, _ = run_workload(workload(x_prompt), 64, **options)
+    tight, preempted = run_workload(workload(x_prompt), 6, **options)
+    assert preempted and tight == roomy
+
+
+def test_a_copy_on_write_into_a_block_a_swap_out_just_freed_lands_after_it():
+    def workload():  # type: ignore[no-untyped-def]
+        p = SamplingParams(n=2, max_tokens=6, ignore_eos=True, seed=0)
+        return [("low", [1, 2, 3, 4, 5, 6], p, 0, 1), ("high", [7] * 6, p, 2, 0)]
+    roomy, _ = run_workload(workload(), 64, preemption_mode="swap", enable_prefix_caching=False)
+    tight, preempted = run_workload(workload(), 6, num_host_blocks=16, preemption_mode="swap",
+                                    enable_prefix_caching=False, kv_watermark=0.0)
+    assert preempted and tight == roomy
+
+
+def test_a_group_that_cannot_fit_the_pool_together_is_refused():
+    engine = make_sim_engine(num_blocks=8)
+    _, rejected = engine.add_request([1, 2, 3, 4], SamplingParams(n=3, max_tokens=12),
+                                     request_id="g")
+    assert rejected is not None and "need 10 KV blocks; the KV cache has 7" in (
+        rejected.error or "")
+
+
+WORKLOADS = st.lists(st.tuples(st.integers(1, 20), st.integers(1, 4), st.integers(1, 10),
+                               st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=WORKLOADS, mode=st.sampled_from(["recompute", "swap", "auto"]),
+       caching=st.booleans(), num_blocks=st.integers(12, 30), seed=st.integers(0, 99))
+def test_preemption_swaps_and_forks_never_change_what_a_sequence_reads(workload, mode, caching,
+                                                                        num_blocks, seed):
+    """The same requests on a roomy pool (no preemption) and on a tight one: every sequence's
+    tokens are the same, so every slot each one read held its own prefix's KV."""
+    def requests():  # type: ignore[no-untyped-def]
+        return [(f"r{i}", [1 + (k * (1 + j)) % 5 for k in range(plen)],
+                 SamplingParams(n=n, max_tokens=max_tokens, seed=seed + i), at)
+                for i, (plen, n, max_tokens, at, j) in enumerate(workload)]
+    options = {"preemption_mode": mode, "enable_prefix_caching": caching, "kv_watermark": 0.0}
+    tight, _ = run_workload(requests(), num_blocks, num_host_blocks=8, **options)
+    roomy, _ = run_workload(requests(), 400, **options)
+    for rid, got in tight.items():
+        if got != "rejected":
+            assert got == roomy[rid], rid
 
 
 # --- the default model: one prefill, and each sequence as its own seeded request -------------

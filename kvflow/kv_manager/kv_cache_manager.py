@@ -191,12 +191,15 @@ class KVCacheManager:
         return True
 
     def _shared_from(self, table: list[int], num_computed_tokens: int | None) -> list[int]:
-        """Indexes of the table's shared blocks at or past the write position."""
+        """Indexes of the table's blocks at or past the write position that must not be
+        written: shared ones, and ones the prefix cache indexes (a fork member can hold a
+        block its leader filled and cached with the leader's own output)."""
         if num_computed_tokens is None:
             return []
         first = num_computed_tokens // self.block_size
-        refs = self.pool.ref_counts
-        return [i for i in range(first, len(table)) if refs[table[i]] > 1]
+        refs, hashes = self.pool.ref_counts, self.pool.block_hashes
+        return [i for i in range(first, len(table))
+                if refs[table[i]] > 1 or hashes[table[i]] is not None]
 
     def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
         """Start ``child_id``'s table with ``parent_id``'s blocks holding its first
@@ -232,6 +235,9 @@ class KVCacheManager:
             return 0
         # Free the tail first: it goes to the front of the eviction queue, the shared prefix last.
         self.pool.free(reversed(table))
+        if self.pending_copies:  # a copy into a block now dropped would race its next owner's
+            refs = self.pool.ref_counts
+            self.pending_copies = [(s, d) for s, d in self.pending_copies if refs[d] > 0]
         return len(table)
 
     # --- swap ---------------------------------------------------------------------------------

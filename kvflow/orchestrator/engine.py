@@ -21,6 +21,7 @@ from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.detokenizer import IncrementalDetokenizer
 from kvflow.orchestrator.outputs import (
+    ENGINE_ERROR_PREFIX,
     CompletionOutput,
     EngineCounters,
     RequestOutput,
@@ -123,7 +124,11 @@ class LLMEngine:
         grammars: list[Grammar | None] = [None] * n
         if params.structured is not None:
             compiler = self.grammar_compiler()
-            grammars = [compiler.compile(params.structured) for _ in range(n)]
+            try:
+                grammars = [compiler.compile(params.structured) for _ in range(n)]
+            except RuntimeError as e:  # the engine's fault (its tokenizer), not the request's
+                raise ValueError(f"{ENGINE_ERROR_PREFIX}: structured outputs are unavailable "
+                                 f"on this engine: {e}") from None
         seqs = [Request(request_id if n == 1 else f"{request_id}#{j}", prompt_ids, params,
                         arrival, priority, self.eos_token_ids, self.config.max_model_len,
                         cache_salt, tenant, parent_id=request_id, index=j) for j in range(n)]
@@ -209,15 +214,16 @@ class LLMEngine:
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
-        # NOTE: before the step, and even if nothing runs: swapped-out blocks may be rewritten
-        # by the very next allocation. Copies on write first: a sequence that copied a block
-        # and was then preempted by swap in the same step swaps out the copy.
-        if sched.blocks_to_copy:
-            self.runner.copy_blocks(sched.blocks_to_copy)
-        if sched.blocks_to_swap_out:
-            self.runner.swap_out(sched.blocks_to_swap_out)
-        if sched.blocks_to_swap_in:
-            self.runner.swap_in(sched.blocks_to_swap_in)
+        # NOTE: before the step, even if nothing runs (swapped-out blocks may be rewritten by
+        # the very next allocation), and in the scheduler's order: a swap-out frees blocks that
+        # a later copy on write may reuse, and a copy must land before its block is swapped.
+        for kind, pairs in sched.transfers:
+            if kind == "copy":
+                self.runner.copy_blocks(pairs)
+            elif kind == "swap_out":
+                self.runner.swap_out(pairs)
+            else:
+                self.runner.swap_in(pairs)
         self.counters.preemptions += len(sched.preempted)
         return sched
 

@@ -55,18 +55,51 @@ class ScheduledRequest:
                 f"n={self.num_new_tokens}, sample={self.sample})")
 
 
+BlockCopies = list[tuple[int, int]]
+# The kinds of block transfers: device -> device (copy on write of a block forked sequences
+# share), device -> host (preemption by swap), host -> device (a swapped request resumes).
+TRANSFER_KINDS = ("copy", "swap_out", "swap_in")
+
+
 @dataclass
 class SchedulerOutput:
-    """What to run this step, and what the scheduler did to get there."""
+    """What to run this step, and what the scheduler did to get there.
+
+    ``transfers``: the block copies to make before the step, in the order the scheduler
+    decided them (it matters: a swap-out frees blocks a later copy on write may reuse, and a
+    copy on write must land before its sequence is swapped out).
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # (device block, host block) copies to make before this step (preemption by swap) ...
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    # ... and (host block, device block) copies of swapped requests resuming this step.
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # (src, dst) device copies, made first: copy on write of blocks forked sequences share.
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    transfers: list[tuple[str, BlockCopies]] = field(default_factory=list)
+
+    def add_transfer(self, kind: str, pairs: BlockCopies) -> None:
+        assert kind in TRANSFER_KINDS, kind
+        if not pairs:
+            return
+        if self.transfers and self.transfers[-1][0] == kind:
+            self.transfers[-1][1].extend(pairs)
+        else:
+            self.transfers.append((kind, list(pairs)))
+
+    def _pairs(self, kind: str) -> BlockCopies:
+        return [p for k, pairs in self.transfers if k == kind for p in pairs]
+
+    @property
+    def blocks_to_swap_out(self) -> BlockCopies:
+        """(device block, host block) copies of requests preempted by swap."""
+        return self._pairs("swap_out")
+
+    @property
+    def blocks_to_swap_in(self) -> BlockCopies:
+        """(host block, device block) copies of swapped requests resuming this step."""
+        return self._pairs("swap_in")
+
+    @property
+    def blocks_to_copy(self) -> BlockCopies:
+        """(src, dst) device copies: copy on write of blocks forked sequences share."""
+        return self._pairs("copy")
 
     @property
     def num_batched_tokens(self) -> int:
@@ -161,6 +194,16 @@ class Scheduler:
         if params.n > cfg.max_num_seqs:
             return (f"n is {params.n}; max_num_seqs is {cfg.max_num_seqs} (the n sequences of a "
                     "request run together)", "bad_request")
+        if params.n > 1:
+            # The n sequences run (and are preempted) together, so together they must fit the
+            # pool: the prompt's full blocks once, the rest of each sequence's own.
+            bs, usable = self.kv.block_size, self.kv.pool.num_usable_blocks
+            longest = n + (params.max_tokens or self.max_seq_len - n)
+            need = n // bs + params.n * (-(-longest // bs) - n // bs)
+            if need > usable:
+                return (f"n is {params.n}: {params.n} sequences of up to {longest} tokens "
+                        f"(prompt + max_tokens) need {need} KV blocks; the KV cache has "
+                        f"{usable}", "bad_request")
         if len(self.waiting) >= cfg.max_waiting_requests:
             return (f"{OVERLOADED_PREFIX}: the waiting queue is full (max_waiting_requests="
                     f"{cfg.max_waiting_requests}); retry later", "overloaded")
@@ -298,7 +341,9 @@ class Scheduler:
         members = ([m for m in group.seqs if m.status == RequestStatus.RUNNING]
                    if group is not None else [victim])
         if self._swap_is_cheaper(members):
-            output.blocks_to_swap_out.extend(self.kv.swap_out_many(
+            # Copies on write decided so far first: their blocks may be among those swapped.
+            output.add_transfer("copy", self.kv.take_copies())
+            output.add_transfer("swap_out", self.kv.swap_out_many(
                 [(m.request_id, m.num_computed_tokens) for m in members]))
             self.num_swapped_out += len(members)
         else:
@@ -351,7 +396,8 @@ class Scheduler:
             pairs = self.kv.swap_in_many(items, reserve) if num_new else None
             if pairs is None:
                 return 0
-            output.blocks_to_swap_in.extend(pairs)
+            output.add_transfer("copy", self.kv.take_copies())
+            output.add_transfer("swap_in", pairs)
             for m in companions:
                 request.group.parked.remove(m)  # type: ignore[union-attr]
                 self._start_running(m)
@@ -471,9 +517,10 @@ class ContinuousScheduler(Scheduler):
                 indexes = {r: k for k, r in enumerate(self.running)}
                 preempted = self._preempt(self._pick_victim(), out)
                 budget += sum(before.get(r, 0) for r in preempted)
+                # NOTE: before the break: the request's own group members ahead of it went too.
+                i -= sum(1 for r in preempted if indexes[r] < i)
                 if request in preempted:
                     break
-                i -= sum(1 for r in preempted if indexes[r] < i)
             else:
                 out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens,
                                                       num_new))
@@ -497,7 +544,7 @@ class ContinuousScheduler(Scheduler):
         return self._take_copies(out)
 
     def _take_copies(self, out: SchedulerOutput) -> SchedulerOutput:
-        out.blocks_to_copy = self.kv.take_copies()
+        out.add_transfer("copy", self.kv.take_copies())
         return out
 
     def _pick_victim(self) -> Request:

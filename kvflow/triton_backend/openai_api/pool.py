@@ -163,7 +163,10 @@ class _Fanout:
         first, done = True, [False] * len(self.queues)
         try:
             async for outputs in self.source:
-                for j, out in enumerate(outputs[:len(self.queues)]):
+                if len(outputs) != len(self.queues):
+                    raise BackendError(f"the server returned {len(outputs)} sequences for a "
+                                       f"request of {len(self.queues)}")
+                for j, out in enumerate(outputs):
                     news = (out.get("text_output") or out.get("finish_reason")
                             or out.get("output_logprobs", "[]") != "[]")
                     if not done[j] and (first or news):
