@@ -247,9 +247,10 @@ class KVCacheManager:
     def can_swap_out_many(self, items: Sequence[tuple[Hashable, int]]) -> bool:
         """Whether the host pool has room for these sequences' blocks (shared ones once)."""
         return (self.host_pool is not None
-                and len(self._distinct_blocks(items)) <= self.host_pool.num_free_blocks)
+                and len(self.distinct_blocks(items)) <= self.host_pool.num_free_blocks)
 
-    def _distinct_blocks(self, items: Sequence[tuple[Hashable, int]]) -> dict[int, None]:
+    def distinct_blocks(self, items: Sequence[tuple[Hashable, int]]) -> dict[int, None]:
+        """The device blocks holding these sequences' first tokens, each once, in order."""
         blocks: dict[int, None] = {}
         for request_id, num_tokens in items:
             blocks.update(dict.fromkeys(
@@ -268,7 +269,7 @@ class KVCacheManager:
         """:meth:`swap_out` of several sequences together (a forked group): a block they
         share is copied once, to one host block they share."""
         assert self.host_pool is not None
-        distinct = list(self._distinct_blocks(items))
+        distinct = list(self.distinct_blocks(items))
         to_host = dict(zip(distinct, self.host_pool.allocate(len(distinct)), strict=True))
         taken: set[int] = set()
         for request_id, num_tokens in items:

@@ -88,7 +88,7 @@ class EngineLoop:
                 _, rejected = self.engine.add_request(prompt, params, request_id, priority,
                                                       cache_salt=salt, tenant=tenant)
             except ValueError as e:
-                callback(_error_output(request_id, str(e), "bad_request", params.n))
+                callback(RequestOutput.failed(request_id, str(e), "bad_request", params.n))
                 return
             if rejected is not None:
                 callback(rejected)
@@ -179,10 +179,6 @@ class EngineLoop:
                         out.error_code = "engine_error"
                     callback(out)
             self._callbacks.clear()
-
-
-def _error_output(request_id: str, message: str, code: str, n: int = 1) -> RequestOutput:
-    return RequestOutput.failed(request_id, message, code, n)
 
 
 class AsyncLLMEngine:

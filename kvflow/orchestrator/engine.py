@@ -123,12 +123,12 @@ class LLMEngine:
         # is refused here, having taken no KV block. One grammar state per sequence.
         grammars: list[Grammar | None] = [None] * n
         if params.structured is not None:
-            compiler = self.grammar_compiler()
             try:
-                grammars = [compiler.compile(params.structured) for _ in range(n)]
+                grammar = self.grammar_compiler().compile(params.structured)
             except RuntimeError as e:  # the engine's fault (its tokenizer), not the request's
                 raise ValueError(f"{ENGINE_ERROR_PREFIX}: structured outputs are unavailable "
                                  f"on this engine: {e}") from None
+            grammars = [grammar, *(grammar.fork() for _ in range(n - 1))]
         seqs = [Request(request_id if n == 1 else f"{request_id}#{j}", prompt_ids, params,
                         arrival, priority, self.eos_token_ids, self.config.max_model_len,
                         cache_salt, tenant, parent_id=request_id, index=j) for j in range(n)]

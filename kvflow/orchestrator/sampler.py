@@ -143,8 +143,7 @@ class Sampler:
         for i, row in enumerate(rows):
             p = row.params
             constrained = row.bitmask is not None
-            # A grammar decides when a constrained row may end: min_tokens does not ban EOS.
-            ban = None if constrained else self._min_tokens_ban(p, len(row.output_token_ids))
+            ban = self._row_ban(row)
             if ban is not None:
                 bans[i] = ban
             if p.is_greedy:
@@ -177,7 +176,7 @@ class Sampler:
                 and self._min_tokens_ban(params, num_output_tokens) is None)
 
     def processed_logits(self, logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
-        """The logits after penalties and ``min_tokens`` masking, before temperature.
+        """The logits after penalties, ``min_tokens`` and grammar masking, before temperature.
 
         A float32 copy [len(rows), vocab_size] of every row, for tests and debugging;
         :meth:`sample` applies the same steps, but only to the rows that need them.
@@ -185,8 +184,8 @@ class Sampler:
         x = self._valid_logits(logits, len(rows))
         work = np.array(x, dtype=np.float32)
         self._apply_penalties(work, list(rows))
-        self._apply_bans(work, [self._min_tokens_ban(r.params, len(r.output_token_ids))
-                                for r in rows])
+        self._apply_bans(work, [self._row_ban(r) for r in rows])
+        self._apply_bitmasks(work, rows)
         return work
 
     # --------------------------------------------------------------- internals
@@ -206,6 +205,21 @@ class Sampler:
         if not np.issubdtype(logits.dtype, np.floating):
             raise TypeError(f"logits must be a float array, got dtype {logits.dtype}")
         return logits[:, : self.vocab_size]  # a view: padding columns drop out for free
+
+    def _row_ban(self, row: SamplingRow) -> np.ndarray | None:
+        """The ids a row may not sample this step: a grammar decides when a constrained row
+        may end, so min_tokens bans EOS only in unconstrained ones."""
+        if row.bitmask is not None:
+            return None
+        return self._min_tokens_ban(row.params, len(row.output_token_ids))
+
+    @staticmethod
+    def _apply_bitmasks(work: np.ndarray, rows: Sequence[SamplingRow]) -> None:
+        """Mask what their grammars disallow in the constrained rows, in one pass."""
+        masked = [j for j, r in enumerate(rows) if r.bitmask is not None]
+        if masked:
+            masks = [rows[j].bitmask for j in masked]
+            apply_bitmask(work, np.stack(masks), rows=masked)  # type: ignore[arg-type]
 
     def _min_tokens_ban(self, p: SamplingParams, num_output_tokens: int) -> np.ndarray | None:
         if num_output_tokens >= p.min_tokens:
@@ -231,10 +245,7 @@ class Sampler:
         work = np.asarray(x[order], dtype=np.float32)
         self._apply_penalties(work, [rows[i] for i in order])
         self._apply_bans(work, [bans.get(i) for i in order])
-        masked = [j for j, i in enumerate(order) if rows[i].bitmask is not None]
-        if masked:  # one vectorised pass over the constrained rows alone
-            masks = [rows[order[j]].bitmask for j in masked]
-            apply_bitmask(work, np.stack(masks), rows=masked)  # type: ignore[arg-type]
+        self._apply_bitmasks(work, [rows[i] for i in order])
 
         # Contiguous [start, stop) slices per (category, top_k) group; slices are views.
         start = 0

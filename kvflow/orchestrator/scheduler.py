@@ -327,6 +327,11 @@ class Scheduler:
             return num_new
         return budget if self.config.enable_chunked_prefill or recompute else 0
 
+    def _flush_copies(self, output: SchedulerOutput) -> SchedulerOutput:
+        """Move the copies on write decided so far into ``output``'s ordered transfers."""
+        output.add_transfer("copy", self.kv.take_copies())
+        return output
+
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         if request.metrics.first_scheduled_time is None:
@@ -342,7 +347,7 @@ class Scheduler:
                    if group is not None else [victim])
         if self._swap_is_cheaper(members):
             # Copies on write decided so far first: their blocks may be among those swapped.
-            output.add_transfer("copy", self.kv.take_copies())
+            self._flush_copies(output)
             output.add_transfer("swap_out", self.kv.swap_out_many(
                 [(m.request_id, m.num_computed_tokens) for m in members]))
             self.num_swapped_out += len(members)
@@ -374,7 +379,7 @@ class Scheduler:
             return False
         if cfg.preemption_mode == "swap":
             return True
-        blocks = len(self.kv._distinct_blocks(items))
+        blocks = len(self.kv.distinct_blocks(items))
         swap_s = 2 * blocks * self.kv.bytes_per_block / cfg.swap_bytes_per_s
         return swap_s < n / cfg.recompute_tokens_per_s
 
@@ -396,7 +401,7 @@ class Scheduler:
             pairs = self.kv.swap_in_many(items, reserve) if num_new else None
             if pairs is None:
                 return 0
-            output.add_transfer("copy", self.kv.take_copies())
+            self._flush_copies(output)
             output.add_transfer("swap_in", pairs)
             for m in companions:
                 request.group.parked.remove(m)  # type: ignore[union-attr]
@@ -528,10 +533,13 @@ class ContinuousScheduler(Scheduler):
                 i += 1
 
         if out.preempted:
-            return self._take_copies(out)
-        while self.waiting and budget > 0 and self.num_seats_taken < self.config.max_num_seqs:
+            return self._flush_copies(out)
+        while self.waiting and budget > 0:
+            taken = self.num_seats_taken
+            if taken >= self.config.max_num_seqs:
+                break
             request = self._peek_waiting()
-            if self.num_seats_taken + self.seats(request) > self.config.max_num_seqs:
+            if taken + self.seats(request) > self.config.max_num_seqs:
                 break
             reserve = self.watermark_blocks if self.running else 0
             num_new = self._admit_tokens(request, budget, reserve, out)
@@ -541,11 +549,7 @@ class ContinuousScheduler(Scheduler):
             self._start_running(request)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
-        return self._take_copies(out)
-
-    def _take_copies(self, out: SchedulerOutput) -> SchedulerOutput:
-        out.add_transfer("copy", self.kv.take_copies())
-        return out
+        return self._flush_copies(out)
 
     def _pick_victim(self) -> Request:
         return max(self.running, key=lambda r: (r.priority, r.arrival_time))

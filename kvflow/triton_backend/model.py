@@ -68,7 +68,7 @@ def _request_parameters(request: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def logprob_entries(out: RequestOutput | CompletionOutput, start: int = 0,
+def logprob_entries(out: CompletionOutput, start: int = 0,
                     decode: Callable[[int], str] | None = None) -> list[dict[str, Any]]:
     """``output_logprobs``: per output token from ``start``, its id, its log-probability and
     the top ``logprobs`` alternatives (token id as a string -> log-probability). With
@@ -106,7 +106,7 @@ class _ResponseStream:
         self.sender = sender
         self.parsed = parsed
         self.lock = threading.Lock()
-        self.logprobs_sent: list[int] = []  # per sequence: tokens whose logprobs were sent
+        self.logprobs_sent: dict[int, int] = {}  # per sequence: tokens whose logprobs went
 
     def on_output(self, out: RequestOutput) -> None:
         pb = self.pb
@@ -141,11 +141,9 @@ class _ResponseStream:
         if seqs[0].logprobs is not None:
             # Every token since the last response (a stream sends nothing for a token that
             # adds no text yet, so its logprobs ride on the next response).
-            if not self.logprobs_sent:
-                self.logprobs_sent = [0] * len(seqs)
             entries = []
             for c in seqs:
-                entries.append(json.dumps(logprob_entries(c, self.logprobs_sent[c.index],
+                entries.append(json.dumps(logprob_entries(c, self.logprobs_sent.get(c.index, 0),
                                                           self.decode)).encode())
                 self.logprobs_sent[c.index] = len(c.logprobs or ())
             tensors.append(pb.Tensor("output_logprobs", np.array(entries, dtype=np.object_)))
