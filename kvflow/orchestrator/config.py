@@ -81,10 +81,39 @@ class EngineOptions:
     max_waiting_requests: int = _option(4096, "bound of the waiting queue; requests beyond it "
                                               "are rejected at once")
     policy: str = _option("fcfs", "fcfs (arrival order), priority (lower value first, with "
-                                  "aging), cache_aware (longest cached prefix first) or static "
-                                  "(static batching, the baseline)", choices=_policy_names)
+                                  "aging and preemption), cache_aware (longest cached prefix "
+                                  "first), sjf (shortest job first), fair (per-tenant fair "
+                                  "share: a virtual token counter) or static (static "
+                                  "batching, the baseline)", choices=_policy_names)
     priority_aging_s: float = _option(10.0, "priority: a waiting request gains one priority "
                                             "level per this many seconds waited")
+    priority_preemption: bool = _option(True, "priority: a waiting request of strictly "
+                                              "higher priority preempts a running one when "
+                                              "it cannot otherwise be admitted (by KV blocks "
+                                              "or by max_num_seqs)")
+    max_preemptions_per_request: int = _option(3, "priority preemption: a request already "
+                                                  "preempted this many times is not "
+                                                  "preempted again for a higher-priority "
+                                                  "one (bounds thrash)")
+    sjf_max_wait_s: float = _option(10.0, "sjf: a request that waited this long goes ahead "
+                                          "of every shorter one (the starvation bound)")
+    tenant_weights: str = _option("", "fair: tenant weights, 'name=weight,...'; a tenant "
+                                      "with weight 2 gets twice the service of one with 1 "
+                                      "(default 1)")
+    fair_output_weight: float = _option(2.0, "fair: an output token's weight in a tenant's "
+                                             "counter, against 1 for a prompt token")
+    request_timeout_s: float | None = _option(None, "deadline of every request, from its "
+                                                    "arrival (a request's own timeout_ms "
+                                                    "overrides it); past it the request "
+                                                    "ends with finish_reason timeout")
+    max_queue_delay_ms: float | None = _option(None, "SLO admission: refuse a new request at "
+                                                     "once when its predicted wait (the "
+                                                     "prompt tokens queued ahead of it over "
+                                                     "the measured prefill throughput) "
+                                                     "exceeds this")
+    max_long_partial_prefills: int | None = _option(None, "most prompts longer than "
+                                                          "long_prefill_token_threshold "
+                                                          "prefilling at once (none: no cap)")
     kv_watermark: float = _option(0.01, "fraction of KV blocks admission keeps free for "
                                         "running requests to grow into")
     static_batch_size: int | None = _option(None, "static: batch size (default: max_num_seqs)")
@@ -145,6 +174,24 @@ class EngineOptions:
         for name in ("recompute_tokens_per_s", "swap_bytes_per_s", "cache_aware_max_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("sjf_max_wait_s", "fair_output_weight"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_preemptions_per_request < 0:
+            raise ValueError(f"max_preemptions_per_request must be >= 0, got "
+                             f"{self.max_preemptions_per_request}")
+        for name in ("request_timeout_s", "max_queue_delay_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (or none), got {value}")
+        if self.max_long_partial_prefills is not None:
+            if self.max_long_partial_prefills < 1:
+                raise ValueError(f"max_long_partial_prefills must be >= 1 (or none), got "
+                                 f"{self.max_long_partial_prefills}")
+            if not self.long_prefill_token_threshold:
+                raise ValueError("max_long_partial_prefills needs long_prefill_token_threshold "
+                                 "> 0 (it defines a long prompt)")
+        parse_tenant_weights(self.tenant_weights)
         if self.static_batch_size is not None and self.static_batch_size < 1:
             raise ValueError(f"static_batch_size must be >= 1, got {self.static_batch_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
@@ -169,6 +216,22 @@ class EngineOptions:
         for name, value in overrides.items():
             check_type(name, value)
         return replace(self, **overrides)
+
+
+def parse_tenant_weights(text: str) -> dict[str, float]:
+    """``tenant_weights`` ('name=weight,...') as a dict, refusing a bad entry by name."""
+    weights: dict[str, float] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        name, sep, value = entry.rpartition("=")
+        try:
+            weight = float(value) if sep and name else float("nan")
+        except ValueError:
+            weight = float("nan")
+        if not weight > 0 or weight == float("inf"):
+            raise ValueError(f"tenant_weights: {entry!r} must be 'name=weight' with a weight "
+                             "> 0")
+        weights[name.strip()] = weight
+    return weights
 
 
 def option_fields() -> tuple[Field, ...]:

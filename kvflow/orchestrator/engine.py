@@ -137,6 +137,9 @@ class LLMEngine:
             SequenceGroup(request_id, seqs)
         if not self.scheduler.add_request(request):
             self.counters.rejected += 1
+            cause = request.reject_cause or "bad_request"
+            self.counters.rejected_by_cause[cause] = (
+                self.counters.rejected_by_cause.get(cause, 0) + 1)
             return request, self._output(request, {})
         for seq in seqs:
             detok = None
@@ -199,8 +202,9 @@ class LLMEngine:
         """
         t0 = self.clock()
         sched = self._schedule()
+        timed_out = [self._timeout_output(request, phase) for request, phase in sched.timed_out]
         if sched.is_empty:
-            return []
+            return timed_out
         t1 = self.clock()
         logits, greedy = self._execute(sched)
         t2 = self.clock()
@@ -208,6 +212,7 @@ class LLMEngine:
         t3 = self.clock()
         outputs = self._postprocess(sched, sampled)
         self._record(sched, outputs, sampled, (t0, t1, t2, t3, self.clock()))
+        outputs = timed_out + outputs
         if self.config.debug_checks:
             self.scheduler.check_integrity()
         return outputs
@@ -328,6 +333,7 @@ class LLMEngine:
         c.step_time_s += t4 - t0
         c.prefix_cache_queries = self.scheduler.prefix_cache_queries
         c.prefix_cache_hits = self.scheduler.prefix_cache_hits
+        self.scheduler.observe_step(num_prefill, t4 - t0)
         self.step_stats.append(StepStats(
             time=t4, num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -336,11 +342,26 @@ class LLMEngine:
             kv_blocks_used=self.kv.pool.num_used_blocks, kv_usage=self.kv.usage,
             num_preempted=len(sched.preempted), schedule_time_s=t1 - t0,
             model_time_s=t2 - t1, sample_time_s=t3 - t2, postprocess_time_s=t4 - t3,
+            num_timed_out=len(sched.timed_out),
             finished=[o.request_id for o in outputs if o.finished],
             scheduled=[(s.request.request_id, s.num_new_tokens) for s in sched.scheduled]))
 
+    def _timeout_output(self, request: Request, phase: str) -> RequestOutput:
+        """The final output of a request the scheduler timed out (its partial text, the text
+        held back for a possible stop string included)."""
+        self.counters.timeouts_by_phase[phase] = self.counters.timeouts_by_phase.get(phase, 0) + 1
+        new: dict[int, tuple[int | None, str]] = {}
+        for seq in request.group.seqs if request.group is not None else [request]:
+            state = self.states.get(seq.request_id)
+            if (seq.status == RequestStatus.FINISHED_TIMEOUT and state is not None
+                    and state.detok is not None and not state.detok.stopped):
+                delta = state.detok.finish()
+                state.text += delta
+                new[seq.index] = (None, delta)
+        return self._output(request, new)
+
     def _output(self, request: Request,
-                new: dict[int, tuple[int, str]]) -> RequestOutput:
+                new: dict[int, tuple[int | None, str]]) -> RequestOutput:
         """The request's output (every sequence of a group), with ``new``: per sequence index,
         the token and text this step added. The last output of a request drops its state."""
         seqs = request.group.seqs if request.group is not None else [request]

@@ -11,6 +11,11 @@ from kvflow.orchestrator.request import RequestMetrics
 # by these. Any other error is the client's.
 OVERLOADED_PREFIX = "server overloaded"
 ENGINE_ERROR_PREFIX = "engine failed"
+# Why admission refused a request (the label of kvflow_request_rejected_total): bad input, a
+# full waiting queue, or SLO admission's predicted wait over max_queue_delay_ms.
+REJECT_CAUSES = ("bad_request", "queue_full", "queue_delay")
+# Where a request was when its deadline passed (the label of kvflow_request_timeout_total).
+TIMEOUT_PHASES = ("waiting", "prefill", "decode")
 
 
 @dataclass(slots=True)
@@ -111,7 +116,9 @@ class EngineCounters:
     alone (the Prometheus counters mirror them).
 
     ``step_time_s`` is the time inside steps, on the engine's clock (simulated seconds in the
-    simulator). ``finished`` counts every request that ended, aborts included, rejections not.
+    simulator). ``finished`` counts every request that ended, aborts and timeouts included,
+    rejections not. ``rejected_by_cause`` splits ``rejected`` by :data:`REJECT_CAUSES`;
+    ``timeouts_by_phase`` counts the timeouts by :data:`TIMEOUT_PHASES`.
     """
 
     prompt_tokens: int = 0  # prefill tokens computed (recomputation after preemption included)
@@ -123,6 +130,8 @@ class EngineCounters:
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     prefix_cache_hits: int = 0  # of which found cached
     step_time_s: float = 0.0
+    rejected_by_cause: dict[str, int] = field(default_factory=dict)
+    timeouts_by_phase: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -142,6 +151,7 @@ class StepStats:
     model_time_s: float
     sample_time_s: float
     postprocess_time_s: float
+    num_timed_out: int = 0  # requests timed out before this step
     finished: list[str] = field(default_factory=list)
     # What the scheduler ran: (request id, tokens computed) per sequence, in batch order.
     scheduled: list[tuple[str, int]] = field(default_factory=list)

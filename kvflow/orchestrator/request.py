@@ -1,8 +1,9 @@
 """A request and its lifecycle, in vLLM's vocabulary. Pure Python.
 
     WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_STOPPED | FINISHED_LENGTH
-                                                   | FINISHED_ABORTED
+                                                   | FINISHED_ABORTED | FINISHED_TIMEOUT
     WAITING -> REJECTED (with a reason), at once
+    WAITING | PREEMPTED -> FINISHED_ABORTED | FINISHED_TIMEOUT
 
 A request with ``n > 1`` is a :class:`SequenceGroup` of n sequences, each a :class:`Request`
 of its own (ids ``"<id>#<index>"``): the scheduler runs one of them, the leader, until its
@@ -24,6 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_TIMEOUT = "timeout"  # past its deadline (timeout_ms, request_timeout_s)
     REJECTED = "rejected"
 
     # Members are singletons: identity hashing is exact, and several times cheaper than
@@ -32,12 +34,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI-style reason: ``stop``, ``length``, ``abort``, ``rejected`` or None."""
+        """OpenAI-style reason: ``stop``, ``length``, ``abort``, ``timeout``, ``rejected`` or
+        None."""
         return self.value if self in _FINISHED else None
 
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.REJECTED})
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_TIMEOUT,
+                       RequestStatus.REJECTED})
 
 
 @dataclass
@@ -132,6 +136,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.reject_reason: str | None = None
         self.reject_code: str | None = None  # "bad_request" or "overloaded"
+        self.reject_cause: str | None = None  # the metric's label: one of REJECT_CAUSES
         self.metrics = RequestMetrics(arrival_time)
         # Tenants with different salts never share prefix-cache blocks.
         self.cache_salt = cache_salt.encode("utf-8") if cache_salt else b""
@@ -140,6 +145,8 @@ class Request:
         if max_model_len is not None:
             limit = min(limit, max_model_len - len(prompt_token_ids))
         self.max_output_tokens = limit
+        # Seconds on the engine's clock past which the request times out (None: never).
+        self.deadline: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

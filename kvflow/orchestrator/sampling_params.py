@@ -21,6 +21,7 @@ GUIDED_FIELDS = tuple(FIELD_NAMES.values())
 GREEDY_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
+MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000  # a week
 MAX_N = 256  # completions per request; the scheduler also caps n at max_num_seqs
 MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
 # The sampler works in float32 and int32: larger values would overflow or wrap there.
@@ -118,6 +119,10 @@ class SamplingParams:
             ``guided_json_object`` for it. A constrained sequence ends when its grammar is
             complete (``min_tokens`` does not hold it open), or at ``max_tokens`` with
             ``length``.
+        timeout_ms: The request's deadline, in milliseconds from its arrival, in [1, a week],
+            or None for the server's ``request_timeout_s``. Past it the request ends with
+            ``finish_reason`` ``timeout`` and the output it has, wherever it is (waiting,
+            prefilling or decoding).
     """
 
     n: int = 1
@@ -137,6 +142,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None
+    timeout_ms: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise types first (ints/floats from numpy or JSON, lists into tuples) so the
@@ -157,6 +163,7 @@ class SamplingParams:
         self._set("ignore_eos", _as_bool("ignore_eos", self.ignore_eos))
         self._set("logprobs", _as_int("logprobs", self.logprobs, optional=True))
         self._set("skip_special_tokens", _as_bool("skip_special_tokens", self.skip_special_tokens))
+        self._set("timeout_ms", _as_int("timeout_ms", self.timeout_ms, optional=True))
         if isinstance(self.structured, Mapping):
             self._set("structured", StructuredOutput.from_dict(self.structured))
         elif self.structured is not None and not isinstance(self.structured, StructuredOutput):
@@ -241,6 +248,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not -limit <= value <= limit:
                 raise ValueError(f"{name} must be in [-{limit:g}, {limit:g}], got {value}")
+        if self.timeout_ms is not None and not 1 <= self.timeout_ms <= MAX_TIMEOUT_MS:
+            raise ValueError(f"timeout_ms must be in [1, {MAX_TIMEOUT_MS}] (a week) or None, "
+                             f"got {self.timeout_ms}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(
                 f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"

@@ -17,14 +17,18 @@ group as one.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.outputs import OVERLOADED_PREFIX
+from kvflow.orchestrator.policies import QUEUE_POLICIES, QueuePolicy
 from kvflow.orchestrator.request import Request, RequestStatus, SequenceGroup
 
 Clock = Callable[[], float]
@@ -72,6 +76,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests finished past their deadline before this step (a group's first sequence), and
+    # the phase each was in: "waiting", "prefill" or "decode".
+    timed_out: list[tuple[Request, str]] = field(default_factory=list)
     transfers: list[tuple[str, BlockCopies]] = field(default_factory=list)
 
     def add_transfer(self, kind: str, pairs: BlockCopies) -> None:
@@ -114,8 +121,17 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class Rejection(NamedTuple):
+    """Why a request is refused: the message (it names the field and the limit), the error
+    code (``bad_request`` or ``overloaded``) and the metric's cause (``REJECT_CAUSES``)."""
+
+    message: str
+    code: str
+    cause: str
+
+
 class Scheduler:
-    """Queues, admission control, preemption and bookkeeping shared by every policy.
+    """Queues, admission control, deadlines, preemption and bookkeeping shared by every policy.
 
     Args:
         config: the limits and the policy.
@@ -140,6 +156,15 @@ class Scheduler:
         self.max_seq_len = min(config.max_model_len,
                                kv.pool.num_usable_blocks * kv.block_size)
         self.watermark_blocks = int(config.kv_watermark * kv.pool.num_usable_blocks)
+        self.policy = QUEUE_POLICIES.get(config.policy, QueuePolicy)(config, kv, clock)
+        # (deadline, tie, request): the requests with a deadline, soonest first; entries of
+        # finished requests are dropped lazily (and all at once when they are the majority).
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadline_tie = itertools.count()
+        # Prefill throughput measured over the steps, for SLO admission's prediction;
+        # until a step is seen, the cost model's figure.
+        self._prefill_tokens_ewma = 0.0
+        self._prefill_time_ewma = 0.0
 
     # --- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
@@ -147,11 +172,11 @@ class Scheduler:
         with the numbers, ``reject_code`` is ``bad_request`` or ``overloaded``)."""
         group = request.group
         members = group.seqs if group is not None else [request]
-        reason = self._rejection_reason(request)
-        if reason is not None:
+        rejection = self._rejection_reason(request)
+        if rejection is not None:
             for m in members:
                 m.status = RequestStatus.REJECTED
-                m.reject_reason, m.reject_code = reason
+                m.reject_reason, m.reject_code, m.reject_cause = rejection
                 m.metrics.finished_time = self.clock()
             return False
         if request.parent_id in self.groups or any(
@@ -163,37 +188,51 @@ class Scheduler:
             m.max_output_tokens = min(m.max_output_tokens,
                                       self.max_seq_len - m.num_prompt_tokens)
             self.requests[m.request_id] = m
+            self.policy.on_arrival(m)
         if group is not None:
             self.groups[group.parent_id] = group
+        params = request.sampling_params
+        timeout_s = (params.timeout_ms / 1000 if params.timeout_ms is not None
+                     else self.config.request_timeout_s)
+        if timeout_s is not None:
+            for m in members:
+                m.deadline = request.arrival_time + timeout_s
+            heapq.heappush(self._deadlines, (request.arrival_time + timeout_s,
+                                             next(self._deadline_tie), request))
         self.waiting.append(request)
         return True
 
-    def _rejection_reason(self, request: Request) -> tuple[str, str] | None:
+    def _rejection_reason(self, request: Request) -> Rejection | None:
         """Why ``request`` can never run, or cannot be queued now; None if it can.
 
         A request that cannot fit is refused rather than cut short (as vLLM does): prompt +
-        ``max_tokens`` (or + ``min_tokens``) must fit ``max_model_len`` and the KV pool.
+        ``max_tokens`` (or + ``min_tokens``) must fit ``max_model_len`` and the KV pool. With
+        ``max_queue_delay_ms``, one whose predicted wait exceeds it is refused as overload
+        (reject rather than serve late).
         """
         n, cfg, params = request.num_prompt_tokens, self.config, request.sampling_params
         if n == 0:
-            return "prompt must contain at least one token", "bad_request"
+            return Rejection("prompt must contain at least one token", "bad_request",
+                             "bad_request")
         for limit, what in ((cfg.max_model_len, "max_model_len"),
                             (self.max_seq_len, "the KV cache's capacity per sequence")):
             if n >= limit:
-                return (f"prompt has {n} tokens; {what} is {limit} tokens (prompt + at least "
-                        "one output token)", "bad_request")
+                return Rejection(f"prompt has {n} tokens; {what} is {limit} tokens (prompt + "
+                                 "at least one output token)", "bad_request", "bad_request")
             for name in ("max_tokens", "min_tokens"):
                 want = getattr(params, name)
                 if want and n + want > limit:
-                    return (f"prompt has {n} tokens and {name} is {want}: {n + want} tokens, "
-                            f"more than {what} ({limit} tokens)", "bad_request")
+                    return Rejection(f"prompt has {n} tokens and {name} is {want}: "
+                                     f"{n + want} tokens, more than {what} ({limit} tokens)",
+                                     "bad_request", "bad_request")
         if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
-            return (f"prompt has {n} tokens, more than max_num_batched_tokens "
-                    f"({cfg.max_num_batched_tokens}) with chunked prefill disabled",
-                    "bad_request")
+            return Rejection(f"prompt has {n} tokens, more than max_num_batched_tokens "
+                             f"({cfg.max_num_batched_tokens}) with chunked prefill disabled",
+                             "bad_request", "bad_request")
         if params.n > cfg.max_num_seqs:
-            return (f"n is {params.n}; max_num_seqs is {cfg.max_num_seqs} (the n sequences of a "
-                    "request run together)", "bad_request")
+            return Rejection(f"n is {params.n}; max_num_seqs is {cfg.max_num_seqs} (the n "
+                             "sequences of a request run together)", "bad_request",
+                             "bad_request")
         if params.n > 1:
             # The n sequences run (and are preempted) together, so together they must fit the
             # pool: the prompt's full blocks once, the rest of each sequence's own.
@@ -201,13 +240,50 @@ class Scheduler:
             longest = n + (params.max_tokens or self.max_seq_len - n)
             need = n // bs + params.n * (-(-longest // bs) - n // bs)
             if need > usable:
-                return (f"n is {params.n}: {params.n} sequences of up to {longest} tokens "
-                        f"(prompt + max_tokens) need {need} KV blocks; the KV cache has "
-                        f"{usable}", "bad_request")
+                return Rejection(f"n is {params.n}: {params.n} sequences of up to {longest} "
+                                 f"tokens (prompt + max_tokens) need {need} KV blocks; the KV "
+                                 f"cache has {usable}", "bad_request", "bad_request")
         if len(self.waiting) >= cfg.max_waiting_requests:
-            return (f"{OVERLOADED_PREFIX}: the waiting queue is full (max_waiting_requests="
-                    f"{cfg.max_waiting_requests}); retry later", "overloaded")
+            return Rejection(f"{OVERLOADED_PREFIX}: the waiting queue is full "
+                             f"(max_waiting_requests={cfg.max_waiting_requests}); retry later",
+                             "overloaded", "queue_full")
+        if cfg.max_queue_delay_ms is not None:
+            ahead, rate = self.queued_prefill_tokens(), self.prefill_tokens_per_s
+            wait_ms = 1000 * ahead / rate
+            if wait_ms > cfg.max_queue_delay_ms:
+                return Rejection(f"{OVERLOADED_PREFIX}: predicted queue delay {wait_ms:.0f} ms "
+                                 f"exceeds max_queue_delay_ms={cfg.max_queue_delay_ms:g} "
+                                 f"({ahead} prompt tokens queued ahead, prefill at "
+                                 f"{rate:.0f} tokens/s); retry later", "overloaded",
+                                 "queue_delay")
         return None
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens (recomputation included) queued to be prefilled: those of the
+        waiting requests and the rest of the running prefills."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        running = sum(left for r in self.running
+                      if (left := r.num_tokens - r.num_computed_tokens) > 1)
+        return waiting + running
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prefill throughput, measured over recent steps that prefilled (an exponential
+        average); ``recompute_tokens_per_s`` until one ran."""
+        if self._prefill_time_ewma > 0:
+            return self._prefill_tokens_ewma / self._prefill_time_ewma
+        return self.config.recompute_tokens_per_s
+
+    def observe_step(self, num_prefill_tokens: int, step_time_s: float,
+                     alpha: float = 0.1) -> None:
+        """The engine reports each step's prefill tokens and duration (its step statistics)."""
+        if num_prefill_tokens <= 0 or step_time_s <= 0:
+            return
+        if self._prefill_time_ewma == 0:
+            self._prefill_tokens_ewma, self._prefill_time_ewma = num_prefill_tokens, step_time_s
+            return
+        self._prefill_tokens_ewma += alpha * (num_prefill_tokens - self._prefill_tokens_ewma)
+        self._prefill_time_ewma += alpha * (step_time_s - self._prefill_time_ewma)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort a queued or running request (by the client's id: every sequence of an
@@ -236,7 +312,8 @@ class Scheduler:
         request.status = status
         request.metrics.finished_time = self.clock()
         self.kv.free(request.request_id)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self.policy.on_finish(request)
         # NOTE: a group's leader finishes only by sampling, after its parked members were
         # forked, or by an abort, which takes the whole group (check_integrity checks it).
         if group is not None and group.is_finished:
@@ -244,7 +321,37 @@ class Scheduler:
 
     # --- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """This step's work: first the requests past their deadline are finished (their blocks
+        free for this very step), then the policy's :meth:`_schedule` picks the tokens."""
+        out = SchedulerOutput()
+        if self._deadlines:
+            self._expire(out)
+        self._schedule(out)
+        return self._flush_copies(out)
+
+    def _schedule(self, out: SchedulerOutput) -> None:
         raise NotImplementedError
+
+    def _expire(self, out: SchedulerOutput) -> None:
+        """Finish every request past its deadline (each unfinished sequence of a group) with
+        ``timeout``, wherever it is: waiting, prefilling or decoding."""
+        heap, now = self._deadlines, self.clock()
+        while heap and heap[0][0] <= now:
+            request = heapq.heappop(heap)[2]
+            members = (request.group.unfinished if request.group is not None
+                       else [] if request.is_finished else [request])
+            if not members:
+                continue
+            phase = ("waiting" if all(m.status != RequestStatus.RUNNING for m in members)
+                     else "decode" if any(m.status == RequestStatus.RUNNING
+                                          and m.num_computed_tokens + 1 >= m.num_tokens
+                                          for m in members) else "prefill")
+            for m in members:
+                self.finish_request(m, RequestStatus.FINISHED_TIMEOUT)
+            out.timed_out.append((request, phase))
+        if len(heap) > 64 and len(heap) > 2 * len(self.requests):
+            self._deadlines = [e for e in heap if not e[2].is_finished]
+            heapq.heapify(self._deadlines)
 
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
                            stop_strings: Mapping[str, str] | None = None,
@@ -476,35 +583,34 @@ class Scheduler:
 
 
 class ContinuousScheduler(Scheduler):
-    """In-flight batching under a token budget, with chunked prefill and preemption.
+    """In-flight batching under a token budget, with chunked prefill and preemption; the
+    admission order is the queue policy's (:mod:`kvflow.orchestrator.policies`: ``fcfs``,
+    ``priority``, ``cache_aware``, ``sjf``, ``fair``)."""
 
-    ``policy="fcfs"`` admits in arrival order; ``policy="priority"`` admits the lowest
-    ``priority`` value first, ties by arrival, with aging: a waiting request's effective
-    priority improves by one level per ``priority_aging_s`` seconds waited;
-    ``policy="cache_aware"`` admits the longest cached prefix first, but a request that waited
-    ``cache_aware_max_wait_s`` goes first whatever its hit.
-    """
-
-    def schedule(self) -> SchedulerOutput:
+    def _schedule(self, out: SchedulerOutput) -> None:
         """Pick this step's tokens.
 
         Algorithm. There is no prefill or decode phase: each request has ``num_tokens`` known
         tokens of which ``num_computed_tokens`` have KV, and the step hands out a budget of
-        ``max_num_batched_tokens``. (1) Running requests first, in admission order: each gets
-        its remaining tokens (one for a decode, the next chunk of a prompt), clamped to the
-        budget when chunked prefill is on. If its KV blocks cannot be allocated, the running
-        request of lowest priority (largest value), newest arrival, is preempted (by swap to
-        the host pool or by recompute, whichever ``preemption_mode`` and its cost model pick;
-        back to the front of the queue, unscheduled if it was scheduled this step), until the
-        allocation succeeds or the request itself was the victim. (2) Only if nothing was
-        preempted, waiting requests are admitted in policy order while budget,
-        ``max_num_seqs`` and free KV blocks allow: a swapped-out request gets its blocks back
-        (copied in before the step), any other reuses its longest cached prefix and computes
-        the rest. Admission keeps ``kv_watermark`` of the pool free (unless nothing runs) so
-        that running requests can grow. A prompt that does not fit the remaining budget
-        without chunking waits for a later step (head of line).
+        ``max_num_batched_tokens``. (0) Requests past their deadline were finished and freed
+        (:meth:`Scheduler.schedule`). (1) Running requests first, in admission order: each
+        gets its remaining tokens (one for a decode, the next chunk of a prompt), clamped to
+        the budget when chunked prefill is on. If its KV blocks cannot be allocated, the
+        running request of lowest priority (largest value), newest arrival, is preempted (by
+        swap to the host pool or by recompute, whichever ``preemption_mode`` and its cost
+        model pick; back to the front of the queue, unscheduled if it was scheduled this
+        step), until the allocation succeeds or the request itself was the victim. (2) Only
+        if nothing was preempted, waiting requests are admitted in the policy's order while
+        budget, ``max_num_seqs`` and free KV blocks allow: a swapped-out request gets its
+        blocks back (copied in before the step), any other reuses its longest cached prefix
+        and computes the rest. Admission keeps ``kv_watermark`` of the pool free (unless
+        nothing runs) so that running requests can grow. A prompt that does not fit the
+        remaining budget without chunking waits for a later step (head of line); a long
+        prompt over ``max_long_partial_prefills`` is passed over for a later one. Under
+        ``priority``, a request that cannot be admitted by KV blocks or by ``max_num_seqs``
+        preempts running requests of strictly lower priority (lowest first; none preempted
+        ``max_preemptions_per_request`` times already), when that makes it fit.
         """
-        out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -531,58 +637,87 @@ class ContinuousScheduler(Scheduler):
                                                       num_new))
                 budget -= num_new
                 i += 1
+        admitted = set() if out.preempted else self._admit(out)
+        # Admission charged what it admitted as it went (the next pick sees it).
+        self.policy.charge(s for s in out.scheduled if s.request not in admitted)
 
-        if out.preempted:
-            return self._flush_copies(out)
-        while self.waiting and budget > 0:
-            taken = self.num_seats_taken
-            if taken >= self.config.max_num_seqs:
+    def _admit(self, out: SchedulerOutput) -> set[Request]:
+        """Admit waiting requests in the policy's order (step 2 of :meth:`_schedule`);
+        returns those admitted."""
+        cfg = self.config
+        skip: set[Request] = set()
+        admitted: set[Request] = set()
+        cap = cfg.max_long_partial_prefills
+        num_long = sum(1 for r in self.running if self._is_long_prefill(r)) if cap else 0
+        while self.waiting:
+            budget = cfg.max_num_batched_tokens - out.num_batched_tokens
+            if budget <= 0:
                 break
-            request = self._peek_waiting()
-            if taken + self.seats(request) > self.config.max_num_seqs:
+            request = self.policy.pick(self.waiting, skip)
+            if request is None:
                 break
-            reserve = self.watermark_blocks if self.running else 0
-            num_new = self._admit_tokens(request, budget, reserve, out)
+            long = cap is not None and self._is_long_prefill(request)
+            if long and num_long >= cap:
+                skip.add(request)  # a shorter prompt may go first
+                continue
+            num_new = self._try_admit(request, budget, out)
+            if num_new == 0:
+                num_new = self._preempt_for(request, out)
             if num_new == 0:
                 break
             self.waiting.remove(request)
             self._start_running(request)
-            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
-            budget -= num_new
-        return self._flush_copies(out)
+            scheduled = ScheduledRequest(request, request.num_computed_tokens, num_new)
+            out.scheduled.append(scheduled)
+            self.policy.charge((scheduled,))
+            admitted.add(request)
+            num_long += long
+        return admitted
+
+    def _try_admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Admit ``request`` if seats and KV allow; the tokens it runs (0: it does not fit)."""
+        if self.num_seats_taken + self.seats(request) > self.config.max_num_seqs:
+            return 0
+        reserve = self.watermark_blocks if self.running else 0
+        return self._admit_tokens(request, budget, reserve, out)
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> int:
+        """Priority preemption: preempt running requests the policy says ``request`` outranks
+        (strictly lower priority, both aged), lowest first, until ``request`` is admitted; only when preempting all those eligible would
+        free the seats and KV blocks it needs (so that none is preempted in vain). Returns
+        the tokens it runs (0: not admitted, nothing preempted)."""
+        cfg = self.config
+        if not cfg.priority_preemption:
+            return 0
+        victims = sorted((r for r in self.running if self.policy.outranks(request, r)
+                          and r.metrics.num_preemptions < cfg.max_preemptions_per_request),
+                         key=lambda r: (r.priority, r.arrival_time), reverse=True)
+        if not victims:
+            return 0
+        seats_after = self.num_seats_taken - len(victims) + self.seats(request)
+        freed = {b for v in victims for b in self.kv.block_tables.get(v.request_id, ())}
+        need = self.kv.blocks_needed(min(request.num_tokens, request.num_computed_tokens
+                                         + cfg.max_num_batched_tokens))
+        if (seats_after > cfg.max_num_seqs
+                or self.kv.num_free_blocks + len(freed) < need + self.watermark_blocks):
+            return 0
+        for victim in victims:
+            if victim.status != RequestStatus.RUNNING:
+                continue  # went with its group
+            self._preempt(victim, out)
+            budget = cfg.max_num_batched_tokens - out.num_batched_tokens
+            num_new = self._try_admit(request, budget, out) if budget > 0 else 0
+            if num_new:
+                return num_new
+        return 0
+
+    def _is_long_prefill(self, request: Request) -> bool:
+        """More tokens to prefill than ``long_prefill_token_threshold`` (the long-prompt cap)."""
+        return (request.num_tokens - request.num_computed_tokens
+                > self.config.long_prefill_token_threshold)
 
     def _pick_victim(self) -> Request:
         return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-
-    def _peek_waiting(self) -> Request:
-        policy = self.config.policy
-        if policy == "cache_aware":
-            return self._peek_cache_aware()
-        if policy != "priority":
-            return self.waiting[0]
-        now = self.clock()
-        aging = self.config.priority_aging_s
-        return min(self.waiting,
-                   key=lambda r: (r.priority - (now - r.arrival_time) / aging, r.arrival_time))
-
-    def _peek_cache_aware(self, window: int = 64) -> Request:
-        """Longest cached prefix first among the first ``window`` waiting; but the head of the
-        queue once it has waited ``cache_aware_max_wait_s`` (the guard against starvation)."""
-        head = self.waiting[0]
-        if (self.kv.is_swapped(head.request_id) or self.clock() - head.arrival_time
-                >= self.config.cache_aware_max_wait_s):
-            return head
-        best, best_key = head, (-1, 0.0)
-        for i, r in enumerate(self.waiting):
-            if i >= window:
-                break
-            if self.kv.is_swapped(r.request_id):
-                continue
-            _, cached = self.kv.get_computed_blocks(r.request_id, r.token_ids, r.cache_salt)
-            key = (cached, -r.arrival_time)
-            if key > best_key:
-                best, best_key = r, key
-        return best
 
 
 class StaticBatchScheduler(Scheduler):
@@ -596,14 +731,13 @@ class StaticBatchScheduler(Scheduler):
         self.batch_size = min(config.static_batch_size or config.max_num_seqs,
                               config.max_num_seqs)
 
-    def _rejection_reason(self, request: Request) -> tuple[str, str] | None:
+    def _rejection_reason(self, request: Request) -> Rejection | None:
         if request.sampling_params.n > 1:
-            return ("n > 1 (parallel sampling) needs a continuous policy, not static",
-                    "bad_request")
+            return Rejection("n > 1 (parallel sampling) needs a continuous policy, not static",
+                             "bad_request", "bad_request")
         return super()._rejection_reason(request)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def _schedule(self, out: SchedulerOutput) -> None:
         if not self.running:
             self._form_batch()
         budget = self.config.max_num_batched_tokens
@@ -614,7 +748,6 @@ class StaticBatchScheduler(Scheduler):
                 continue
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
-        return out
 
     def _form_batch(self) -> None:
         while self.waiting and len(self.running) < self.batch_size:
@@ -627,9 +760,7 @@ class StaticBatchScheduler(Scheduler):
 
 
 SCHEDULERS: dict[str, type[Scheduler]] = {
-    "fcfs": ContinuousScheduler,
-    "priority": ContinuousScheduler,
-    "cache_aware": ContinuousScheduler,
+    **{name: ContinuousScheduler for name in QUEUE_POLICIES},
     "static": StaticBatchScheduler,
 }
 
