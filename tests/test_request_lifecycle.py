@@ -110,3 +110,34 @@ def test_counters_and_step_stats_describe_what_ran(llm):
     assert all(s.scheduled == [(outs[0].request_id, 1), (outs[1].request_id, 1)]
                for s in steps[1:])
     assert sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps) == 9 + 6
+
+
+def test_a_timed_out_request_returns_its_partial_text_and_frees_its_blocks(llm):
+    """The deadline through the engine, on a clock the test moves: the final output carries
+    ``timeout``, every token decoded so far and its text; the KV is free before the next step,
+    and the timeout is counted by phase."""
+    from kvflow.orchestrator.engine import LLMEngine
+    from tests.test_scheduler import FakeClock
+
+    base = llm.engine
+    clock = FakeClock()
+    engine = LLMEngine(base.runner, base.tokenizer, base.config, base.eos_token_ids,
+                       clock=clock)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, timeout_ms=5000)
+    engine.add_request("Once upon a time", params, request_id="slow")
+    engine.add_request("Hi", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True,
+                                            timeout_ms=9000), request_id="queued")
+    outputs = []
+    for _ in range(6):
+        outputs += engine.step()
+    clock.now = 5.0
+    final = [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in final] == ["slow"]
+    out = final[0]
+    assert out.finish_reason == "timeout" and len(out.token_ids) == 6
+    assert out.text == base.tokenizer.decode(out.token_ids)
+    assert engine.kv.block_tables.keys() == {"queued"}
+    assert engine.counters.timeouts_by_phase == {"decode": 1}
+    assert engine.scheduler.num_running == 1
+    engine.abort_request("queued")
+    assert engine.kv.pool.num_used_blocks == 0

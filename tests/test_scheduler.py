@@ -32,9 +32,11 @@ def make_scheduler_for_test(num_blocks=64, block_size=4, clock=None, num_host_bl
     return make_scheduler(config, kv, clock or FakeClock())
 
 
-def make_request(rid, prompt_len, max_tokens=4, priority=0, arrival=0.0, **params):
+def make_request(rid, prompt_len, max_tokens=4, priority=0, arrival=0.0, tenant=None,
+                 **params):
     return Request(rid, list(range(10, 10 + prompt_len)),
-                   SamplingParams(max_tokens=max_tokens, **params), arrival, priority, (EOS,))
+                   SamplingParams(max_tokens=max_tokens, **params), arrival, priority, (EOS,),
+                   tenant=tenant)
 
 
 def run_step(sched, token=TOKEN, tokens=None) -> SchedulerOutput:
@@ -228,14 +230,21 @@ def test_stop_conditions_eos_stop_token_and_length():
 
 # --- properties over random workloads ---------------------------------------------------------
 workloads = st.fixed_dictionaries({
+    # (prompt length, max_tokens, priority, arrival step, tenant, timeout in steps or None)
     "requests": st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3),
-                                   st.integers(0, 5)), min_size=1, max_size=25),
+                                   st.integers(0, 5), st.integers(0, 2),
+                                   st.one_of(st.none(), st.integers(1, 20))),
+                         min_size=1, max_size=25),
     "num_blocks": st.integers(12, 60),
     "block_size": st.sampled_from([1, 2, 4, 8]),
     "budget": st.integers(8, 64),
     "max_num_seqs": st.integers(1, 8),
     "chunked": st.booleans(),
-    "policy": st.sampled_from(["fcfs", "priority", "cache_aware", "static"]),
+    "policy": st.sampled_from(["fcfs", "priority", "cache_aware", "sjf", "fair", "static"]),
+    "priority_preemption": st.booleans(),
+    "max_preemptions": st.integers(0, 3),
+    "max_queue_delay_ms": st.one_of(st.none(), st.sampled_from([5.0, 20.0])),
+    "long_cap": st.one_of(st.none(), st.integers(1, 2)),
     "eos_every": st.integers(0, 7),
     "abort_every": st.integers(0, 9),
     "caching": st.booleans(),
@@ -253,15 +262,20 @@ def test_random_workloads_finish_and_return_every_block(w):
         max_num_batched_tokens=w["budget"], max_num_seqs=w["max_num_seqs"],
         enable_chunked_prefill=w["chunked"], policy=w["policy"], priority_aging_s=0.5,
         enable_prefix_caching=w["caching"], preemption_mode=w["preemption_mode"],
-        num_host_blocks=w["host_blocks"], cache_aware_max_wait_s=3.0)
+        num_host_blocks=w["host_blocks"], cache_aware_max_wait_s=3.0, sjf_max_wait_s=4.0,
+        priority_preemption=w["priority_preemption"],
+        max_preemptions_per_request=w["max_preemptions"],
+        max_queue_delay_ms=w["max_queue_delay_ms"], max_long_partial_prefills=w["long_cap"],
+        long_prefill_token_threshold=8 if w["long_cap"] else 0, tenant_weights="t0=2")
     pending = sorted(enumerate(w["requests"]), key=lambda x: x[1][3])
     everyone, accepted = [], []
     step = 0
     while pending or sched.has_unfinished_requests():
         while pending and pending[0][1][3] <= step:  # arrivals at this step
-            i, (plen, max_tokens, prio, _) = pending.pop(0)
+            i, (plen, max_tokens, prio, _, tenant, timeout) = pending.pop(0)
             r = make_request(f"r{i}", plen, max_tokens=max_tokens, priority=prio,
-                             arrival=clock.now)
+                             arrival=clock.now, tenant=f"t{tenant}",
+                             timeout_ms=None if timeout is None else 1000 * timeout)
             everyone.append(r)
             if sched.add_request(r):
                 accepted.append(r)
@@ -280,6 +294,14 @@ def test_random_workloads_finish_and_return_every_block(w):
         assert r.status != RequestStatus.REJECTED
         if r.status == RequestStatus.FINISHED_LENGTH:
             assert r.num_output_tokens == r.max_output_tokens
+        # A deadline is kept to the step: nothing runs past it, and nothing ends early.
+        if r.status == RequestStatus.FINISHED_TIMEOUT:
+            assert r.metrics.finished_time >= r.deadline
+        elif r.deadline is not None:
+            assert r.metrics.finished_time < r.deadline
+    for r in everyone:
+        if r.status == RequestStatus.REJECTED:
+            assert r.reject_cause in ("bad_request", "queue_full", "queue_delay"), r
     assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
     assert not sched.kv.block_tables and not sched.kv.host_tables
     if sched.kv.host_pool is not None:

@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from kvflow.orchestrator.async_engine import EngineLoop
-from kvflow.orchestrator.outputs import RequestOutput
+from kvflow.orchestrator.outputs import REJECT_CAUSES, TIMEOUT_PHASES, RequestOutput
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0]
@@ -39,7 +39,6 @@ COUNTERS = {
     "kvflow_prompt_tokens_total": ("Prefill tokens computed", "prompt_tokens"),
     "kvflow_generation_tokens_total": ("Output tokens generated", "generation_tokens"),
     "kvflow_num_preemptions_total": ("Requests preempted", "preemptions"),
-    "kvflow_request_rejected_total": ("Requests rejected by admission control", "rejected"),
     "kvflow_request_success_total": ("Requests finished", "finished"),
     "kvflow_prefix_cache_queries_total": ("Prompt tokens looked up in the prefix cache",
                                           "prefix_cache_queries"),
@@ -51,6 +50,15 @@ COUNTERS = {
     "kvflow_serving_seconds_total": ("Engine-thread seconds serving around the steps: "
                                      "cancellation checks, metrics snapshots, handing outputs "
                                      "to the response senders", "serving_time_s"),
+}
+# counter name -> (help, the EngineCounters dict it mirrors, its label, the label's values)
+LABELED_COUNTERS = {
+    "kvflow_request_rejected_total": ("Requests rejected by admission control, by cause: bad "
+                                      "input, a full queue, or a predicted wait over "
+                                      "max_queue_delay_ms", "rejected_by_cause", "reason",
+                                      REJECT_CAUSES),
+    "kvflow_request_timeout_total": ("Requests ended past their deadline, by the phase they "
+                                     "were in", "timeouts_by_phase", "phase", TIMEOUT_PHASES),
 }
 
 
@@ -76,6 +84,10 @@ class TritonMetrics:
                        for name, desc in GAUGES.items()}
         self.counters = {name: family(name, desc, kinds.COUNTER).Metric(labels=labels)
                          for name, (desc, _) in COUNTERS.items()}
+        for name, (desc, _, label, values) in LABELED_COUNTERS.items():
+            fam = family(name, desc, kinds.COUNTER)
+            for value in values:  # every series exists from the start, at 0
+                self.counters[f"{name}|{value}"] = fam.Metric(labels={**labels, label: value})
         self._last_counts: dict[str, int] = {}
         self._last_gauges: dict[str, float] = {}
         self._queue: queue.SimpleQueue[_Snapshot | None] = queue.SimpleQueue()
@@ -111,6 +123,9 @@ class TritonMetrics:
                   "kvflow_kv_cache_usage_ratio": engine.kv.usage}
         totals = {name: (loop.serving_time_s if key == "serving_time_s"
                          else getattr(engine.counters, key)) for name, (_, key) in COUNTERS.items()}
+        for name, (_, key, _, values) in LABELED_COUNTERS.items():
+            counts = getattr(engine.counters, key)
+            totals.update({f"{name}|{v}": counts.get(v, 0) for v in values})
         self._queue.put(_Snapshot(observations, gauges, totals))
 
     def _publish_loop(self) -> None:

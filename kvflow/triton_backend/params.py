@@ -11,7 +11,9 @@ ignored: kvflow ends on the model's own EOS ids and always streams deltas).
 
 The prompt is one of ``text_input`` (text), ``input_ids`` (token ids) or ``messages`` (a JSON
 list of chat messages, rendered with the model's chat template: what the OpenAI frontend sends
-for ``/v1/chat/completions``). ``user`` names the tenant the request is accounted to.
+for ``/v1/chat/completions``). ``user`` (or ``tenant`` in ``sampling_parameters``) names the
+tenant the request is accounted to (the ``fair`` policy's unit). ``timeout_ms`` in
+``sampling_parameters`` is the request's deadline.
 
 Integer tensors are INT64, so that no value is wrapped before kvflow can check its range.
 Any other key (over HTTP ``generate``, Triton passes unknown JSON keys on as request
@@ -42,8 +44,10 @@ from kvflow.orchestrator.tokenizer import ChatPrompt, Prompt
 _NUMERIC_KEYS: dict[str, type] = {
     "n": int, "max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "logprobs": int,
     "temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
-    "presence_penalty": float, "frequency_penalty": float,
+    "presence_penalty": float, "frequency_penalty": float, "timeout_ms": int,
 }
+# sampling_parameters keys that are the request's, not its sampling's.
+REQUEST_KEYS = ("tenant",)
 _BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "guided_json_object")
 MAX_PRIORITY = 1 << 30
 # Inputs accepted from TensorRT-LLM-style clients and ignored on purpose (see module doc).
@@ -177,7 +181,7 @@ def parse_sampling_json(text: str) -> dict[str, Any]:
                         MAX_SAMPLING_JSON_DEPTH)
     if not isinstance(raw, dict):
         raise BadRequestError("sampling_parameters must be a JSON object")
-    known = (*SamplingParams.field_names(), *GUIDED_FIELDS)
+    known = (*SamplingParams.field_names(), *GUIDED_FIELDS, *REQUEST_KEYS)
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise unknown_keys_error("sampling_parameters", unknown, sorted(known))
@@ -244,6 +248,10 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
     if abs(priority) > MAX_PRIORITY:
         raise BadRequestError(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], "
                               f"got {priority}")
+    tenant = fields.pop("tenant", None)
+    if tenant is not None and not isinstance(tenant, str):
+        raise BadRequestError(f"sampling_parameters.tenant must be a string, got "
+                              f"{short_repr(tenant)}")
     try:
         params = SamplingParams.from_dict(fields)
     except (TypeError, ValueError) as e:
@@ -251,8 +259,14 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
     salt = (_text("cache_salt", _scalar("cache_salt", inputs["cache_salt"]))
             if "cache_salt" in inputs else None)
     user = _text("user", _scalar("user", inputs["user"])) if "user" in inputs else None
-    if user is not None and len(user) > MAX_USER_CHARS:
-        raise BadRequestError(f"user is {len(user)} characters; the limit is {MAX_USER_CHARS}")
+    for name, value in (("user", user), ("sampling_parameters.tenant", tenant)):
+        if value is not None and len(value) > MAX_USER_CHARS:
+            raise BadRequestError(f"{name} is {len(value)} characters; the limit is "
+                                  f"{MAX_USER_CHARS}")
+    if user and tenant and user != tenant:
+        raise BadRequestError("user and sampling_parameters.tenant name different tenants "
+                              f"({short_repr(user, 40)} vs {short_repr(tenant, 40)}); give one")
+    user = user or tenant
     return ParsedRequest(prompt, prompt_text, params, bool(stream), bool(exclude), priority,
                          salt or None, user or None)
 

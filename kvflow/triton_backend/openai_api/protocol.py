@@ -38,7 +38,8 @@ RETRY_AFTER_S = 1
 # Body fields passed to the backend under the same name (SamplingParams validates them).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
-                   "stop", "stop_token_ids", "skip_special_tokens", *GUIDED_FIELDS)
+                   "stop", "stop_token_ids", "skip_special_tokens", "timeout_ms",
+                   *GUIDED_FIELDS)
 # Body fields sent as request tensors of their own.
 TENSOR_FIELDS = ("user", "priority", "cache_salt")
 COMMON_FIELDS = ("model", "max_tokens", "n", "stream", "stream_options", "logprobs",
