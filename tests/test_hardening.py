@@ -69,6 +69,10 @@ def sampling(**params) -> str:
     # 9. temperatures beyond float32
     ({"sampling_parameters": sampling(temperature=1e39)}, "temperature must be in [0, 3.403e+38]"),
     ({"sampling_parameters": sampling(repetition_penalty=1e39)}, "repetition_penalty must be"),
+    # deadlines and tenants
+    ({"sampling_parameters": sampling(timeout_ms=0)}, "timeout_ms must be in [1, 604800000]"),
+    ({"user": "a", "sampling_parameters": sampling(tenant="b")},
+     "user and sampling_parameters.tenant name different tenants"),
 ])
 def test_bad_values_get_400_naming_the_field_and_the_limit(triton_server, body, needle):
     status, reply = post(triton_server, {"text_input": "Hi", **body})
