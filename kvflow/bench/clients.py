@@ -24,8 +24,10 @@ class LoadClient(Protocol):
 
     def connect(self) -> Any: ...
 
-    def stream(self, conn: Any, prompt: str, max_tokens: int) -> Iterator[tuple[int, int]]:
-        """Yield (output tokens so far, prompt tokens) as responses arrive."""
+    def stream(self, conn: Any, prompt: str, max_tokens: int,
+               tenant: str | None = None) -> Iterator[tuple[int, int]]:
+        """Yield (output tokens so far, prompt tokens) as responses arrive; ``tenant``: whom
+        the request is accounted to."""
         ...
 
     def close(self, conn: Any) -> None: ...
@@ -44,8 +46,12 @@ class TritonGrpcClient:
 
         return StreamingClient(self.url)
 
-    def stream(self, conn: Any, prompt: str, max_tokens: int) -> Iterator[tuple[int, int]]:
-        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    def stream(self, conn: Any, prompt: str, max_tokens: int,
+               tenant: str | None = None) -> Iterator[tuple[int, int]]:
+        sampling: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0,
+                                    "ignore_eos": True}
+        if tenant is not None:
+            sampling["tenant"] = tenant
         for chunk in conn.generate(prompt, sampling):
             yield chunk.num_output_tokens, chunk.num_input_tokens
 
@@ -77,10 +83,12 @@ class OpenAIClient:
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
 
     def stream(self, conn: http.client.HTTPConnection, prompt: str,
-               max_tokens: int) -> Iterator[tuple[int, int]]:
+               max_tokens: int, tenant: str | None = None) -> Iterator[tuple[int, int]]:
         path = "/v1/chat/completions" if self.chat else "/v1/completions"
-        conn.request("POST", path, json.dumps(self.request_body(prompt, max_tokens)),
-                     {"Content-Type": "application/json"})
+        body = self.request_body(prompt, max_tokens)
+        if tenant is not None:
+            body["user"] = tenant
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"{path}: HTTP {response.status}: {response.read()[:300]!r}")

@@ -41,11 +41,15 @@ MODES: dict[str, dict[str, Any]] = {
     "continuous": {"policy": "fcfs", "enable_chunked_prefill": False},
     "chunked": {"policy": "fcfs", "enable_chunked_prefill": True},
     "priority": {"policy": "priority", "enable_chunked_prefill": True},
+    "sjf": {"policy": "sjf", "enable_chunked_prefill": True},
+    "fair": {"policy": "fair", "enable_chunked_prefill": True},
 }
 SLO_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.5)
 MODE_LABELS = {"static": "static batching", "continuous": "continuous batching",
                "chunked": "continuous + chunked prefill",
-               "priority": "priority + chunked prefill"}
+               "priority": "priority + chunked prefill",
+               "sjf": "shortest job first + chunked prefill",
+               "fair": "fair share (VTC) + chunked prefill"}
 
 
 def mode_scheduler_options(mode: str, max_num_seqs: int, max_model_len: int,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PERCENTILES", "RequestTiming", "summarize"]
+__all__ = ["PERCENTILES", "RequestTiming", "summarize", "tenant_summary"]
 
 PERCENTILES: tuple[int, ...] = (90, 95, 99)
 
@@ -129,4 +129,98 @@ def summarize(
         "tpot_ms": _stats_ms(tpots),
         "itl_ms": _stats_ms(itls),
         "e2e_ms": _stats_ms(e2es),
+    }
+
+
+def max_min_shares(demands: dict[str, float], capacity: float) -> dict[str, float]:
+    """The max-min fair split of ``capacity`` over ``demands`` (water-filling): a tenant that
+    asks less than an equal share gets all it asks, the rest split what remains."""
+    shares: dict[str, float] = {}
+    left, names = capacity, sorted(demands, key=demands.__getitem__)
+    for k, name in enumerate(names):
+        equal = left / (len(names) - k)
+        shares[name] = min(demands[name], equal)
+        left -= shares[name]
+    return shares
+
+
+def windowed_fairness(timings: Sequence[RequestTiming], tenants: Sequence[str | None],
+                      num_windows: int = 10) -> tuple[float, dict[str, float]]:
+    """Jain's index of the tenants' service against their max-min fair shares, per window.
+
+    The contended span, from the first send to the last, is cut into ``num_windows``
+    windows. In each, a tenant's *demand* is the work it has in the system (the prompt and
+    output tokens of its requests sent by the window's end, less what it was served before
+    the window) and its *service* the tokens it was served in the window (a prompt counts
+    when its first token comes). Each tenant's ratio is its service over its max-min fair
+    share of the window's service (:func:`max_min_shares`); Jain's index of the ratios of
+    the tenants with demand is averaged over the windows. Returns that mean and each
+    tenant's mean ratio.
+    """
+    from kvflow.orchestrator.policies import jain_index
+
+    arrive: dict[str, list[tuple[float, float]]] = {}
+    serve: dict[str, list[tuple[float, float]]] = {}
+    for t, tenant in zip(timings, tenants, strict=True):
+        name = tenant or ""
+        arrive.setdefault(name, []).append((t.send_s, t.prompt_tokens + t.output_tokens))
+        events = serve.setdefault(name, [])
+        if t.token_times_s:
+            events.append((t.token_times_s[0], t.prompt_tokens))
+            events.extend((x, 1.0) for x in t.token_times_s)
+
+    def cumulative(events: list[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+        events.sort()
+        times = np.array([e[0] for e in events])
+        return times, np.concatenate([[0.0], np.cumsum([e[1] for e in events])])
+
+    def upto(curve: tuple[np.ndarray, np.ndarray], x: float) -> float:
+        times, sums = curve
+        return float(sums[np.searchsorted(times, x, side="left")])
+
+    arrived = {k: cumulative(v) for k, v in arrive.items()}
+    served = {k: cumulative(v) for k, v in serve.items()}
+    sends = [t.send_s for t in timings]
+    edges = np.linspace(min(sends), max(sends), num_windows + 1) if sends else []
+    indexes, ratio_sums = [], dict.fromkeys(arrived, 0.0)
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
+        demand = {k: upto(arrived[k], b) - upto(served[k], a) for k in arrived}
+        got = {k: upto(served[k], b) - upto(served[k], a) for k in arrived}
+        demand = {k: v for k, v in demand.items() if v > 0}
+        total = sum(got[k] for k in demand)
+        if not demand or total <= 0:
+            continue
+        shares = max_min_shares(demand, total)
+        ratios = {k: got[k] / shares[k] for k in demand}
+        indexes.append(jain_index(list(ratios.values())))
+        for k in arrived:
+            ratio_sums[k] += ratios.get(k, 1.0)
+    n = max(1, len(indexes))
+    return (float(np.mean(indexes)) if indexes else 1.0,
+            {k: v / n for k, v in ratio_sums.items()})
+
+
+def tenant_summary(timings: Sequence[RequestTiming], tenants: Sequence[str | None],
+                   heavy: str = "heavy") -> dict:
+    """Per-tenant service of one run (``tenants[i]`` is request ``i``'s tenant).
+
+    ``jain_index`` and ``fair_share_ratio``: :func:`windowed_fairness` (1 = every tenant got
+    its max-min fair share of the service in every window; fcfs serving a heavy tenant's
+    backlog ahead of light tenants falls below). ``light_ttft_ms``: TTFT statistics of every
+    tenant but ``heavy``. ``longest_wait_ms``: the longest TTFT of any request.
+    ``not_served_fraction``: requests rejected or timed out (not ok).
+    """
+    if len(timings) != len(tenants):
+        raise ValueError(f"got {len(tenants)} tenants for {len(timings)} requests")
+    jain, ratios = windowed_fairness(timings, tenants)
+    light = [v for t, tenant in zip(timings, tenants, strict=True)
+             if tenant != heavy and t.ok and (v := t.ttft_s) is not None]
+    waits = [v for t in timings if t.ok and (v := t.ttft_s) is not None]
+    return {
+        "fair_share_ratio": ratios,
+        "jain_index": jain,
+        "light_ttft_ms": _stats_ms(light),
+        "longest_wait_ms": max(waits) * 1000.0 if waits else None,
+        "not_served_fraction": (sum(1 for t in timings if not t.ok) / len(timings)
+                                if timings else 0.0),
     }

@@ -28,6 +28,7 @@ from kvflow.bench.workloads import (
     random_workload,
     retime,
     shared_prefix_workload,
+    tenants_workload,
 )
 
 
@@ -67,7 +68,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload options ``bench serve``, ``bench compare`` and ``simulate`` share."""
     p.add_argument("--engine", default="engines/smollm2-135m",
                    help="engine folder whose tokenizer cuts prompts to exact lengths")
-    p.add_argument("--workload", choices=["random", "trace", "prefix"], default="random")
+    p.add_argument("--workload", choices=["random", "trace", "prefix", "tenants"],
+                   default="random",
+                   help="tenants: one heavy tenant (long prompts, a high rate) and several "
+                        "light ones (short chats), on the trace's lengths")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="trace: arrival times divided by this (2 = twice as fast)")
@@ -82,6 +86,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=1024,
                    help="trace: prompts clipped to 3/4 of this and outputs to 1/4, so every "
                         "request fits (the report says how many were clipped)")
+    p.add_argument("--num-light-tenants", type=int, default=4,
+                   help="tenants workload: light tenants")
+    p.add_argument("--heavy-share", type=float, default=0.5,
+                   help="tenants workload: the heavy tenant's share of the requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo", default=None, help="e.g. ttft_ms=2000,tpot_ms=200")
     p.add_argument("--no-progress", action="store_true")
@@ -120,7 +128,23 @@ def _parse_rate(text: str | None) -> float:
 def build_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[str, Any]]:
     rate = _parse_rate(args.request_rate)
     info: dict[str, Any] = {"workload": args.workload, "request_rate": rate, "seed": args.seed}
-    if args.workload == "trace":
+    if args.workload == "tenants":
+        if args.request_rate is None:
+            raise ValueError("--request-rate is required for the tenants workload")
+        budget = args.max_model_len
+        max_prompt = budget * 3 // 4
+        lengths, clip = load_azure_trace(args.trace, max_prompt_tokens=max_prompt,
+                                         max_output_tokens=budget - max_prompt,
+                                         length_scale=args.length_scale)
+        specs = tenants_workload(lengths, args.num_prompts, rate, args.seed,
+                                 args.num_light_tenants, args.heavy_share)
+        info.update(trace=str(args.trace), length_scale=args.length_scale,
+                    num_light_tenants=args.num_light_tenants, heavy_share=args.heavy_share,
+                    note=f"lengths from the whole trace, multiplied by {args.length_scale:g}, "
+                         f"prompts clipped to {max_prompt} and outputs to "
+                         f"{budget - max_prompt} tokens; the heavy tenant's prompts from its "
+                         "longest quarter, the light tenants' from its shortest half")
+    elif args.workload == "trace":
         budget = args.max_model_len
         max_prompt = budget * 3 // 4
         specs, clip = load_azure_trace(args.trace, limit=args.num_prompts,
@@ -236,7 +260,8 @@ def run_load(url: str | LoadClient, specs: list[RequestSpec], texts: list[str],
         ok, prompt_tokens = True, spec.prompt_tokens
         try:
             seen = 0
-            for num_output, num_prompt in client.stream(conn, texts[i], spec.output_tokens):
+            for num_output, num_prompt in client.stream(conn, texts[i], spec.output_tokens,
+                                                        tenant=spec.tenant):
                 now = time.perf_counter()
                 times.extend([now] * (num_output - seen))
                 seen, prompt_tokens = num_output, num_prompt

@@ -27,6 +27,7 @@ __all__ = [
     "random_workload",
     "retime",
     "shared_prefix_workload",
+    "tenants_workload",
 ]
 
 
@@ -35,13 +36,17 @@ class RequestSpec:
     """One request of a workload: when it is sent and how long its prompt and output are.
 
     ``prefix_group`` names the shared prefix a request starts with (None: no shared prefix);
-    requests with the same group share their first tokens.
+    requests with the same group share their first tokens. ``tenant`` names whom it is
+    accounted to (the ``fair`` policy's unit) and ``priority`` its priority (lower first), or
+    None for the defaults.
     """
 
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
     prefix_group: int | None = None
+    tenant: str | None = None
+    priority: int | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.arrival_s) or self.arrival_s < 0:
@@ -260,6 +265,52 @@ def shared_prefix_workload(
     groups = np.random.default_rng([seed, 2]).integers(0, num_prefixes, size=n)
     return [RequestSpec(a, prefix_tokens + question_tokens, output_len, int(g))
             for a, g in zip(arrivals, groups, strict=True)]
+
+
+HEAVY_TENANT = "heavy"
+
+
+def tenants_workload(lengths: list[RequestSpec], n: int, rate: float, seed: int,
+                     num_light: int = 4, heavy_share: float = 0.5) -> list[RequestSpec]:
+    """The multi-tenant workload: one heavy tenant sends long prompts at a high rate, and
+    ``num_light`` light tenants send short chats, all drawn from the lengths of ``lengths``
+    (the Azure trace's).
+
+    ``heavy_share`` of the ``n`` requests are the heavy tenant's, Poisson at that share of
+    ``rate``; their prompts are drawn from the trace's longest quarter of prompts (with their
+    outputs). The rest are split evenly over the light tenants ``light-0 ..``, each Poisson
+    at its share of ``rate``, with prompts from the shortest half and outputs of at most the
+    trace's median output. The light tenants get priority 0 and the heavy one priority 1
+    (interactive before batch), for the ``priority`` policy.
+    """
+    if num_light < 1:
+        raise ValueError(f"num_light must be >= 1, got {num_light}")
+    if not 0.0 < heavy_share < 1.0:
+        raise ValueError(f"heavy_share must be in (0, 1), got {heavy_share}")
+    _check_n_rate(n, rate)
+    prompts = np.array([s.prompt_tokens for s in lengths])
+    outputs = np.array([s.output_tokens for s in lengths])
+    order = np.argsort(prompts, kind="stable")
+    long_pool = order[len(order) * 3 // 4:]
+    short_pool = order[: max(1, len(order) // 2)]
+    short_output = max(1, int(np.median(outputs)))
+    rng = np.random.default_rng([seed, 4])
+    num_heavy = max(1, round(n * heavy_share))
+    specs: list[RequestSpec] = []
+    streams = [(HEAVY_TENANT, num_heavy, long_pool, None, 1)]
+    per_light = [(n - num_heavy) // num_light + (k < (n - num_heavy) % num_light)
+                 for k in range(num_light)]
+    streams += [(f"light-{k}", m, short_pool, short_output, 0)
+                for k, m in enumerate(per_light) if m]
+    for k, (tenant, m, pool, cap, priority) in enumerate(streams):
+        share = m / n
+        for arrival in poisson_arrivals(m, rate * share, seed * 1000 + k):
+            i = int(rng.choice(pool))
+            out = int(outputs[i]) if cap is None else min(int(outputs[i]), cap)
+            specs.append(RequestSpec(arrival, int(prompts[i]), out, tenant=tenant,
+                                     priority=priority))
+    specs.sort(key=lambda s: s.arrival_s)
+    return specs
 
 
 # Plain English prose (written for this file), one paragraph per entry. Real text rather than

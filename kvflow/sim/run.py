@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvflow.bench.compare import MODE_LABELS, MODES, mode_scheduler_options, parse_rates
+from kvflow.bench.metrics import tenant_summary
 from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.bench.serve import add_workload_args, build_workload, parse_slo, write_serve_report
 from kvflow.bench.workloads import RequestSpec
@@ -55,6 +56,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool (default: what the devices hold after the weights at 90%% "
                         "memory utilisation)")
     p.add_argument("--prefix-caching", action="store_true", help="turn prefix caching on")
+    p.add_argument("--max-queue-delay-ms", type=float, default=None,
+                   help="SLO admission: refuse a request whose predicted wait exceeds this")
+    p.add_argument("--request-timeout-s", type=float, default=None,
+                   help="every request's deadline (finish_reason timeout past it)")
     p.add_argument("--series-period-s", type=float, default=0.25)
     p.add_argument("--out", default="reports/simulate")
 
@@ -125,6 +130,10 @@ def _plot_kv_batch(out: Path, result: SimResult) -> str:
     return save_figure(fig, out / "kv_batch.png")
 
 
+def fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
 def _thin(series: list[dict[str, float]], limit: int = 4000) -> list[dict[str, float]]:
     if len(series) <= limit:
         return series
@@ -138,9 +147,13 @@ def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse
     """Simulate one (mode, workload) and write its report to ``out``."""
     options = mode_scheduler_options(mode, args.max_num_seqs, args.max_model_len,
                                      args.chunk_tokens, args.prefix_caching)
+    options.update(max_queue_delay_ms=getattr(args, "max_queue_delay_ms", None),
+                   request_timeout_s=getattr(args, "request_timeout_s", None))
     sched = EngineOptions(**options)
+    # The workload's own priorities (tenants: light before heavy), else random levels.
+    own = any(s.priority is not None for s in specs)
     priorities = (priorities_for(len(specs), args.num_priorities, args.seed)
-                  if sched.policy == "priority" else None)
+                  if sched.policy == "priority" and not own else None)
     done = [0]
 
     def progress(n: int) -> None:
@@ -172,6 +185,15 @@ def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse
              f"{(np.percentile(queue, 99) if queue else 0) * 1e3:.1f} ms."]
     out.mkdir(parents=True, exist_ok=True)
     extra = [_plot_kv_batch(out, result)]
+    tenants = [s.tenant for s in specs]
+    if any(tenants):
+        ts = tenant_summary(result.timings, tenants)
+        sim_info["tenants"] = ts
+        light = ts["light_ttft_ms"]
+        lines.append(f"Tenants: Jain's index of service rates {ts['jain_index']:.3f}; light "
+                     f"tenants' TTFT mean {fmt_ms(light['mean'])}, p99 {fmt_ms(light['p99'])}; "
+                     f"longest wait {fmt_ms(ts['longest_wait_ms'])}; "
+                     f"{ts['not_served_fraction']:.1%} rejected or timed out.")
     if priorities is not None:
         for level in sorted(set(priorities)):
             ttfts = [t.ttft_s for t, p in zip(result.timings, priorities, strict=True)

@@ -131,7 +131,8 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions
     a declared shared prefix), so that prefix caching sees what a real run would.
     ``series_period_s``: simulated seconds between two samples of the server series.
     ``progress(n)`` is called with the number of requests finished so far as they finish.
-    ``priorities``: each request's priority (lower first) for the ``priority`` policy.
+    ``priorities``: each request's priority (lower first) for the ``priority`` policy
+    (default: each spec's own, else 0). Each spec's ``tenant`` is its request's.
     """
     for name, values in (("prompts", prompts), ("priorities", priorities)):
         if values is not None and len(values) != len(specs):
@@ -157,11 +158,12 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions
             t, i = heapq.heappop(arrivals)
             spec = specs[i]
             prompt = _prompt_ids(spec, i) if prompts is None else prompts[i]
+            priority = (priorities[i] if priorities is not None
+                        else spec.priority if spec.priority is not None else 0)
             request, rejected = engine.add_request(
                 prompt, SamplingParams(max_tokens=spec.output_tokens, temperature=0.0,
                                        ignore_eos=True),
-                request_id=str(i), arrival_time=t,
-                priority=priorities[i] if priorities is not None else 0)
+                request_id=str(i), arrival_time=t, priority=priority, tenant=spec.tenant)
             if rejected is not None:
                 finished[i] = RequestTiming(t, [], spec.prompt_tokens, 0, ok=False)
         before = (clock.now, len(engine.step_stats))
