@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvflow.bench.metrics import summarize, tenant_summary
 from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.bench.serve import default_trace

@@ -322,3 +322,52 @@ def test_prompt_text_adjusts_cut_when_round_trip_changes_count():
 
     text, count = make_prompt_text(enc, dec_short, 50, seed=0)
     assert count == len(enc(text)) == 10
+
+
+# --- the multi-tenant workload and its fairness measures --------------------------------------
+def test_tenants_workload_has_a_heavy_tenant_with_long_prompts_and_light_chats():
+    from kvflow.bench.workloads import load_azure_trace, tenants_workload
+
+    lengths, _ = load_azure_trace(default_trace(), max_prompt_tokens=6144,
+                                  max_output_tokens=2048)
+    specs = tenants_workload(lengths, 400, 10.0, seed=1, num_light=4, heavy_share=0.5)
+    assert len(specs) == 400
+    assert [s.arrival_s for s in specs] == sorted(s.arrival_s for s in specs)
+    heavy = [s for s in specs if s.tenant == "heavy"]
+    light = [s for s in specs if s.tenant != "heavy"]
+    assert len(heavy) == 200 and {s.tenant for s in light} == {f"light-{k}" for k in range(4)}
+    assert min(s.prompt_tokens for s in heavy) > max(s.prompt_tokens for s in light)
+    assert {s.priority for s in heavy} == {1} and {s.priority for s in light} == {0}
+    # Same seed, same workload.
+    again = tenants_workload(lengths, 400, 10.0, seed=1, num_light=4, heavy_share=0.5)
+    assert again == specs
+    with pytest.raises(ValueError, match="heavy_share"):
+        tenants_workload(lengths, 10, 1.0, 0, heavy_share=1.0)
+
+
+def test_max_min_shares_give_a_small_demand_all_it_asks():
+    from kvflow.bench.metrics import max_min_shares
+
+    assert max_min_shares({"a": 10.0, "b": 100.0, "c": 100.0}, 110.0) == {
+        "a": 10.0, "b": 50.0, "c": 50.0}
+    assert max_min_shares({"a": 10.0, "b": 20.0}, 100.0) == {"a": 10.0, "b": 20.0}
+
+
+def test_fairness_is_one_when_each_tenant_gets_its_share_and_lower_when_one_is_starved():
+    from kvflow.bench.metrics import tenant_summary
+
+    def timing(send, first, n):
+        return RequestTiming(send, [first + 0.01 * k for k in range(n)], 10, n)
+
+    # Two tenants with equal work, served side by side: every window is fair.
+    even = [timing(t, t + 0.1, 10) for t in range(10)] * 2
+    tenants = ["a"] * 10 + ["b"] * 10
+    assert tenant_summary(even, tenants)["jain_index"] == pytest.approx(1.0)
+    # b's requests are all served only after a's: in the windows before, b got nothing.
+    late = [timing(t, t + 0.1, 10) for t in range(10)] + [timing(t, 20 + t, 10)
+                                                           for t in range(10)]
+    summary = tenant_summary(late, tenants, heavy="a")
+    assert summary["jain_index"] < 0.75
+    assert summary["fair_share_ratio"]["b"] < summary["fair_share_ratio"]["a"]
+    assert summary["light_ttft_ms"]["mean"] > 10_000  # b's wait, 20 s behind
+    assert summary["longest_wait_ms"] == pytest.approx(20_000, rel=0.01)

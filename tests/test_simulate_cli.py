@@ -254,3 +254,19 @@ def test_validate_runs_the_real_server_and_the_simulator_on_the_same_requests(
     engine_alone = json.loads((tmp_path / "engine_alone" / "report.json").read_text())
     assert engine_alone["summary"]["completed"] == 8
     assert set(result["errors_vs_engine_alone"]) >= {"mean TTFT", "mean TPOT"}
+
+
+def test_the_tenants_workload_reports_fairness_and_slo_admission_refuses(tmp_path):
+    out = tmp_path / "sim"
+    assert run_cli("simulate", "--workload", "tenants", "--num-prompts", "120",
+                   "--request-rate", "40", "--policy", "fair", "--max-queue-delay-ms", "200",
+                   "--out", str(out), "--no-progress") == 0
+    report = json.loads((out / "report.json").read_text())
+    tenants = report["config"]["simulation"]["tenants"]
+    assert set(tenants) >= {"jain_index", "light_ttft_ms", "longest_wait_ms",
+                            "not_served_fraction", "fair_share_ratio"}
+    assert set(tenants["fair_share_ratio"]) == {"heavy", *(f"light-{k}" for k in range(4))}
+    # Twice the capacity with a 200 ms bound on the predicted wait: some are refused at once.
+    assert 0 < report["summary"]["failed"] < 120
+    assert tenants["not_served_fraction"] == report["summary"]["failed"] / 120
+    assert report["config"]["simulation"]["scheduler"]["policy"] == "fair"

@@ -682,10 +682,12 @@ class ContinuousScheduler(Scheduler):
         return self._admit_tokens(request, budget, reserve, out)
 
     def _preempt_for(self, request: Request, out: SchedulerOutput) -> int:
-        """Priority preemption: preempt running requests the policy says ``request`` outranks
-        (strictly lower priority, both aged), lowest first, until ``request`` is admitted; only when preempting all those eligible would
-        free the seats and KV blocks it needs (so that none is preempted in vain). Returns
-        the tokens it runs (0: not admitted, nothing preempted)."""
+        """Priority preemption: preempt running requests that ``request`` outranks (the
+        policy's :meth:`~kvflow.orchestrator.policies.QueuePolicy.outranks`: strictly lower
+        priority, both aged), lowest first, until ``request`` is admitted; only when
+        preempting all those eligible would free the seats and KV blocks it needs (so that
+        none is preempted in vain). Returns the tokens it runs (0: not admitted, nothing
+        preempted)."""
         cfg = self.config
         if not cfg.priority_preemption:
             return 0
