@@ -178,7 +178,7 @@ def main() -> int:
     p.add_argument("--part", choices=["sim", "served"], default="sim")
     p.add_argument("--out", default=None, help="default reports/scheduling/PART")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="default 1500 (sim), 60 (served)")
+                   help="default 1000 (sim), 60 (served)")
     p.add_argument("--rate", type=float, default=None,
                    help="requests/s; default 24 (sim: ~1.5x the H100's capacity for this "
                         "workload), 1.5 (served)")
@@ -193,7 +193,7 @@ def main() -> int:
     p.add_argument("--docs-img", default="docs/img", help="where the plot is copied")
     args = p.parse_args()
     sim = args.part == "sim"
-    args.num_prompts = args.num_prompts or (1500 if sim else 60)
+    args.num_prompts = args.num_prompts or (1000 if sim else 60)
     args.rate = args.rate or (24.0 if sim else 1.5)
     out = Path(args.out or f"reports/scheduling/{args.part}")
     out.mkdir(parents=True, exist_ok=True)
