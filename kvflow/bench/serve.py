@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.bench.clients import LoadClient, OpenAIClient, TritonGrpcClient
-from kvflow.bench.metrics import RequestTiming, summarize
+from kvflow.bench.metrics import RequestTiming, summarize, tenant_summary
 from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.bench.workloads import (
     RequestSpec,
@@ -348,8 +348,24 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
                                      progress=not args.no_progress)
     config = {**info, "url": url, "backend": client.name,
               "max_concurrency": args.max_concurrency, "num_prompts": len(specs), "slo": slo}
+    lines = []
+    if any(s.tenant for s in specs):
+        config["tenants"] = tenant_summary(timings, [s.tenant for s in specs])
+        lines.append(tenant_line(config["tenants"]))
     return write_serve_report(Path(args.out), "kvflow bench serve", config, timings, duration,
-                              scraper.samples)
+                              scraper.samples, extra_lines=lines)
+
+
+def tenant_line(ts: dict[str, Any]) -> str:
+    """One summary line of :func:`~kvflow.bench.metrics.tenant_summary`."""
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f} ms"
+
+    light = ts["light_ttft_ms"]
+    return (f"\nTenants: Jain's index of service against fair shares {ts['jain_index']:.3f}; "
+            f"light tenants' TTFT mean {ms(light['mean'])}, p99 {ms(light['p99'])}; longest "
+            f"wait {ms(ts['longest_wait_ms'])}; {ts['not_served_fraction']:.1%} rejected or "
+            "timed out.")
 
 
 def load_client(args: argparse.Namespace) -> LoadClient:

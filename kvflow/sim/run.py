@@ -23,7 +23,13 @@ import numpy as np
 from kvflow.bench.compare import MODE_LABELS, MODES, mode_scheduler_options, parse_rates
 from kvflow.bench.metrics import tenant_summary
 from kvflow.bench.report import pyplot, save_figure, write_report
-from kvflow.bench.serve import add_workload_args, build_workload, parse_slo, write_serve_report
+from kvflow.bench.serve import (
+    add_workload_args,
+    build_workload,
+    parse_slo,
+    tenant_line,
+    write_serve_report,
+)
 from kvflow.bench.workloads import RequestSpec
 from kvflow.orchestrator.config import EngineOptions
 from kvflow.sim.cost_model import HARDWARE, MODELS, CostModel, LinearCostModel, RooflineCostModel
@@ -130,10 +136,6 @@ def _plot_kv_batch(out: Path, result: SimResult) -> str:
     return save_figure(fig, out / "kv_batch.png")
 
 
-def fmt_ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f} ms"
-
-
 def _thin(series: list[dict[str, float]], limit: int = 4000) -> list[dict[str, float]]:
     if len(series) <= limit:
         return series
@@ -187,13 +189,8 @@ def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse
     extra = [_plot_kv_batch(out, result)]
     tenants = [s.tenant for s in specs]
     if any(tenants):
-        ts = tenant_summary(result.timings, tenants)
-        sim_info["tenants"] = ts
-        light = ts["light_ttft_ms"]
-        lines.append(f"Tenants: Jain's index of service rates {ts['jain_index']:.3f}; light "
-                     f"tenants' TTFT mean {fmt_ms(light['mean'])}, p99 {fmt_ms(light['p99'])}; "
-                     f"longest wait {fmt_ms(ts['longest_wait_ms'])}; "
-                     f"{ts['not_served_fraction']:.1%} rejected or timed out.")
+        sim_info["tenants"] = tenant_summary(result.timings, tenants)
+        lines.append(tenant_line(sim_info["tenants"]))
     if priorities is not None:
         for level in sorted(set(priorities)):
             ttfts = [t.ttft_s for t, p in zip(result.timings, priorities, strict=True)
