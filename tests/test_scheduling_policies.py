@@ -312,3 +312,163 @@ def test_at_most_max_long_partial_prefills_long_prompts_prefill_at_once():
 def test_the_long_prompt_cap_needs_a_threshold():
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         EngineOptions(max_long_partial_prefills=1)
+
+
+# --- regressions found in review ---------------------------------------------------------------
+def make_group(gid, prompt_len, n, arrival=0.0, priority=0, **params):
+    from kvflow.orchestrator.request import Request, SequenceGroup
+
+    p = SamplingParams(n=n, **params)
+    seqs = [Request(f"{gid}#{j}", list(range(10, 10 + prompt_len)), p, arrival, priority, (2,),
+                    parent_id=gid, index=j) for j in range(n)]
+    SequenceGroup(gid, seqs)
+    return seqs
+
+
+def group_step(sched, token=7, tokens=None):
+    """run_step, with forked members' first tokens too (as the engine samples them)."""
+    tokens = tokens or {}
+    out = sched.schedule()
+    sampled = {}
+    for s in (s for s in out.scheduled if s.sample):
+        r, g = s.request, s.request.group
+        sampled[r.request_id] = tokens.get(r.request_id, token)
+        if g is not None and g.parked and r is g.leader and not r.output_token_ids:
+            sampled.update({m.request_id: tokens.get(m.request_id, token)
+                            for m in g.parked if not m.output_token_ids})
+    sched.update_from_output(out, sampled)
+    sched.check_integrity()
+    return out
+
+
+def test_a_group_keeps_its_deadline_when_its_first_sequence_finished_and_the_heap_compacts():
+    clock = FakeClock()
+    sched = make_scheduler_for_test(clock=clock, num_blocks=256, max_num_batched_tokens=64,
+                                    max_num_seqs=8)
+    g = make_group("g", 4, 2, max_tokens=200, timeout_ms=10_000)
+    sched.add_request(g[0])
+    group_step(sched)
+    group_step(sched, tokens={"g#0": 2})  # g#0 stops at EOS; g#1 goes on
+    for k in range(70):  # short requests with deadlines come and go: the heap compacts
+        sched.add_request(make_request(f"r{k}", 4, max_tokens=1, timeout_ms=1))
+        group_step(sched)
+    clock.now = 0.002
+    group_step(sched)
+    clock.now = 20.0
+    group_step(sched)
+    assert g[1].status == RequestStatus.FINISHED_TIMEOUT
+
+
+def test_no_preemption_when_the_token_budget_is_what_blocks_the_arrival():
+    sched = make_scheduler_for_test(policy="priority", enable_chunked_prefill=False,
+                                    max_num_batched_tokens=16, max_num_seqs=8, num_blocks=64)
+    sched.add_request(make_request("mid", 4, max_tokens=50, priority=-1))
+    sched.add_request(make_request("low", 4, max_tokens=50, priority=5))
+    run_step(sched)
+    run_step(sched)
+    # 16 tokens, but mid's decode leaves 15 even with low gone: low must not be preempted.
+    sched.add_request(make_request("high", 16, max_tokens=2, priority=0))
+    out = run_step(sched)
+    assert not out.preempted and chunks(out) == {"mid": 1, "low": 1}
+
+
+def test_kv_shortage_evicts_by_aged_priority_as_priority_preemption_does():
+    clock = FakeClock()
+    sched = make_scheduler_for_test(policy="priority", priority_aging_s=10.0, clock=clock,
+                                    num_blocks=9, max_num_batched_tokens=64, kv_watermark=0.0)
+    old = make_request("old", 16, max_tokens=12, priority=1, arrival=0.0)   # aged: -1.5
+    fresh = make_request("fresh", 16, max_tokens=12, priority=0, arrival=20.0)  # aged: -0.5
+    clock.now = 25.0
+    sched.add_request(old)
+    sched.add_request(fresh)
+    victims = []
+    for _ in range(4):
+        victims += [r.request_id for r in run_step(sched).preempted]
+    assert victims == ["fresh"]  # once, and not the request that outranks it
+
+
+def test_the_preemption_bound_holds_for_a_group_as_a_whole():
+    sched = make_scheduler_for_test(policy="priority", max_num_seqs=2,
+                                    max_num_batched_tokens=16, num_blocks=128,
+                                    max_preemptions_per_request=1)
+    low = make_group("low", 40, 2, priority=5, max_tokens=30, ignore_eos=True)
+    sched.add_request(low[0])
+    group_step(sched)
+    sched.add_request(make_request("h1", 4, max_tokens=1, priority=0))
+    for _ in range(6):
+        group_step(sched)
+    assert low[1].status == RequestStatus.RUNNING and low[0].metrics.num_preemptions == 1
+    sched.add_request(make_request("h2", 4, max_tokens=1, priority=0))
+    assert not group_step(sched).preempted
+    assert max(r.metrics.num_preemptions for r in low) == 1
+
+
+def test_forked_sequences_first_tokens_are_charged_to_their_tenant():
+    from kvflow.orchestrator.request import Request, SequenceGroup
+
+    sched = make_scheduler_for_test(policy="fair", max_num_batched_tokens=64)
+    params = SamplingParams(n=4, max_tokens=1)
+    seqs = [Request(f"g#{j}", list(range(10, 20)), params, 0.0, 0, (2,), tenant="a",
+                    parent_id="g", index=j) for j in range(4)]
+    SequenceGroup("g", seqs)
+    sched.add_request(seqs[0])
+    group_step(sched)
+    assert sched.policy.counters["a"] == 10 + 4 * 2.0  # the prompt once, four first tokens
+
+
+def test_blocks_another_request_still_holds_are_not_counted_as_freed():
+    from kvflow.orchestrator.request import Request
+
+    sched = make_scheduler_for_test(policy="priority", enable_prefix_caching=True,
+                                    num_blocks=17, max_num_batched_tokens=64, max_num_seqs=8,
+                                    kv_watermark=0.0)
+    kv = sched.kv
+    sched.add_request(make_request("mid", 17, max_tokens=30, priority=-1))
+    run_step(sched)
+    sched.add_request(make_request("low", 20, max_tokens=30, priority=5))  # shares mid's
+    run_step(sched)
+    run_step(sched)
+    own = [b for b in kv.block_tables["low"] if kv.pool.ref_counts[b] == 1]
+    # One block more than preempting low can really free:
+    length = 4 * (kv.num_free_blocks + len(own) + 1)
+    sched.add_request(Request("high", list(range(1000, 1000 + length)),
+                              SamplingParams(max_tokens=2), 0.0, 0, (2,)))
+    assert not run_step(sched).preempted
+
+
+def test_cache_hits_on_held_blocks_cost_no_free_block_when_preempting():
+    from kvflow.orchestrator.request import Request
+
+    sched = make_scheduler_for_test(policy="priority", enable_prefix_caching=True,
+                                    num_blocks=17, max_num_batched_tokens=64, max_num_seqs=8,
+                                    kv_watermark=0.0)
+    sched.add_request(make_request("mid", 40, max_tokens=20, priority=-1))
+    run_step(sched)
+    sched.add_request(Request("low", list(range(500, 512)), SamplingParams(max_tokens=40),
+                              0.0, 5, (2,)))
+    run_step(sched)
+    run_step(sched)
+    # high: 6 blocks, 4 of them cached in mid's: it needs 2, and preempting low frees 4.
+    high = Request("high", list(range(10, 26)) + list(range(900, 908)),
+                   SamplingParams(max_tokens=2), 0.0, 0, (2,))
+    sched.add_request(high)
+    out = run_step(sched)
+    assert [r.request_id for r in out.preempted] == ["low"]
+    assert high.status == RequestStatus.RUNNING
+
+
+def test_preempting_a_prefilling_leader_frees_its_parked_members_seats():
+    sched = make_scheduler_for_test(policy="priority", max_num_seqs=4,
+                                    max_num_batched_tokens=16, long_prefill_token_threshold=8,
+                                    num_blocks=128)
+    sched.add_request(make_request("mid", 4, max_tokens=60, priority=-1))
+    low = make_group("low", 100, 3, priority=5, max_tokens=4)
+    sched.add_request(low[0])
+    group_step(sched)
+    group_step(sched)
+    assert sched.num_seats_taken == 4  # mid, low's leader and its two parked members
+    high = make_group("high", 4, 2, priority=0, max_tokens=4)
+    sched.add_request(high[0])
+    out = group_step(sched)
+    assert [r.request_id for r in out.preempted] == ["low#0"]
+    assert high[0].status == RequestStatus.RUNNING

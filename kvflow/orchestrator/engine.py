@@ -204,6 +204,8 @@ class LLMEngine:
         sched = self._schedule()
         timed_out = [self._timeout_output(request, phase) for request, phase in sched.timed_out]
         if sched.is_empty:
+            if timed_out and self.config.debug_checks:
+                self.scheduler.check_integrity()
             return timed_out
         t1 = self.clock()
         logits, greedy = self._execute(sched)

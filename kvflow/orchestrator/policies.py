@@ -57,6 +57,11 @@ class QueuePolicy:
         """Whether waiting ``request`` may preempt ``running`` (``priority_preemption``)."""
         return False
 
+    def victim_key(self, request: Request) -> tuple[float, float]:
+        """Preemption order: the running request with the largest key goes first (the lowest
+        priority, then the newest)."""
+        return (request.priority, request.arrival_time)
+
     def on_arrival(self, request: Request) -> None:
         """A sequence was queued (once per sequence: a group's members each arrive)."""
 
@@ -65,6 +70,12 @@ class QueuePolicy:
 
     def charge(self, scheduled: Iterable[ScheduledRequest]) -> None:
         """The tokens a step gave these requests (the service they received)."""
+        for s in scheduled:
+            prompt = s.num_new_tokens - 1 if s.is_decode else s.num_new_tokens
+            self.charge_tokens(s.request, prompt, 1 if s.sample else 0)
+
+    def charge_tokens(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
+        """``request`` was served ``prompt_tokens`` computed and ``output_tokens`` sampled."""
 
 
 class PriorityPolicy(QueuePolicy):
@@ -87,6 +98,11 @@ class PriorityPolicy(QueuePolicy):
         level (it waited long, or has run long) is not preempted for it."""
         now = self.clock()
         return self.effective_priority(request, now) < self.effective_priority(running, now)
+
+    def victim_key(self, request: Request) -> tuple[float, float]:
+        """The lowest aged priority first: the same order as :meth:`outranks`, so that a KV
+        shortage never evicts the request a priority preemption would keep."""
+        return (self.effective_priority(request, self.clock()), request.arrival_time)
 
 
 def job_size(request: Request) -> int:
@@ -149,6 +165,11 @@ class FairShare(QueuePolicy):
     none is active, to that of the tenant that left last: idle time earns no credit, so a
     returning tenant cannot starve the others to catch up, and a tenant is never behind
     others by more than what it is owed since it became active.
+
+    Two choices differ from the paper: a tenant counts as active while it has any unfinished
+    request (the paper: a waiting one), so a tenant whose requests all run is not lifted
+    again; and tokens recomputed after a preemption are charged as service, since they take
+    the engine's time.
     """
 
     name = "fair"
@@ -186,13 +207,10 @@ class FairShare(QueuePolicy):
             del self.active[tenant]
             self.floor = self.counters[tenant]
 
-    def charge(self, scheduled: Iterable[ScheduledRequest]) -> None:
-        out_weight = self.config.fair_output_weight
-        for s in scheduled:
-            tenant = self.tenant(s.request)
-            prompt = s.num_new_tokens - 1 if s.is_decode else s.num_new_tokens
-            cost = prompt + (out_weight if s.sample else 0.0)
-            self.counters[tenant] += cost / self.weights.get(tenant, 1.0)
+    def charge_tokens(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
+        tenant = self.tenant(request)
+        cost = prompt_tokens + self.config.fair_output_weight * output_tokens
+        self.counters[tenant] += cost / self.weights.get(tenant, 1.0)
 
 
 QUEUE_POLICIES: dict[str, type[QueuePolicy]] = {

@@ -350,7 +350,9 @@ class Scheduler:
                 self.finish_request(m, RequestStatus.FINISHED_TIMEOUT)
             out.timed_out.append((request, phase))
         if len(heap) > 64 and len(heap) > 2 * len(self.requests):
-            self._deadlines = [e for e in heap if not e[2].is_finished]
+            # NOTE: a group's entry is its first sequence, which may finish before the rest.
+            self._deadlines = [e for e in heap if not (
+                e[2].group.is_finished if e[2].group is not None else e[2].is_finished)]
             heapq.heapify(self._deadlines)
 
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
@@ -415,6 +417,8 @@ class Scheduler:
             if self.kv.is_swapped(member.request_id):
                 continue
             self.kv.fork(leader.request_id, member.request_id, prompt_len)
+            if not member.output_token_ids:  # its first token comes from the leader's logits
+                self.policy.charge_tokens(member, 0, 1)
             member.num_computed_tokens = prompt_len
             group.parked.remove(member)
             self._start_running(member)
@@ -684,24 +688,18 @@ class ContinuousScheduler(Scheduler):
     def _preempt_for(self, request: Request, out: SchedulerOutput) -> int:
         """Priority preemption: preempt running requests that ``request`` outranks (the
         policy's :meth:`~kvflow.orchestrator.policies.QueuePolicy.outranks`: strictly lower
-        priority, both aged), lowest first, until ``request`` is admitted; only when
-        preempting all those eligible would free the seats and KV blocks it needs (so that
-        none is preempted in vain). Returns the tokens it runs (0: not admitted, nothing
-        preempted)."""
+        priority, both aged), in the policy's victim order, until ``request`` is admitted;
+        only when preempting all those eligible would free the seats, the budget and the KV
+        blocks it needs (so that none is preempted in vain). A group is preempted whole, and
+        is eligible only while each of its running sequences has been preempted fewer than
+        ``max_preemptions_per_request`` times. Returns the tokens ``request`` runs (0: not
+        admitted, nothing preempted)."""
         cfg = self.config
         if not cfg.priority_preemption:
             return 0
         victims = sorted((r for r in self.running if self.policy.outranks(request, r)
-                          and r.metrics.num_preemptions < cfg.max_preemptions_per_request),
-                         key=lambda r: (r.priority, r.arrival_time), reverse=True)
-        if not victims:
-            return 0
-        seats_after = self.num_seats_taken - len(victims) + self.seats(request)
-        freed = {b for v in victims for b in self.kv.block_tables.get(v.request_id, ())}
-        need = self.kv.blocks_needed(min(request.num_tokens, request.num_computed_tokens
-                                         + cfg.max_num_batched_tokens))
-        if (seats_after > cfg.max_num_seqs
-                or self.kv.num_free_blocks + len(freed) < need + self.watermark_blocks):
+                          and self._preemptible(r)), key=self.policy.victim_key, reverse=True)
+        if not victims or not self._would_fit(request, victims, out):
             return 0
         for victim in victims:
             if victim.status != RequestStatus.RUNNING:
@@ -713,13 +711,53 @@ class ContinuousScheduler(Scheduler):
                 return num_new
         return 0
 
+    def _preemptible(self, request: Request) -> bool:
+        """Under the thrash bound: every running sequence of its group (preempted together)."""
+        seqs = request.group.seqs if request.group is not None else [request]
+        return all(m.metrics.num_preemptions < self.config.max_preemptions_per_request
+                   for m in seqs if m.status == RequestStatus.RUNNING)
+
+    def _would_fit(self, request: Request, victims: list[Request],
+                   out: SchedulerOutput) -> bool:
+        """Whether ``request`` is admitted once every one of ``victims`` is preempted: seats
+        (a running leader takes its parked members' with it), budget (the victims' tokens
+        this step come back) and KV blocks (a block is freed only if the victims hold every
+        reference to it; a cache hit costs a free block only if nothing else holds it)."""
+        cfg, kv = self.config, self.kv
+        gone = set(victims)
+        seats = sum(1 + (len(v.group.parked) if v.group is not None and v is v.group.leader
+                         else 0) for v in victims)
+        if self.num_seats_taken - seats + self.seats(request) > cfg.max_num_seqs:
+            return False
+        budget = (cfg.max_num_batched_tokens - out.num_batched_tokens
+                  + sum(s.num_new_tokens for s in out.scheduled if s.request in gone))
+        held: dict[int, int] = {}
+        for v in victims:
+            for b in kv.block_tables.get(v.request_id, ()):
+                held[b] = held.get(b, 0) + 1
+        refs = kv.pool.ref_counts
+        freed = {b for b, k in held.items() if refs[b] == k}
+        if kv.is_swapped(request.request_id):
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = self._chunk(remaining, budget, prefill=remaining > 1)
+            need = kv.blocks_needed(request.num_computed_tokens + num_new)
+        else:
+            hits, cached = kv.get_computed_blocks(request.request_id, request.token_ids,
+                                                  request.cache_salt)
+            num_new = self._chunk(request.num_tokens - cached, budget, prefill=True,
+                                  recompute=request.num_output_tokens > 0)
+            need = (kv.blocks_needed(cached + num_new) - len(hits)
+                    + sum(1 for b in hits if refs[b] == 0 or b in freed))
+        reserve = self.watermark_blocks if any(r not in gone for r in self.running) else 0
+        return num_new > 0 and kv.num_free_blocks + len(freed) >= need + reserve
+
     def _is_long_prefill(self, request: Request) -> bool:
         """More tokens to prefill than ``long_prefill_token_threshold`` (the long-prompt cap)."""
         return (request.num_tokens - request.num_computed_tokens
                 > self.config.long_prefill_token_threshold)
 
     def _pick_victim(self) -> Request:
-        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return max(self.running, key=self.policy.victim_key)
 
 
 class StaticBatchScheduler(Scheduler):
