@@ -178,10 +178,10 @@ def main() -> int:
     p.add_argument("--part", choices=["sim", "served"], default="sim")
     p.add_argument("--out", default=None, help="default reports/scheduling/PART")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="default 1000 (sim), 60 (served)")
+                   help="default 1000 (sim), 40 (served)")
     p.add_argument("--rate", type=float, default=None,
                    help="requests/s; default 24 (sim: ~1.5x the H100's capacity for this "
-                        "workload), 1.5 (served)")
+                        "workload), 0.45 (served: ~1.1x this machine's capacity)")
     p.add_argument("--max-queue-delay-ms", type=float, default=1000.0,
                    help="sim: SLO admission's bound")
     p.add_argument("--engine", default="engines/smollm2-135m", help="served: the engine")
@@ -193,8 +193,8 @@ def main() -> int:
     p.add_argument("--docs-img", default="docs/img", help="where the plot is copied")
     args = p.parse_args()
     sim = args.part == "sim"
-    args.num_prompts = args.num_prompts or (1000 if sim else 60)
-    args.rate = args.rate or (24.0 if sim else 1.5)
+    args.num_prompts = args.num_prompts or (1000 if sim else 40)
+    args.rate = args.rate or (24.0 if sim else 0.45)
     out = Path(args.out or f"reports/scheduling/{args.part}")
     out.mkdir(parents=True, exist_ok=True)
     rows = run_sim(args, out) if sim else run_served(args, out)
