@@ -110,7 +110,7 @@ def default_engines(tmp_path_factory) -> dict[str, Path]:
     """backend -> engine folder of the default model (SmolLM2-135M-Instruct), both CPU backends."""
     pytest.importorskip("torch")
     from kvflow.build.engine import build_engine
-    from kvflow.model.loader import default_model_path
+    from kvflow.model.loader import default_model_path, load_checkpoint
 
     try:
         default_model_path()
@@ -118,11 +118,12 @@ def default_engines(tmp_path_factory) -> dict[str, Path]:
         pytest.skip(str(e))
     root = tmp_path_factory.mktemp("default-engines")
     out = {}
+    checkpoint = load_checkpoint("default")  # loaded and its tokenizer converted once
     for backend in ("onnxruntime", "torch"):
         out[backend] = root / backend
         build_engine("default", out[backend], backend=backend, max_model_len=1024,
                      max_num_tokens=512, max_batch_size=32, block_size=16,
-                     progress=lambda _msg: None)
+                     progress=lambda _msg: None, checkpoint=checkpoint)
     return out
 
 

@@ -11,7 +11,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvflow.build.engine_config import (
     BACKEND_DTYPES,
@@ -22,6 +22,9 @@ from kvflow.build.engine_config import (
     EngineConfigError,
     checkpoint_source,
 )
+
+if TYPE_CHECKING:
+    from kvflow.model.loader import Checkpoint
 
 ProgressFn = Callable[[str], None]
 
@@ -61,8 +64,12 @@ def build_engine(
     progress: ProgressFn = _print_progress,
     quantize: str | None = None,
     group_size: int = 32,
+    checkpoint: Checkpoint | None = None,
 ) -> EngineConfig:
     """Build an engine folder; see ``kvflow build-engine --help`` for the arguments.
+
+    ``checkpoint``: ``model`` already loaded (:func:`~kvflow.model.loader.load_checkpoint`),
+    so that several engines of one model load and convert it once; it is not modified.
 
     Weights: a GGUF's Q4_0 / Q4_1 / Q8_0 tensors stay quantized on ``--backend onnxruntime``
     unless ``dtype`` is given (``float32``: dequantized, exact to HF); ``quantize`` (``int4`` or
@@ -98,7 +105,7 @@ def build_engine(
 
     t0 = time.perf_counter()
     progress(f"[1/4] loading {model}")
-    ckpt = load_checkpoint(model)
+    ckpt = checkpoint if checkpoint is not None else load_checkpoint(model)
     cfg = ckpt.config
     limit = cfg.max_position_embeddings
     if cfg.sliding_window:

@@ -204,12 +204,16 @@ def _load_gguf(path: Path) -> Checkpoint:
         if q is not None:
             quantized[key] = q
 
+    converted: list = []  # the HF tokenizer, converted once per checkpoint (seconds each)
+
     def save_tokenizer(out: Path) -> None:
         # transformers converts GGUF tokenizer metadata (vocab, merges, chat template) to HF form.
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tok.save_pretrained(str(out))
+        if not converted:
+            converted.append(AutoTokenizer.from_pretrained(str(path.parent),
+                                                           gguf_file=path.name))
+        converted[0].save_pretrained(str(out))
 
     return Checkpoint(config, state, str(path), save_tokenizer, quantized)
 
