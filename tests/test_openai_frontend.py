@@ -447,3 +447,18 @@ def test_a_server_that_is_down_is_passed_over_and_alone_is_a_503(triton_server, 
         assert info.value.response.headers["retry-after"] == "1"
         lonely.close()
     blocker.close()
+
+
+def test_timeout_ms_reaches_the_engine_and_a_request_ends_with_timeout(client):
+    """``timeout_ms`` is a vLLM-style extra that the backend's SamplingParams validates; past it
+    the choice ends with ``timeout`` and the text it had."""
+    got = client.completions.create(model=MODEL, prompt="Count to a thousand:", max_tokens=900,
+                                    temperature=0.0,
+                                    extra_body={"ignore_eos": True, "timeout_ms": 2000})
+    choice = got.choices[0]
+    assert choice.finish_reason == "timeout"
+    assert 0 < got.usage.completion_tokens < 900
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"timeout_ms": 0})
+    assert "timeout_ms must be in [1, 604800000]" in info.value.message

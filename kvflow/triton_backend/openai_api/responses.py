@@ -11,7 +11,9 @@ from typing import Any
 
 from kvflow.triton_backend.openai_api.protocol import ChoiceRequest, CompletionRequest
 
-OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length"}
+# The engine's reasons as the API reports them. "timeout" (past timeout_ms) is kept as it is,
+# as vLLM's server keeps its own: a client must not take a cut answer for a finished one.
+OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "timeout": "timeout"}
 
 
 @dataclass
