@@ -98,12 +98,15 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> str:
     for ax, (what, mean_key, p99_key) in zip(axes[:2], (("TTFT", "ttft_mean", "ttft_p99"),
                                                         ("E2E", "e2e_mean", "e2e_p99")),
                                              strict=True):
+        points: dict[tuple[float, float], list[str]] = {}  # policies that coincide: one label
         for r in rows:
-            if r[mean_key] is None:
-                continue
-            ax.scatter(r[mean_key] / 1e3, r[p99_key] / 1e3, s=40)
-            ax.annotate(r["policy"], (r[mean_key] / 1e3, r[p99_key] / 1e3), fontsize=8,
-                        xytext=(4, 4), textcoords="offset points")
+            if r[mean_key] is not None:
+                xy = (round(r[mean_key] / 1e3, 2), round(r[p99_key] / 1e3, 2))
+                points.setdefault(xy, []).append(r["policy"])
+        for (x, y), names in points.items():
+            ax.scatter(x, y, s=40)
+            ax.annotate(" = ".join(names), (x, y), fontsize=8, xytext=(4, 4),
+                        textcoords="offset points")
         ax.set_xlabel(f"mean {what} (s)")
         ax.set_ylabel(f"P99 {what} (s)")
         ax.set_title(f"{what}: mean vs P99 (lower left is better)")
