@@ -10,7 +10,8 @@ from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.request import Request, RequestStatus
 from kvflow.orchestrator.sampling_params import SamplingParams
-from kvflow.orchestrator.scheduler import SchedulerOutput, make_scheduler
+from kvflow.orchestrator.scheduler import make_scheduler
+from kvflow.orchestrator.scheduler_output import SchedulerOutput
 
 EOS = 2
 TOKEN = 7

@@ -30,7 +30,8 @@ from kvflow.orchestrator.outputs import (
 from kvflow.orchestrator.request import Request, RequestMetrics, RequestStatus, SequenceGroup
 from kvflow.orchestrator.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from kvflow.orchestrator.sampling_params import MAX_SEED, SamplingParams
-from kvflow.orchestrator.scheduler import Clock, SchedulerOutput, make_scheduler
+from kvflow.orchestrator.scheduler import make_scheduler
+from kvflow.orchestrator.scheduler_output import Clock, SchedulerOutput
 from kvflow.orchestrator.structured import (
     Grammar,
     GrammarCompiler,

@@ -28,7 +28,7 @@ from kvflow.orchestrator.config import EngineOptions, parse_tenant_weights
 from kvflow.orchestrator.request import Request
 
 if TYPE_CHECKING:
-    from kvflow.orchestrator.scheduler import Clock, ScheduledRequest
+    from kvflow.orchestrator.scheduler_output import Clock, ScheduledRequest
 
 DEFAULT_TENANT = ""  # whom a request without a tenant is accounted to
 

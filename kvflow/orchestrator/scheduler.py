@@ -1,14 +1,17 @@
 """Schedulers: which tokens of which requests run in the next step. Pure Python.
 
-One base class holds the queues, admission checks, preemption and bookkeeping; each batching
-policy is a small subclass with its own ``schedule()``:
+One base class holds the queues, admission checks (SLO admission included), deadlines,
+preemption and bookkeeping; each batching policy is a small subclass with its own
+``_schedule()``:
 
-* :class:`ContinuousScheduler` (``fcfs`` / ``priority``): in-flight batching with a token
-  budget, chunked prefill and preemption by recompute.
+* :class:`ContinuousScheduler` (every queue policy of :mod:`kvflow.orchestrator.policies`:
+  ``fcfs``, ``priority``, ``cache_aware``, ``sjf``, ``fair``): in-flight batching with a
+  token budget, chunked prefill, preemption by recompute or swap, and priority preemption.
 * :class:`StaticBatchScheduler` (``static``): the baseline; a batch runs to completion.
 
-The scheduler hands the engine a :class:`SchedulerOutput` and gets the sampled tokens back
-through :meth:`Scheduler.update_from_output` (vLLM v1's handshake).
+The scheduler hands the engine a :class:`~kvflow.orchestrator.scheduler_output.SchedulerOutput`
+and gets the sampled tokens back through :meth:`Scheduler.update_from_output` (vLLM v1's
+handshake).
 
 Parallel sampling (``n > 1``, a :class:`SequenceGroup`): the base class forks a group's parked
 members off its leader once the leader's prompt is computed, and preempts, swaps and aborts a
@@ -21,113 +24,19 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from collections.abc import Collection, Mapping
 
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.outputs import OVERLOADED_PREFIX
 from kvflow.orchestrator.policies import QUEUE_POLICIES, QueuePolicy
 from kvflow.orchestrator.request import Request, RequestStatus, SequenceGroup
-
-Clock = Callable[[], float]
-
-
-class ScheduledRequest:
-    """``num_new_tokens`` tokens of ``request`` from ``start`` run this step.
-
-    ``sample``: the chunk reaches the end of the known sequence, so a token is sampled. It is
-    fixed when scheduled, since the sequence grows once the sampled token is appended.
-    """
-
-    __slots__ = ("request", "start", "num_new_tokens", "sample")
-
-    def __init__(self, request: Request, start: int, num_new_tokens: int) -> None:
-        self.request = request
-        self.start = start
-        self.num_new_tokens = num_new_tokens
-        self.sample = start + num_new_tokens == len(request.token_ids)
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token continuing a sequence whose output has begun."""
-        return self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens
-
-    def __repr__(self) -> str:
-        return (f"ScheduledRequest({self.request.request_id!r}, start={self.start}, "
-                f"n={self.num_new_tokens}, sample={self.sample})")
-
-
-BlockCopies = list[tuple[int, int]]
-# The kinds of block transfers: device -> device (copy on write of a block forked sequences
-# share), device -> host (preemption by swap), host -> device (a swapped request resumes).
-TRANSFER_KINDS = ("copy", "swap_out", "swap_in")
-
-
-@dataclass
-class SchedulerOutput:
-    """What to run this step, and what the scheduler did to get there.
-
-    ``transfers``: the block copies to make before the step, in the order the scheduler
-    decided them (it matters: a swap-out frees blocks a later copy on write may reuse, and a
-    copy on write must land before its sequence is swapped out).
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # Requests finished past their deadline before this step (a group's first sequence), and
-    # the phase each was in: "waiting", "prefill" or "decode".
-    timed_out: list[tuple[Request, str]] = field(default_factory=list)
-    transfers: list[tuple[str, BlockCopies]] = field(default_factory=list)
-
-    def add_transfer(self, kind: str, pairs: BlockCopies) -> None:
-        assert kind in TRANSFER_KINDS, kind
-        if not pairs:
-            return
-        if self.transfers and self.transfers[-1][0] == kind:
-            self.transfers[-1][1].extend(pairs)
-        else:
-            self.transfers.append((kind, list(pairs)))
-
-    def _pairs(self, kind: str) -> BlockCopies:
-        return [p for k, pairs in self.transfers if k == kind for p in pairs]
-
-    @property
-    def blocks_to_swap_out(self) -> BlockCopies:
-        """(device block, host block) copies of requests preempted by swap."""
-        return self._pairs("swap_out")
-
-    @property
-    def blocks_to_swap_in(self) -> BlockCopies:
-        """(host block, device block) copies of swapped requests resuming this step."""
-        return self._pairs("swap_in")
-
-    @property
-    def blocks_to_copy(self) -> BlockCopies:
-        """(src, dst) device copies: copy on write of blocks forked sequences share."""
-        return self._pairs("copy")
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-class Rejection(NamedTuple):
-    """Why a request is refused: the message (it names the field and the limit), the error
-    code (``bad_request`` or ``overloaded``) and the metric's cause (``REJECT_CAUSES``)."""
-
-    message: str
-    code: str
-    cause: str
+from kvflow.orchestrator.scheduler_output import (
+    Clock,
+    Rejection,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class Scheduler:
