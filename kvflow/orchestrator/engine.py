@@ -57,6 +57,13 @@ class _RequestState:
         self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
         self.emitted_tokens = 0
 
+    def flush(self) -> str:
+        """At the sequence's end: the text the detokenizer held back for a possible stop
+        string (none once a stop string was found: the text ends there)."""
+        if self.detok is None or self.detok.stopped:
+            return ""
+        return self.detok.finish()
+
 
 class _Sampled(NamedTuple):
     """The sampling stage's result: the requests that sampled, their tokens, the sampler's
@@ -137,10 +144,8 @@ class LLMEngine:
         if n > 1:
             SequenceGroup(request_id, seqs)
         if not self.scheduler.add_request(request):
-            self.counters.rejected += 1
-            cause = request.reject_cause or "bad_request"
-            self.counters.rejected_by_cause[cause] = (
-                self.counters.rejected_by_cause.get(cause, 0) + 1)
+            assert request.reject_cause is not None  # every rejection names its cause
+            self.counters.rejected_by_cause[request.reject_cause] += 1
             return request, self._output(request, {})
         for seq in seqs:
             detok = None
@@ -316,8 +321,8 @@ class LLMEngine:
                 entry = dict(sampled.output.top_logprobs[row] or [])
                 entry[token] = sampled.output.logprobs[row]
                 state.logprobs.append(entry)
-            if request.is_finished and state.detok is not None and not state.detok.stopped:
-                delta += state.detok.finish()  # text held back for a possible stop string
+            if request.is_finished:
+                delta += state.flush()
             state.text += delta
             new.setdefault(request.parent_id, {})[request.index] = (token, delta)
             leaders.setdefault(request.parent_id,
@@ -352,13 +357,12 @@ class LLMEngine:
     def _timeout_output(self, request: Request, phase: str) -> RequestOutput:
         """The final output of a request the scheduler timed out (its partial text, the text
         held back for a possible stop string included)."""
-        self.counters.timeouts_by_phase[phase] = self.counters.timeouts_by_phase.get(phase, 0) + 1
+        self.counters.timeouts_by_phase[phase] += 1
         new: dict[int, tuple[int | None, str]] = {}
         for seq in request.group.seqs if request.group is not None else [request]:
             state = self.states.get(seq.request_id)
-            if (seq.status == RequestStatus.FINISHED_TIMEOUT and state is not None
-                    and state.detok is not None and not state.detok.stopped):
-                delta = state.detok.finish()
+            if seq.status == RequestStatus.FINISHED_TIMEOUT and state is not None:
+                delta = state.flush()
                 state.text += delta
                 new[seq.index] = (None, delta)
         return self._output(request, new)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvflow.orchestrator.request import RequestMetrics
@@ -124,14 +125,18 @@ class EngineCounters:
     prompt_tokens: int = 0  # prefill tokens computed (recomputation after preemption included)
     generation_tokens: int = 0
     preemptions: int = 0
-    rejected: int = 0
     finished: int = 0
     steps: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     prefix_cache_hits: int = 0  # of which found cached
     step_time_s: float = 0.0
-    rejected_by_cause: dict[str, int] = field(default_factory=dict)
-    timeouts_by_phase: dict[str, int] = field(default_factory=dict)
+    rejected_by_cause: Counter[str] = field(default_factory=Counter)
+    timeouts_by_phase: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def rejected(self) -> int:
+        """Requests rejected at once, every cause together."""
+        return sum(self.rejected_by_cause.values())
 
 
 @dataclass

@@ -121,27 +121,25 @@ class Scheduler:
         """
         n, cfg, params = request.num_prompt_tokens, self.config, request.sampling_params
         if n == 0:
-            return Rejection("prompt must contain at least one token", "bad_request",
-                             "bad_request")
+            return Rejection.bad_request("prompt must contain at least one token")
         for limit, what in ((cfg.max_model_len, "max_model_len"),
                             (self.max_seq_len, "the KV cache's capacity per sequence")):
             if n >= limit:
-                return Rejection(f"prompt has {n} tokens; {what} is {limit} tokens (prompt + "
-                                 "at least one output token)", "bad_request", "bad_request")
+                return Rejection.bad_request(f"prompt has {n} tokens; {what} is {limit} tokens "
+                                             "(prompt + at least one output token)")
             for name in ("max_tokens", "min_tokens"):
                 want = getattr(params, name)
                 if want and n + want > limit:
-                    return Rejection(f"prompt has {n} tokens and {name} is {want}: "
-                                     f"{n + want} tokens, more than {what} ({limit} tokens)",
-                                     "bad_request", "bad_request")
+                    return Rejection.bad_request(
+                        f"prompt has {n} tokens and {name} is {want}: {n + want} tokens, more "
+                        f"than {what} ({limit} tokens)")
         if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
-            return Rejection(f"prompt has {n} tokens, more than max_num_batched_tokens "
-                             f"({cfg.max_num_batched_tokens}) with chunked prefill disabled",
-                             "bad_request", "bad_request")
+            return Rejection.bad_request(f"prompt has {n} tokens, more than "
+                                         f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) "
+                                         "with chunked prefill disabled")
         if params.n > cfg.max_num_seqs:
-            return Rejection(f"n is {params.n}; max_num_seqs is {cfg.max_num_seqs} (the n "
-                             "sequences of a request run together)", "bad_request",
-                             "bad_request")
+            return Rejection.bad_request(f"n is {params.n}; max_num_seqs is {cfg.max_num_seqs} "
+                                         "(the n sequences of a request run together)")
         if params.n > 1:
             # The n sequences run (and are preempted) together, so together they must fit the
             # pool: the prompt's full blocks once, the rest of each sequence's own.
@@ -149,9 +147,9 @@ class Scheduler:
             longest = n + (params.max_tokens or self.max_seq_len - n)
             need = n // bs + params.n * (-(-longest // bs) - n // bs)
             if need > usable:
-                return Rejection(f"n is {params.n}: {params.n} sequences of up to {longest} "
-                                 f"tokens (prompt + max_tokens) need {need} KV blocks; the KV "
-                                 f"cache has {usable}", "bad_request", "bad_request")
+                return Rejection.bad_request(
+                    f"n is {params.n}: {params.n} sequences of up to {longest} tokens (prompt + "
+                    f"max_tokens) need {need} KV blocks; the KV cache has {usable}")
         if len(self.waiting) >= cfg.max_waiting_requests:
             return Rejection(f"{OVERLOADED_PREFIX}: the waiting queue is full "
                              f"(max_waiting_requests={cfg.max_waiting_requests}); retry later",
@@ -247,10 +245,9 @@ class Scheduler:
         heap, now = self._deadlines, self.clock()
         while heap and heap[0][0] <= now:
             request = heapq.heappop(heap)[2]
-            members = (request.group.unfinished if request.group is not None
-                       else [] if request.is_finished else [request])
-            if not members:
+            if (request.group or request).is_finished:
                 continue
+            members = request.group.unfinished if request.group is not None else [request]
             phase = ("waiting" if all(m.status != RequestStatus.RUNNING for m in members)
                      else "decode" if any(m.status == RequestStatus.RUNNING
                                           and m.num_computed_tokens + 1 >= m.num_tokens
@@ -260,8 +257,7 @@ class Scheduler:
             out.timed_out.append((request, phase))
         if len(heap) > 64 and len(heap) > 2 * len(self.requests):
             # NOTE: a group's entry is its first sequence, which may finish before the rest.
-            self._deadlines = [e for e in heap if not (
-                e[2].group.is_finished if e[2].group is not None else e[2].is_finished)]
+            self._deadlines = [e for e in heap if not (e[2].group or e[2]).is_finished]
             heapq.heapify(self._deadlines)
 
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
@@ -403,6 +399,19 @@ class Scheduler:
         swap_s = 2 * blocks * self.kv.bytes_per_block / cfg.swap_bytes_per_s
         return swap_s < n / cfg.recompute_tokens_per_s
 
+    def _admission_chunk(self, request: Request, budget: int) -> tuple[int, list[int], int]:
+        """What admitting ``request`` under ``budget`` would run: (tokens, its cached blocks,
+        its cached tokens). A swapped-out request resumes from its computed tokens and reuses
+        no cache; any other starts after its longest cached prefix."""
+        if self.kv.is_swapped(request.request_id):
+            remaining = request.num_tokens - request.num_computed_tokens
+            return self._chunk(remaining, budget, prefill=remaining > 1), [], 0
+        hits, num_cached = self.kv.get_computed_blocks(request.request_id, request.token_ids,
+                                                       request.cache_salt)
+        num_new = self._chunk(request.num_tokens - num_cached, budget, prefill=True,
+                              recompute=request.num_output_tokens > 0)
+        return num_new, hits, num_cached
+
     def _admit_tokens(self, request: Request, budget: int, reserve: int,
                       output: SchedulerOutput) -> int:
         """Give a waiting request its KV (swap-in, or cache hits + new blocks); tokens to run.
@@ -410,9 +419,8 @@ class Scheduler:
         Returns 0, changing nothing, when the request does not fit this step.
         """
         rid = request.request_id
+        num_new, hits, num_cached = self._admission_chunk(request, budget)
         if self.kv.is_swapped(rid):
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_new = self._chunk(remaining, budget, prefill=remaining > 1)
             # A swapped group comes back together: its parked swapped members with it.
             companions = [m for m in request.group.parked if self.kv.is_swapped(m.request_id)
                           ] if request.group is not None else []
@@ -427,10 +435,6 @@ class Scheduler:
                 request.group.parked.remove(m)  # type: ignore[union-attr]
                 self._start_running(m)
             return num_new
-        hits, num_cached = self.kv.get_computed_blocks(rid, request.token_ids,
-                                                       request.cache_salt)
-        num_new = self._chunk(request.num_tokens - num_cached, budget, prefill=True,
-                              recompute=request.num_output_tokens > 0)
         if num_new == 0 or not self.kv.allocate_slots(rid, num_cached + num_new, reserve,
                                                       computed_blocks=hits):
             return 0
@@ -646,15 +650,10 @@ class ContinuousScheduler(Scheduler):
                 held[b] = held.get(b, 0) + 1
         refs = kv.pool.ref_counts
         freed = {b for b, k in held.items() if refs[b] == k}
+        num_new, hits, cached = self._admission_chunk(request, budget)
         if kv.is_swapped(request.request_id):
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_new = self._chunk(remaining, budget, prefill=remaining > 1)
             need = kv.blocks_needed(request.num_computed_tokens + num_new)
         else:
-            hits, cached = kv.get_computed_blocks(request.request_id, request.token_ids,
-                                                  request.cache_salt)
-            num_new = self._chunk(request.num_tokens - cached, budget, prefill=True,
-                                  recompute=request.num_output_tokens > 0)
             need = (kv.blocks_needed(cached + num_new) - len(hits)
                     + sum(1 for b in hits if refs[b] == 0 or b in freed))
         reserve = self.watermark_blocks if any(r not in gone for r in self.running) else 0
@@ -682,8 +681,8 @@ class StaticBatchScheduler(Scheduler):
 
     def _rejection_reason(self, request: Request) -> Rejection | None:
         if request.sampling_params.n > 1:
-            return Rejection("n > 1 (parallel sampling) needs a continuous policy, not static",
-                             "bad_request", "bad_request")
+            return Rejection.bad_request("n > 1 (parallel sampling) needs a continuous policy, "
+                                         "not static")
         return super()._rejection_reason(request)
 
     def _schedule(self, out: SchedulerOutput) -> None:

@@ -110,3 +110,8 @@ class Rejection(NamedTuple):
     message: str
     code: str
     cause: str
+
+    @classmethod
+    def bad_request(cls, message: str) -> Rejection:
+        """The client's fault: the request can never run as asked."""
+        return cls(message, "bad_request", "bad_request")
