@@ -347,11 +347,16 @@ def test_overload_is_told_apart_from_bad_input(small_server, small_frontend):
     results: list = []
     client.start_stream(callback=lambda result, error: results.append(error))
     try:
-        for i in range(4):  # two run, two wait
-            client.async_stream_infer("kvflow", build_inputs(f"Story {i}:", long),
-                                      request_id=f"hold-{i}")
-        wait_for(lambda: metric(scrape(small_server), "kvflow_num_requests_waiting") == 2,
-                 what="two waiting requests")
+        # Two run, then two wait. Sent in two pairs: four sent at once can all reach the
+        # queue before a step admits any, and the queue bound would then refuse two of them.
+        for pair, (gauge, what) in enumerate((("running", "two running"),
+                                              ("waiting", "two waiting"))):
+            for i in (2 * pair, 2 * pair + 1):
+                client.async_stream_infer("kvflow", build_inputs(f"Story {i}:", long),
+                                          request_id=f"hold-{i}")
+            wait_for(lambda: metric(scrape(small_server), f"kvflow_num_requests_{gauge}") == 2,
+                     what=f"{what} requests")
+        assert not any(results), "a held request was refused"
         status, reply = post(small_server, {"text_input": "one more", "max_tokens": 2})
         assert status in (400, 503), reply
         assert reply["error"].startswith("server overloaded") and "retry" in reply["error"]
