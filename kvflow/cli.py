@@ -217,7 +217,22 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=compare_main)
 
     add_simulate_parsers(sub)
+
+    trace = sub.add_parser("trace", help="read a step timeline (--trace-steps)")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    p = trace_sub.add_parser("summarize", help="per-phase totals and the longest steps of a "
+                                                "step timeline file")
+    p.add_argument("file", help="a --trace-steps file (Chrome Trace Event JSON)")
+    p.add_argument("--top", type=_int, default=10, help="how many of the longest steps")
+    p.set_defaults(func=run_trace_summarize)
     return parser
+
+
+def run_trace_summarize(args: argparse.Namespace) -> int:
+    from kvflow.orchestrator.trace import summarize
+
+    print(summarize(args.file, args.top))
+    return 0
 
 
 def add_simulate_parsers(sub: argparse._SubParsersAction) -> None:

@@ -141,10 +141,12 @@ def triton_server(default_engines, tmp_path_factory):
     """A real tritonserver serving the default model (ONNX Runtime engine), once per session."""
     from kvflow.triton_backend.server import ServerConfig, TritonServer
 
-    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    folder = tmp_path_factory.mktemp("triton")
+    log = folder / "tritonserver.log"
     cfg = ServerConfig.on_free_ports(
         default_engines["onnxruntime"], {"max_waiting_requests": 40, "kv_cache_bytes": 256 << 20,
                                          "debug_checks": True,  # invariants every step
+                                         "trace_steps": str(folder / "steps.json"),
                                          # batch-invariant, so that tests can compare requests
                                          # exactly (servers of their own test the default)
                                          "quantized_matmul": "fp32"},

@@ -354,7 +354,8 @@ def test_overload_is_told_apart_from_bad_input(small_server, small_frontend):
             for i in (2 * pair, 2 * pair + 1):
                 client.async_stream_infer("kvflow", build_inputs(f"Story {i}:", long),
                                           request_id=f"hold-{i}")
-            wait_for(lambda: metric(scrape(small_server), f"kvflow_num_requests_{gauge}") == 2,
+            series = f"kvflow_num_requests_{gauge}"
+            wait_for(lambda s=series: metric(scrape(small_server), s) == 2,
                      what=f"{what} requests")
         assert not any(results), "a held request was refused"
         status, reply = post(small_server, {"text_input": "one more", "max_tokens": 2})

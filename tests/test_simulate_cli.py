@@ -42,7 +42,8 @@ def test_one_run_writes_the_bench_serve_report_plus_kv_and_queue(tmp_path):
     assert all(r["queue_s"] >= 0 for r in report["requests"])
     row = report["server_series"][0]
     assert {"t_s", "kvflow_num_requests_running", "kvflow_num_requests_waiting",
-            "kvflow_kv_cache_usage_ratio", "kv_fragmentation", "batch_tokens"} <= set(row)
+            "kvflow_kv_cache_usage_ratio", "kvflow_kv_cache_fragmentation_ratio",
+            "batch_tokens"} <= set(row)
     sim = report["config"]["simulation"]
     assert sim["scheduler"]["max_num_batched_tokens"] == 512
     assert sim["scheduler"]["enable_chunked_prefill"] is True

@@ -118,13 +118,13 @@ def test_static_batching_reserves_whole_sequences_which_shows_as_fragmentation()
                       series_period_s=1.0)
     first = result.series[0]
     assert first["t_s"] == 1.0
-    assert first["kv_fragmentation"] == pytest.approx(8 / 12)
+    assert first["kvflow_kv_cache_fragmentation_ratio"] == pytest.approx(8 / 12)
     assert first["kvflow_kv_cache_usage_ratio"] == pytest.approx(3 / 15)  # block 0 is null
     assert first["batch_tokens"] == 4 and first["kvflow_num_requests_running"] == 1
     # Continuous batching allocates as it goes: 1 block after the prefill, 0 unfilled.
     cont = simulate(specs, FixedCostModel(1.0), EngineOptions(max_model_len=64),
                     num_blocks=16, block_size=4, series_period_s=1.0)
-    assert cont.series[0]["kv_fragmentation"] == 0.0
+    assert cont.series[0]["kvflow_kv_cache_fragmentation_ratio"] == 0.0
     assert cont.series[0]["kvflow_kv_cache_usage_ratio"] == pytest.approx(1 / 15)
     assert [r["t_s"] for r in cont.series] == [float(t) for t in range(1, 9)] + [8.0]
     assert cont.queue_s == [0.0]

@@ -19,7 +19,7 @@ into a fresh one first (copy on write), and queues the ``(src, dst)`` copy in
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvflow.kv_manager.block_pool import BlockHash, BlockPool, hash_block
@@ -325,6 +325,33 @@ class KVCacheManager:
         """The pool slot of token ``position`` of a sequence."""
         block = self.block_tables[request_id][position // self.block_size]
         return block * self.block_size + position % self.block_size
+
+    def fragmentation(self, filled: Iterable[tuple[Hashable, int]]) -> float:
+        """Fraction of the slots in used device blocks that hold no token (0 when none is
+        used): the tail of each sequence's last block, and blocks allocated ahead of its
+        tokens. ``filled``: (sequence, tokens whose KV is in its blocks) for the sequences
+        holding blocks; a block shared by several sequences counts once, as filled as its
+        fullest holder has it. A used block no sequence listed counts as full."""
+        used = self.pool.num_used_blocks
+        if used == 0:
+            return 0.0
+        bs = self.block_size
+        holders = [(self.block_tables[r], n) for r, n in filled if self.block_tables.get(r)]
+        partial: dict[int, int] = {}  # block -> filled slots, for the blocks past full ones
+        for table, num_tokens in holders:
+            for i in range(min(num_tokens // bs, len(table)), len(table)):
+                n = min(max(num_tokens - i * bs, 0), bs)
+                partial[table[i]] = max(partial.get(table[i], 0), n)
+        # NOTE: only the blocks past each holder's full ones are visited (one or two each),
+        # so a shared block (a fork's) may be full in another holder's table: look it up.
+        shared = {b for b in partial if self.pool.ref_counts[b] > 1}
+        if shared:
+            for table, num_tokens in holders:
+                for i in range(min(num_tokens // bs, len(table))):
+                    if table[i] in shared:
+                        partial[table[i]] = bs
+        unfilled = sum(bs - n for n in partial.values())
+        return unfilled / (used * bs)
 
     def check_integrity(self) -> None:
         """Pools consistent; every reference count equals the block's table occurrences."""

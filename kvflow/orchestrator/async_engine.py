@@ -219,4 +219,4 @@ class AsyncLLMEngine:
 
     def shutdown(self) -> None:
         self.loop.shutdown()
-        self.loop.engine.runner.close()
+        self.loop.engine.close()

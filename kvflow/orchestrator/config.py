@@ -149,13 +149,19 @@ class EngineOptions:
                                     "fp32 for larger steps, where fp32 GEMM does: faster on "
                                     "big batches, both weight copies in memory)",
                                     choices=_quantized_matmul_modes)
+    trace_steps: str | None = _option(None, "write a step timeline to this file: Chrome "
+                                            "Trace Event JSON that Perfetto opens, the last "
+                                            "trace_max_steps steps, written at shutdown and "
+                                            "on SIGUSR1 (kvflow trace summarize reads it)")
+    trace_max_steps: int = _option(10_000, "steps the step timeline keeps (a ring: older "
+                                           "steps are dropped)")
     debug_checks: bool = _option(help="check the KV pool's and the scheduler's invariants "
                                       f"after every step (default: ${envs.DEBUG_CHECKS})",
                                  default_factory=envs.debug_checks)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "max_waiting_requests"):
+                     "max_waiting_requests", "trace_max_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

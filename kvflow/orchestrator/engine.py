@@ -13,6 +13,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -31,7 +32,7 @@ from kvflow.orchestrator.request import Request, RequestMetrics, RequestStatus, 
 from kvflow.orchestrator.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from kvflow.orchestrator.sampling_params import MAX_SEED, SamplingParams
 from kvflow.orchestrator.scheduler import make_scheduler
-from kvflow.orchestrator.scheduler_output import Clock, SchedulerOutput
+from kvflow.orchestrator.scheduler_output import TRANSFER_KINDS, Clock, SchedulerOutput
 from kvflow.orchestrator.structured import (
     Grammar,
     GrammarCompiler,
@@ -39,6 +40,7 @@ from kvflow.orchestrator.structured import (
     fill_bitmasks,
 )
 from kvflow.orchestrator.tokenizer import EngineTokenizer, Prompt, tokenize_prompt
+from kvflow.orchestrator.trace import Entry, Finish, StepRecord, StepTracer
 from kvflow.runtime.base import ModelRunner
 from kvflow.runtime.step_builder import SeqChunk, build_step
 
@@ -85,11 +87,13 @@ class LLMEngine:
         eos_token_ids: ids that end a request (unless ``ignore_eos``).
         clock: monotonic seconds; the simulator passes its own.
         stats_window: how many recent :class:`StepStats` to keep.
+        trace_source: what the step timeline says produced it (the simulator's says so).
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: EngineTokenizer | None,
                  options: EngineOptions, eos_token_ids: Sequence[int] = (),
-                 clock: Clock = time.monotonic, stats_window: int = 4096) -> None:
+                 clock: Clock = time.monotonic, stats_window: int = 4096,
+                 trace_source: str = "engine") -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = options
@@ -106,6 +110,9 @@ class LLMEngine:
         self.counters = EngineCounters()  # written by this engine alone
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None
+        # The step timeline (trace_steps); None: no step is recorded, tracing costs nothing.
+        self.tracer = (StepTracer(options.trace_steps, options.trace_max_steps, trace_source)
+                       if options.trace_steps else None)
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -189,6 +196,12 @@ class LLMEngine:
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
+        if self.tracer is not None:
+            now = self.clock()
+            for seq in request.group.seqs if request.group is not None else [request]:
+                m = seq.metrics
+                self.tracer.finish(seq.request_id, "abort", now,
+                                   m.arrival_time if m.first_scheduled_time is None else None)
         return self._output(request, {})
 
     def has_unfinished_requests(self) -> bool:
@@ -208,7 +221,8 @@ class LLMEngine:
         """
         t0 = self.clock()
         sched = self._schedule()
-        timed_out = [self._timeout_output(request, phase) for request, phase in sched.timed_out]
+        timed_out = [self._timeout_output(request, phase, t0)
+                     for request, phase in sched.timed_out]
         if sched.is_empty:
             if timed_out and self.config.debug_checks:
                 self.scheduler.check_integrity()
@@ -353,15 +367,60 @@ class LLMEngine:
             num_timed_out=len(sched.timed_out),
             finished=[o.request_id for o in outputs if o.finished],
             scheduled=[(s.request.request_id, s.num_new_tokens) for s in sched.scheduled]))
+        if self.tracer is not None:
+            self._trace(sched, times)
 
-    def _timeout_output(self, request: Request, phase: str) -> RequestOutput:
+    def _trace(self, sched: SchedulerOutput,
+               times: tuple[float, float, float, float, float]) -> None:
+        """The step's record in the timeline: each chunk (with the arrival of a request
+        scheduled for the first time), the preemptions and transfers, the ends."""
+        t0, t4 = times[0], times[-1]
+        entries: list[Entry] = []
+        finished: list[Finish] = []
+        for s in sched.scheduled:
+            r = s.request
+            m = r.metrics
+            kind = ("decode" if s.is_decode else "recompute" if m.num_preemptions
+                    else "prefill")
+            first = m.first_scheduled_time is not None and m.first_scheduled_time >= t0
+            entries.append((r.request_id, kind, s.num_new_tokens,
+                            m.arrival_time if first else None, s.sample))
+            if r.is_finished:
+                finished.append((r.request_id, r.status.finish_reason or "", t4, None))
+        transfers = {f"{kind}_blocks": sum(len(p) for k, p in sched.transfers if k == kind)
+                     for kind in TRANSFER_KINDS}
+        assert self.tracer is not None
+        self.tracer.record(StepRecord(
+            self.counters.steps, times, entries, [r.request_id for r in sched.preempted],
+            transfers, self.kv.usage, self.kv.pool.num_used_blocks, self.scheduler.num_running,
+            self.scheduler.num_waiting, finished))
+
+    def write_trace(self, path: str | None = None) -> Path | None:
+        """Write the step timeline (to ``path``, default ``trace_steps``); None when tracing
+        is off."""
+        return self.tracer.write(path) if self.tracer is not None else None
+
+    def close(self) -> None:
+        """Write the step timeline (when tracing) and release the runner."""
+        try:
+            self.write_trace()
+        finally:
+            self.runner.close()
+
+    def _timeout_output(self, request: Request, phase: str, now: float) -> RequestOutput:
         """The final output of a request the scheduler timed out (its partial text, the text
         held back for a possible stop string included)."""
         self.counters.timeouts_by_phase[phase] += 1
         new: dict[int, tuple[int | None, str]] = {}
         for seq in request.group.seqs if request.group is not None else [request]:
             state = self.states.get(seq.request_id)
-            if seq.status == RequestStatus.FINISHED_TIMEOUT and state is not None:
+            if seq.status != RequestStatus.FINISHED_TIMEOUT:
+                continue
+            if self.tracer is not None:
+                m = seq.metrics
+                self.tracer.finish(seq.request_id, "timeout", now,
+                                   m.arrival_time if m.first_scheduled_time is None else None)
+            if state is not None:
                 delta = state.flush()
                 state.text += delta
                 new[seq.index] = (None, delta)
@@ -387,7 +446,7 @@ class LLMEngine:
             for seq in seqs:
                 self.states.pop(seq.request_id, None)
             if request.status != RequestStatus.REJECTED:
-                self.counters.finished += 1
+                self.counters.finished_by_reason[outputs[0].finish_reason or "abort"] += 1
         return RequestOutput(
             request_id=request.parent_id, outputs=outputs, finished=finished,
             num_prompt_tokens=request.num_prompt_tokens, metrics=_request_metrics(seqs),

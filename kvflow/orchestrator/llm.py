@@ -135,7 +135,7 @@ class LLM:
         return self.generate([ChatPrompt(messages)], sampling_params)[0]
 
     def close(self) -> None:
-        self.engine.runner.close()
+        self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

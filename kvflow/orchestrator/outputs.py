@@ -117,21 +117,27 @@ class EngineCounters:
     alone (the Prometheus counters mirror them).
 
     ``step_time_s`` is the time inside steps, on the engine's clock (simulated seconds in the
-    simulator). ``finished`` counts every request that ended, aborts and timeouts included,
-    rejections not. ``rejected_by_cause`` splits ``rejected`` by :data:`REJECT_CAUSES`;
+    simulator). ``finished_by_reason`` counts every request that ran and ended by its finish
+    reason (its first sequence's: stop, length, abort, timeout), rejections not;
+    ``rejected_by_cause`` counts the rejections by :data:`REJECT_CAUSES`;
     ``timeouts_by_phase`` counts the timeouts by :data:`TIMEOUT_PHASES`.
     """
 
     prompt_tokens: int = 0  # prefill tokens computed (recomputation after preemption included)
     generation_tokens: int = 0
     preemptions: int = 0
-    finished: int = 0
     steps: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     prefix_cache_hits: int = 0  # of which found cached
     step_time_s: float = 0.0
+    finished_by_reason: Counter[str] = field(default_factory=Counter)
     rejected_by_cause: Counter[str] = field(default_factory=Counter)
     timeouts_by_phase: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def finished(self) -> int:
+        """Requests that ran and ended, every reason together."""
+        return sum(self.finished_by_reason.values())
 
     @property
     def rejected(self) -> int:

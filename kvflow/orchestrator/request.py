@@ -76,6 +76,13 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
     @property
+    def decode_time_s(self) -> float | None:
+        """First token to last token."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first."""
         n = len(self.token_times)

@@ -67,6 +67,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout-s", type=float, default=None,
                    help="every request's deadline (finish_reason timeout past it)")
     p.add_argument("--series-period-s", type=float, default=0.25)
+    p.add_argument("--trace-steps", default=None, metavar="FILE",
+                   help="write the step timeline (Chrome Trace Event JSON, as `kvflow serve "
+                        "--trace-steps` writes) of the run; with several runs, FILE's name "
+                        "in each run's folder")
+    p.add_argument("--trace-max-steps", type=int, default=10_000,
+                   help="steps the timeline keeps (the last ones)")
     p.add_argument("--out", default="reports/simulate")
 
 
@@ -107,7 +113,7 @@ def _plot_kv_batch(out: Path, result: SimResult) -> str:
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     axes[0].plot(t, [r["kvflow_kv_cache_usage_ratio"] for r in result.series],
                  label="KV blocks used")
-    axes[0].plot(t, [r["kv_fragmentation"] for r in result.series],
+    axes[0].plot(t, [r["kvflow_kv_cache_fragmentation_ratio"] for r in result.series],
                  label="fragmentation (unfilled slots / used slots)")
     axes[0].set_ylim(0, 1.02)
     axes[0].set_ylabel("fraction")
@@ -136,7 +142,7 @@ def _plot_kv_batch(out: Path, result: SimResult) -> str:
     return save_figure(fig, out / "kv_batch.png")
 
 
-def _thin(series: list[dict[str, float]], limit: int = 4000) -> list[dict[str, float]]:
+def _thin(series: list[dict[str, float]], limit: int = 1000) -> list[dict[str, float]]:
     if len(series) <= limit:
         return series
     idx = np.linspace(0, len(series) - 1, limit).round().astype(int)
@@ -145,12 +151,17 @@ def _thin(series: list[dict[str, float]], limit: int = 4000) -> list[dict[str, f
 
 def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse.Namespace,
             num_blocks: int, config: dict[str, Any], out: Path, bar: Any,
-            prompts: list[list[int]] | None = None, echo: bool = True) -> dict[str, Any]:
-    """Simulate one (mode, workload) and write its report to ``out``."""
+            prompts: list[list[int]] | None = None, echo: bool = True,
+            trace_steps: Path | None = None) -> dict[str, Any]:
+    """Simulate one (mode, workload) and write its report to ``out`` (with the server's
+    final metrics as ``metrics.prom``, and the step timeline to ``trace_steps``)."""
     options = mode_scheduler_options(mode, args.max_num_seqs, args.max_model_len,
                                      args.chunk_tokens, args.prefix_caching)
     options.update(max_queue_delay_ms=getattr(args, "max_queue_delay_ms", None),
                    request_timeout_s=getattr(args, "request_timeout_s", None))
+    if trace_steps is not None:
+        options.update(trace_steps=str(trace_steps),
+                       trace_max_steps=getattr(args, "trace_max_steps", 10_000))
     sched = EngineOptions(**options)
     # The workload's own priorities (tenants: light before heavy), else random levels.
     own = any(s.priority is not None for s in specs)
@@ -169,7 +180,7 @@ def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse
                       priorities=priorities)
     wall = time.perf_counter() - t0
     series = _thin(result.series)
-    frag = [r["kv_fragmentation"] for r in result.series]
+    frag = [r["kvflow_kv_cache_fragmentation_ratio"] for r in result.series]
     usage = [r["kvflow_kv_cache_usage_ratio"] for r in result.series]
     preempted = sum(s.num_preempted for s in result.steps)
     sim_info = {"mode": mode, "scheduler": options, "num_kv_blocks": num_blocks,
@@ -186,6 +197,10 @@ def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse
              f"{(np.mean(queue) if queue else 0) * 1e3:.1f} ms, p99 "
              f"{(np.percentile(queue, 99) if queue else 0) * 1e3:.1f} ms."]
     out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.prom").write_text(result.metrics.exposition({"model": "simulated"}))
+    if trace_steps is not None:
+        lines.append(f"Step timeline: {trace_steps} (open it in ui.perfetto.dev, or run "
+                     f"`kvflow trace summarize {trace_steps}`).")
     extra = [_plot_kv_batch(out, result)]
     tenants = [s.tenant for s in specs]
     if any(tenants):
@@ -244,8 +259,10 @@ def simulate_main(args: argparse.Namespace) -> int:
                 sub = out if single else out / mode / f"rate_{rate if rate else 'trace'}"
                 config = {**info, **cost_info, "num_prompts": len(specs), "slo": slo,
                           "max_concurrency": None}
+                trace = None if not args.trace_steps else (
+                    Path(args.trace_steps) if single else sub / Path(args.trace_steps).name)
                 report = run_one(specs, mode, cost, args, num_blocks, config, sub, bar,
-                                 echo=single)
+                                 echo=single, trace_steps=trace)
                 results[mode].append({"rate": info["request_rate"],
                                       "summary": report["summary"],
                                       "simulation": report["config"]["simulation"]})

@@ -22,6 +22,7 @@ from kvflow.build.engine_config import BuildLimits, EngineConfig
 from kvflow.model.config import ModelConfig
 from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.engine import LLMEngine
+from kvflow.orchestrator.metrics import EngineMetrics, MetricsRegistry
 from kvflow.orchestrator.outputs import RequestOutput, StepStats
 from kvflow.orchestrator.sampling_params import SamplingParams
 from kvflow.runtime.base import ModelRunner, StepInput
@@ -76,13 +77,14 @@ def sim_engine_config(block_size: int, max_model_len: int, max_num_tokens: int,
 @dataclass
 class SimResult:
     """Per-request timings and queue times (on the simulated clock), the engine's per-step
-    stats and the sampled server series."""
+    stats, the sampled server series and the server's metrics at the end."""
 
     timings: list[RequestTiming]
     queue_s: list[float | None]
     steps: list[StepStats]
     series: list[dict[str, float]]
     duration_s: float
+    metrics: MetricsRegistry
 
     @property
     def batches(self) -> list[list[tuple[str, int]]]:
@@ -90,30 +92,11 @@ class SimResult:
         return [s.scheduled for s in self.steps]
 
 
-def kv_fragmentation(engine: LLMEngine) -> float:
-    """Fraction of the slots in used KV blocks that hold no token: the tail of each running
-    request's last block, and (static batching) blocks reserved ahead for its whole output."""
-    kv = engine.kv
-    used = kv.pool.num_used_blocks
-    if used == 0:
-        return 0.0
-    unfilled = 0
-    for request in engine.scheduler.running:
-        table = kv.block_tables.get(request.request_id)
-        if table:
-            unfilled += max(len(table) * kv.block_size - request.num_computed_tokens, 0)
-    return unfilled / (used * kv.block_size)
-
-
-def _sample_series(engine: LLMEngine, now: float) -> dict[str, float]:
-    """One row of server state, named as the server's metrics endpoint names it."""
-    sched = engine.scheduler
+def _sample_series(engine: LLMEngine, registry: MetricsRegistry, now: float) -> dict[str, float]:
+    """One row of server state: every ``kvflow_*`` series, named as the server's metrics
+    endpoint names it (histograms by ``_sum`` and ``_count``), and the last step's batch."""
     last = engine.step_stats[-1] if engine.step_stats else None
-    return {"t_s": now,
-            "kvflow_num_requests_running": float(sched.num_running),
-            "kvflow_num_requests_waiting": float(sched.num_waiting),
-            "kvflow_kv_cache_usage_ratio": engine.kv.usage,
-            "kv_fragmentation": kv_fragmentation(engine),
+    return {"t_s": now, **registry.row(),
             "batch_tokens": float(last.num_prefill_tokens + last.num_decode_tokens
                                   if last else 0),
             "batch_seqs": float(last.num_scheduled_seqs if last else 0)}
@@ -144,12 +127,13 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions
                                    sched.max_num_batched_tokens, sched.max_num_seqs)
     runner = SimRunner(engine_cfg, num_blocks, cost, clock)
     engine = LLMEngine(runner, None, sched, (SIM_EOS,), clock=clock,
-                       stats_window=10_000_000)
+                       stats_window=10_000_000, trace_source="simulator")
     arrivals = [(s.arrival_s, i) for i, s in enumerate(specs)]
     heapq.heapify(arrivals)
     finished: dict[int, RequestTiming] = {}
     queue_s: list[float | None] = [None] * len(specs)
     series: list[dict[str, float]] = []
+    collector, registry = EngineMetrics(), MetricsRegistry()
     next_sample = 0.0
     while arrivals or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
@@ -168,12 +152,13 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions
                 finished[i] = RequestTiming(t, [], spec.prompt_tokens, 0, ok=False)
         before = (clock.now, len(engine.step_stats))
         outputs = engine.step()
+        registry.apply(collector.collect(engine, outputs))
         if (clock.now, len(engine.step_stats)) == before:  # nothing could be scheduled
             if not arrivals:
                 raise RuntimeError("simulation stalled: requests wait, nothing can be scheduled")
             clock.now = max(clock.now, arrivals[0][0])
         if clock.now >= next_sample:
-            series.append(_sample_series(engine, clock.now))
+            series.append(_sample_series(engine, registry, clock.now))
             next_sample = clock.now + series_period_s
         for out in outputs:
             if out.finished:
@@ -182,9 +167,11 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions
                 queue_s[i] = out.metrics.queue_time_s
                 if progress is not None:
                     progress(len(finished))
-    series.append(_sample_series(engine, clock.now))
+    registry.apply(collector.collect(engine, []))
+    series.append(_sample_series(engine, registry, clock.now))
+    engine.write_trace()  # with sched.trace_steps: the step timeline, on the simulated clock
     timings = [finished[i] for i in range(len(specs))]
-    return SimResult(timings, queue_s, list(engine.step_stats), series, clock.now)
+    return SimResult(timings, queue_s, list(engine.step_stats), series, clock.now, registry)
 
 
 def timing_of(out: RequestOutput) -> RequestTiming:

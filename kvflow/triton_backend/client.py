@@ -63,11 +63,12 @@ class StreamingClient:
             headers={GRPC_API_KEY_HEADER: api_key} if api_key else None)
 
     def generate(self, prompt: str, sampling: dict[str, Any], stream: bool = True,
-                 chat: bool = False) -> Iterator[StreamChunk]:
-        """Yield the responses of one request (requests on one client run one at a time)."""
+                 chat: bool = False, request_id: str | None = None) -> Iterator[StreamChunk]:
+        """Yield the responses of one request (requests on one client run one at a time);
+        ``request_id``: Triton's request id (default: a random one)."""
         self._client.async_stream_infer(MODEL_NAME, build_inputs(prompt, sampling, stream,
                                                                  chat=chat),
-                                        request_id=uuid.uuid4().hex,
+                                        request_id=request_id or uuid.uuid4().hex,
                                         enable_empty_final_response=True)
         while True:
             result, error = self._responses.get(timeout=self.timeout_s)
@@ -98,10 +99,11 @@ class StreamingClient:
 
 def stream_generate(url: str, prompt: str, sampling: dict[str, Any], stream: bool = True,
                     chat: bool = False, timeout_s: float = 600.0,
-                    api_key: str | None = None) -> Iterator[StreamChunk]:
+                    api_key: str | None = None,
+                    request_id: str | None = None) -> Iterator[StreamChunk]:
     """Yield the server's responses for one request over its own gRPC stream."""
     with StreamingClient(url, timeout_s, api_key) as client:
-        yield from client.generate(prompt, sampling, stream, chat)
+        yield from client.generate(prompt, sampling, stream, chat, request_id)
 
 
 def main(args: Any) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,9 @@ import numpy as np
 
 from kvflow.orchestrator.async_engine import EngineLoop
 from kvflow.orchestrator.config import options_from_parameters
+from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.outputs import CompletionOutput, RequestOutput
+from kvflow.orchestrator.trace import SignalWatch
 from kvflow.triton_backend.metrics import TritonMetrics
 from kvflow.triton_backend.params import (
     INPUT_NAMES,
@@ -183,8 +186,8 @@ class KvflowTritonModel:
         self.pb = pb_utils
         model_config = json.loads(args["model_config"])
         serve_file = Path(args.get("model_repository", "")) / SERVE_FILE
-        engine_dir = (json.loads(serve_file.read_text())["engine_dir"] if serve_file.is_file()
-                      else _parameter(model_config, "engine_dir"))
+        served = json.loads(serve_file.read_text()) if serve_file.is_file() else {}
+        engine_dir = served.get("engine_dir") or _parameter(model_config, "engine_dir")
         if not engine_dir or not (Path(engine_dir) / "engine_config.json").is_file():
             raise pb_utils.TritonModelException(
                 f"engine_dir ({SERVE_FILE} or the model parameter) must name an engine folder, "
@@ -193,17 +196,30 @@ class KvflowTritonModel:
                       for key in model_config.get("parameters", {})}
         try:
             overrides = options_from_parameters(parameters, reserved=BACKEND_PARAMETERS)
+            if served.get("trace_steps"):  # a path: in serve.json, out of clients' sight
+                overrides["trace_steps"] = served["trace_steps"]
             self.engine = create_engine(engine_dir, **overrides)
         except ValueError as e:
             raise pb_utils.TritonModelException(f"model parameters: {e}") from None
         self.max_model_len = self.engine.config.max_model_len
         self.metrics = TritonMetrics(pb_utils, args.get("model_name", "kvflow"))
         self.loop = EngineLoop(self.engine, step_hook=self.metrics.on_step)
+        self.trace_watch = self._watch_trace_signal(pb_utils)
         self._ids = itertools.count()
         self.model_name = args.get("model_name", "kvflow")
         tokenizer = self.engine.tokenizer
         self._decode_token = None if tokenizer is None else (
             lambda t: tokenizer.decode([t], skip_special_tokens=False))
+
+    def _watch_trace_signal(self, pb_utils: Any) -> SignalWatch | None:
+        """With a step timeline, SIGUSR1 writes it (on the engine's thread, between steps)."""
+        if self.engine.tracer is None:
+            return None
+        try:
+            return SignalWatch(signal.SIGUSR1, lambda: self.loop.call(LLMEngine.write_trace))
+        except ValueError as e:  # not on the main thread: the timeline is written at shutdown
+            pb_utils.Logger.log_warn(f"kvflow: SIGUSR1 will not write the step timeline: {e}")
+            return None
 
     def execute(self, requests: list[Any]) -> None:
         pb = self.pb
@@ -218,6 +234,7 @@ class KvflowTritonModel:
                 parsed = parse_request(inputs, self.max_model_len,
                                        parameters=_request_parameters(request))
             except BadRequestError as e:
+                self.metrics.count_rejected("bad_request")
                 sender.send(error_response(pb, str(e), "bad_request"),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
@@ -234,6 +251,8 @@ class KvflowTritonModel:
         # NOTE: metrics first: while the model unloads, a metrics call from the loop thread
         # may never be answered, and shutdown would wait on that thread.
         self.metrics.close()
+        if self.trace_watch is not None:
+            self.trace_watch.close()
         self.loop.shutdown(timeout=10.0)
         if not self.loop.is_alive:  # never pull the KV pool from under a running step
-            self.engine.runner.close()
+            self.engine.close()  # the step timeline is written here

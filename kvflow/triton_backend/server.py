@@ -82,6 +82,9 @@ class ServerConfig:
                              "(build one with `kvflow build-engine`)")
         from kvflow.orchestrator.llm import plan_engine
 
+        if self.engine_args.get("trace_steps"):  # the backend's working directory is not ours
+            self.engine_args["trace_steps"] = str(Path(self.engine_args["trace_steps"])
+                                                  .resolve())
         try:  # bad options are refused before any server starts
             plan_engine(self.engine_dir, **self.engine_args)
         except ValueError as e:
@@ -152,12 +155,15 @@ def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], di
     shutil.copytree(REPO_MODEL_DIR, model_dir, ignore=shutil.ignore_patterns("__pycache__"))
     config = (model_dir / "config.pbtxt").read_text()
     # NOTE: paths go in a file beside the config, not into it: any client can read the config.
+    engine_args = dict(cfg.engine_args)
+    trace_steps = engine_args.pop("trace_steps", None)
     (model_dir / "serve.json").write_text(json.dumps(
-        {"engine_dir": str(cfg.engine_dir), "python_paths": _environment_paths()}))
+        {"engine_dir": str(cfg.engine_dir), "python_paths": _environment_paths(),
+         "trace_steps": trace_steps}))
     # The name the OpenAI frontend serves, then one model parameter per engine option given,
     # generated from EngineOptions.
     parameters = {"served_model_name": served_model_name(cfg.engine_dir),
-                  **options_to_parameters(cfg.engine_args)}
+                  **options_to_parameters(engine_args)}
     for key, value in parameters.items():
         config += (f'parameters {{ key: "{key}", value: {{ string_value: '
                    f'"{_pbtxt_escape(value)}" }} }}\n')
@@ -356,6 +362,32 @@ class TritonServer:
             self._workspace = None
         return code
 
+    def backend_pids(self) -> list[int]:
+        """The Python backend stub processes of this server (its children; Linux)."""
+        if self.proc is None:
+            return []
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                text = stat.read_text()
+                ppid = int(text[text.rindex(")") + 2:].split()[1])
+                if ppid == self.proc.pid and b"triton_python_backend_stub" in (
+                        stat.parent / "cmdline").read_bytes():
+                    pids.append(int(stat.parent.name))
+        return pids
+
+    def write_trace(self) -> int:
+        """Ask the backend to write its step timeline now (SIGUSR1 to its stub); how many
+        stubs were signalled. Only with ``trace_steps`` set: without a timeline the stub has
+        no handler, and SIGUSR1 would end it."""
+        if not self.cfg.engine_args.get("trace_steps"):
+            raise ServeError("the server has no step timeline (start it with trace_steps)")
+        pids = self.backend_pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        return len(pids)
+
     def __enter__(self) -> TritonServer:
         return self.start()
 
@@ -404,6 +436,8 @@ def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if cfg.engine_args.get("trace_steps"):  # SIGUSR1 writes the step timeline now
+        signal.signal(signal.SIGUSR1, lambda *_: server.write_trace())
     print(f"[kvflow serve] starting tritonserver for {cfg.engine_dir} ...", flush=True)
     server.start()
     if frontend is not None:

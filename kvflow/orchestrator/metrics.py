@@ -1,0 +1,327 @@
+"""The ``kvflow_*`` metrics: one catalogue, and the code that turns each engine step into
+metric updates. Pure Python.
+
+:data:`METRICS` names every series, its kind, help text, label and buckets. The Triton
+backend publishes it through the Python backend's metrics API
+(:mod:`kvflow.triton_backend.metrics`); the simulator keeps it in a :class:`MetricsRegistry`
+and samples it as its server series, under the same names. :class:`EngineMetrics` reads an
+engine after each step, so both see the very same numbers.
+
+Keys: an unlabeled series is its name; a labeled one is ``name{label="value"}``, as the
+Prometheus text format writes it (without the ``model`` label the backend adds). A histogram's
+sum and count are ``name_sum`` and ``name_count`` in a registry's rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvflow.orchestrator.outputs import REJECT_CAUSES, TIMEOUT_PHASES, RequestOutput
+
+if TYPE_CHECKING:
+    from kvflow.orchestrator.engine import LLMEngine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+STEP_TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 0.5, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                         50000, 100000)
+TOKEN_KINDS = ("prefill", "decode")
+# How a request that ran ended (the label of kvflow_request_success_total); rejections are
+# counted by kvflow_request_rejected_total instead.
+FINISHED_REASONS = ("stop", "length", "abort", "timeout")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric family: ``kind`` is counter, gauge or histogram; ``label`` and ``values``
+    name its one label and every value it takes (each series exists from the start, at 0)."""
+
+    name: str
+    kind: str
+    help: str
+    label: str | None = None
+    values: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    def series(self) -> list[str]:
+        """The series' keys: the name, or one ``name{label="value"}`` per value."""
+        if self.label is None:
+            return [self.name]
+        return [series_key(self.name, self.label, v) for v in self.values]
+
+
+def series_key(name: str, label: str | None = None, value: str | None = None) -> str:
+    return name if label is None else f'{name}{{{label}="{value}"}}'
+
+
+def _m(name: str, kind: str, help: str, **kw: object) -> tuple[str, Metric]:  # noqa: A002
+    return name, Metric(name, kind, help, **kw)  # type: ignore[arg-type]
+
+
+METRICS: dict[str, Metric] = dict((
+    # --- gauges: the server's state after each step ---
+    _m("kvflow_num_requests_running", "gauge", "Requests holding KV and scheduled"),
+    _m("kvflow_num_requests_waiting", "gauge", "Requests waiting or preempted"),
+    _m("kvflow_kv_cache_usage_ratio", "gauge", "Fraction of KV blocks in use"),
+    _m("kvflow_kv_cache_fragmentation_ratio", "gauge",
+       "Fraction of the token slots in used KV blocks that hold no token (the tails of last "
+       "blocks, blocks allocated ahead)"),
+    # --- per-request histograms ---
+    _m("kvflow_time_to_first_token_seconds", "histogram", "Time to first token",
+       buckets=LATENCY_BUCKETS),
+    _m("kvflow_inter_token_latency_seconds", "histogram",
+       "Time between consecutive output tokens", buckets=LATENCY_BUCKETS),
+    _m("kvflow_decode_itl_with_prefill_seconds", "histogram",
+       "Inter-token latency of decode tokens made by steps that also computed a prefill "
+       "chunk (the drag of long prompts on running requests)", buckets=LATENCY_BUCKETS),
+    _m("kvflow_decode_itl_without_prefill_seconds", "histogram",
+       "Inter-token latency of decode tokens made by steps without a prefill chunk",
+       buckets=LATENCY_BUCKETS),
+    _m("kvflow_e2e_request_latency_seconds", "histogram", "Arrival to last token",
+       buckets=LATENCY_BUCKETS),
+    _m("kvflow_request_queue_time_seconds", "histogram", "Arrival to first scheduled",
+       buckets=LATENCY_BUCKETS),
+    _m("kvflow_request_prefill_time_seconds", "histogram",
+       "First scheduled to first token, per finished request", buckets=LATENCY_BUCKETS),
+    _m("kvflow_request_decode_time_seconds", "histogram",
+       "First token to last token, per finished request", buckets=LATENCY_BUCKETS),
+    _m("kvflow_time_per_output_token_seconds", "histogram",
+       "Mean time per output token after the first, per finished request (TPOT)",
+       buckets=LATENCY_BUCKETS),
+    _m("kvflow_request_prompt_tokens", "histogram", "Prompt tokens per finished request",
+       buckets=REQUEST_TOKEN_BUCKETS),
+    _m("kvflow_request_generation_tokens", "histogram",
+       "Output tokens per finished request (every sequence of an n > 1 request)",
+       buckets=REQUEST_TOKEN_BUCKETS),
+    # --- per-step histograms ---
+    _m("kvflow_iteration_num_seqs", "histogram", "Sequences in each engine step",
+       buckets=BATCH_BUCKETS),
+    _m("kvflow_iteration_tokens", "histogram",
+       "Tokens computed by each engine step, by kind (every step observes both)",
+       label="kind", values=TOKEN_KINDS, buckets=STEP_TOKEN_BUCKETS),
+    _m("kvflow_schedule_time_seconds", "histogram",
+       "Each step's scheduling time (building the batch: admission, preemption, KV "
+       "allocation)", buckets=STEP_TIME_BUCKETS),
+    _m("kvflow_model_time_seconds", "histogram",
+       "Each step's model time (inputs built, the runner's forward pass)",
+       buckets=STEP_TIME_BUCKETS),
+    _m("kvflow_sampling_time_seconds", "histogram", "Each step's sampling time",
+       buckets=STEP_TIME_BUCKETS),
+    _m("kvflow_postprocess_time_seconds", "histogram",
+       "Each step's postprocessing time (detokenizing, stop checks, appending, outputs)",
+       buckets=STEP_TIME_BUCKETS),
+    # --- counters (mirrors of EngineCounters) ---
+    _m("kvflow_prompt_tokens_total", "counter", "Prefill tokens computed"),
+    _m("kvflow_generation_tokens_total", "counter", "Output tokens generated"),
+    _m("kvflow_num_preemptions_total", "counter", "Requests preempted"),
+    _m("kvflow_request_success_total", "counter",
+       "Requests that ran and ended, by finished reason", label="finished_reason",
+       values=FINISHED_REASONS),
+    _m("kvflow_request_rejected_total", "counter",
+       "Requests rejected by admission control, by cause: bad input, a full queue, or a "
+       "predicted wait over max_queue_delay_ms", label="reason", values=REJECT_CAUSES),
+    _m("kvflow_request_timeout_total", "counter",
+       "Requests ended past their deadline, by the phase they were in", label="phase",
+       values=TIMEOUT_PHASES),
+    _m("kvflow_prefix_cache_queries_total", "counter",
+       "Prompt tokens looked up in the prefix cache (the hit ratio is hits over queries)"),
+    _m("kvflow_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache"),
+    _m("kvflow_engine_steps_total", "counter", "Engine steps run"),
+    _m("kvflow_engine_step_seconds_total", "counter",
+       "Engine-thread seconds inside engine steps"),
+    _m("kvflow_serving_seconds_total", "counter",
+       "Engine-thread seconds serving around the steps: cancellation checks, metrics "
+       "snapshots, handing outputs to the response senders"),
+))
+# counter -> the EngineCounters field it mirrors (a Counter by label value when labeled;
+# serving_time_s is the engine loop's, not the engine's)
+COUNTER_FIELDS = {
+    "kvflow_prompt_tokens_total": "prompt_tokens",
+    "kvflow_generation_tokens_total": "generation_tokens",
+    "kvflow_num_preemptions_total": "preemptions",
+    "kvflow_request_success_total": "finished_by_reason",
+    "kvflow_request_rejected_total": "rejected_by_cause",
+    "kvflow_request_timeout_total": "timeouts_by_phase",
+    "kvflow_prefix_cache_queries_total": "prefix_cache_queries",
+    "kvflow_prefix_cache_hits_total": "prefix_cache_hits",
+    "kvflow_engine_steps_total": "steps",
+    "kvflow_engine_step_seconds_total": "step_time_s",
+    "kvflow_serving_seconds_total": "serving_time_s",
+}
+assert set(COUNTER_FIELDS) == {n for n, m in METRICS.items() if m.kind == "counter"}
+
+
+def all_series() -> list[str]:
+    """Every series name a scrape shows (histograms as ``_bucket``, ``_sum``, ``_count``)."""
+    names = []
+    for m in METRICS.values():
+        names += ([f"{m.name}{s}" for s in ("_bucket", "_sum", "_count")]
+                  if m.kind == "histogram" else [m.name])
+    return names
+
+
+@dataclass
+class MetricsUpdate:
+    """What one step changed: histogram observations (key, value), gauge values and counter
+    totals, by series key. Plain numbers, so another thread may publish them."""
+
+    observations: list[tuple[str, float]]
+    gauges: dict[str, float]
+    totals: dict[str, float]
+
+
+class EngineMetrics:
+    """Reads an engine after each step into a :class:`MetricsUpdate`.
+
+    Call :meth:`collect` once after every ``engine.step()`` with the outputs it returned (and
+    after a change without a step, an abort or a rejection, with none). Per-request histograms
+    are observed from those outputs: the requests that ended in a step (aborts, which end
+    outside one, are counted by ``kvflow_request_success_total`` alone).
+    """
+
+    def __init__(self) -> None:
+        self._steps_seen = 0
+
+    def collect(self, engine: LLMEngine, outputs: list[RequestOutput],
+                serving_time_s: float = 0.0) -> MetricsUpdate:
+        obs: list[tuple[str, float]] = []
+        stats = None
+        if engine.counters.steps != self._steps_seen and engine.step_stats:
+            self._steps_seen = engine.counters.steps
+            stats = engine.step_stats[-1]
+            obs += [("kvflow_iteration_num_seqs", stats.num_scheduled_seqs),
+                    (series_key("kvflow_iteration_tokens", "kind", "prefill"),
+                     stats.num_prefill_tokens),
+                    (series_key("kvflow_iteration_tokens", "kind", "decode"),
+                     stats.num_decode_tokens),
+                    ("kvflow_schedule_time_seconds", stats.schedule_time_s),
+                    ("kvflow_model_time_seconds", stats.model_time_s),
+                    ("kvflow_sampling_time_seconds", stats.sample_time_s),
+                    ("kvflow_postprocess_time_seconds", stats.postprocess_time_s)]
+        itl_key = ("kvflow_decode_itl_with_prefill_seconds"
+                   if stats is not None and stats.num_prefill_tokens else
+                   "kvflow_decode_itl_without_prefill_seconds")
+        for out in outputs:
+            m = out.metrics
+            times = m.token_times
+            if out.delta_token_ids and stats is not None:
+                if len(times) == 1 and m.ttft_s is not None:
+                    obs.append(("kvflow_time_to_first_token_seconds", m.ttft_s))
+                    if m.queue_time_s is not None:
+                        obs.append(("kvflow_request_queue_time_seconds", m.queue_time_s))
+                elif len(times) >= 2:
+                    itl = times[-1] - times[-2]
+                    obs += [("kvflow_inter_token_latency_seconds", itl), (itl_key, itl)]
+            if out.finished and out.finish_reason != "rejected":
+                obs += [("kvflow_request_prompt_tokens", out.num_prompt_tokens),
+                        ("kvflow_request_generation_tokens", out.num_output_tokens)]
+                for key, value in (("kvflow_e2e_request_latency_seconds", m.e2e_s),
+                                   ("kvflow_request_prefill_time_seconds", m.prefill_time_s),
+                                   ("kvflow_request_decode_time_seconds", m.decode_time_s),
+                                   ("kvflow_time_per_output_token_seconds", m.tpot_s)):
+                    if value is not None:
+                        obs.append((key, value))
+        sched, kv = engine.scheduler, engine.kv
+        gauges = {"kvflow_num_requests_running": float(sched.num_running),
+                  "kvflow_num_requests_waiting": float(sched.num_waiting),
+                  "kvflow_kv_cache_usage_ratio": kv.usage,
+                  "kvflow_kv_cache_fragmentation_ratio": kv.fragmentation(
+                      (r.request_id, r.num_computed_tokens) for r in sched.running)}
+        totals: dict[str, float] = {}
+        for name, field in COUNTER_FIELDS.items():
+            value = (serving_time_s if field == "serving_time_s"
+                     else getattr(engine.counters, field))
+            metric = METRICS[name]
+            if metric.label is None:
+                totals[name] = value
+            else:
+                totals.update({series_key(name, metric.label, v): value.get(v, 0)
+                               for v in metric.values})
+        return MetricsUpdate(obs, gauges, totals)
+
+
+class MetricsRegistry:
+    """The catalogue's series held in plain Python (the simulator's server): histograms
+    (buckets, sum, count), gauges and counters, updated by :class:`MetricsUpdate`."""
+
+    def __init__(self) -> None:
+        self.gauges = {k: 0.0 for m in METRICS.values() if m.kind == "gauge" for k in m.series()}
+        self.counters = {k: 0.0 for m in METRICS.values() if m.kind == "counter"
+                         for k in m.series()}
+        self.histograms = {k: _Histogram(m.buckets) for m in METRICS.values()
+                           if m.kind == "histogram" for k in m.series()}
+
+    def apply(self, update: MetricsUpdate) -> None:
+        for key, value in update.observations:
+            self.histograms[key].observe(value)
+        self.gauges.update(update.gauges)
+        self.counters.update(update.totals)
+
+    def row(self) -> dict[str, float]:
+        """Every series' value now: gauges, counters, and each histogram's ``_sum`` and
+        ``_count`` (a labeled one's as ``name_sum{label="value"}``)."""
+        row = {**self.gauges, **self.counters}
+        for key, h in self.histograms.items():
+            name, brace, labels = key.partition("{")
+            row[f"{name}_sum{brace}{labels}"] = h.sum
+            row[f"{name}_count{brace}{labels}"] = float(h.count)
+        return row
+
+    def histogram(self, key: str) -> _Histogram:
+        return self.histograms[key]
+
+    def exposition(self, labels: Mapping[str, str] | None = None) -> str:
+        """The Prometheus text format of every series (what Triton's /metrics shows)."""
+        extra = ",".join(f'{k}="{v}"' for k, v in (labels or {}).items())
+        lines = []
+
+        def line(key: str, value: float, more: str = "") -> None:
+            name, _, inner = key.partition("{")
+            inner = ",".join(filter(None, (extra, inner.rstrip("}"), more)))
+            text = repr(float(value))
+            lines.append(f"{name}{{{inner}}} {text}" if inner else f"{name} {text}")
+
+        for m in METRICS.values():
+            lines += [f"# HELP {m.name} {m.help}", f"# TYPE {m.name} {m.kind}"]
+            for key in m.series():
+                if m.kind == "histogram":
+                    h = self.histograms[key]
+                    name, brace, labels_ = key.partition("{")
+                    for bound, count in zip((*h.buckets, float("inf")), h.cumulative(),
+                                            strict=True):
+                        le = "+Inf" if bound == float("inf") else f"{bound:g}"
+                        line(f"{name}_bucket{brace}{labels_}", count, f'le="{le}"')
+                    line(f"{name}_sum{brace}{labels_}", h.sum)
+                    line(f"{name}_count{brace}{labels_}", h.count)
+                else:
+                    line(key, (self.gauges if m.kind == "gauge" else self.counters)[key])
+        return "\n".join(lines) + "\n"
+
+
+class _Histogram:
+    __slots__ = ("buckets", "counts", "sum", "count")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[int]:
+        out, total = [], 0
+        for c in self.counts:
+            total += c
+            out.append(total)
+        return out
