@@ -1,5 +1,5 @@
 # kvflow: two commands set up everything on a fresh machine.
-#   make test   venv, install, run the tests
+#   make test   venv, install (and Debian's prometheus), run the tests
 #   make serve  venv, install, build the default engine, start Triton
 PYTHON ?= python3
 VENV   := .venv
@@ -13,7 +13,7 @@ TRT_STUBS := $(VENV)/trt-stubs
 TENSORRT_CODE := kvflow/build/tensorrt_build.py kvflow/runtime/tensorrt_runner.py \
                  kvflow/plugins/tensorrt_plugin.py
 
-.PHONY: install test lint typecheck serve engine bench-step clean
+.PHONY: install test lint typecheck prometheus serve engine bench-step clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +44,13 @@ lint: install
 typecheck: install $(TRT_STUBS)/.patched
 	MYPYPATH=$(TRT_STUBS) $(VENV)/bin/mypy $(TENSORRT_CODE)
 
-test: install lint typecheck
+# Debian's Prometheus: tests/test_observability.py scrapes a real server with it
+# (deploy/prometheus.yml). Needs root, as CI has.
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+
+test: install lint typecheck prometheus
 	$(VENV)/bin/pytest -q -ra tests
 
 engine: install

@@ -103,7 +103,8 @@ class StepTracer:
                "displayTimeUnit": "ms",
                "otherData": {"producer": "kvflow", "source": self.source,
                              "steps": len(self.steps), "dropped_steps": self.dropped_steps,
-                             "clock": "microseconds from the first step kept (or an earlier arrival)"}}
+                             "clock": "microseconds from the first step kept (or an "
+                                      "earlier arrival)"}}
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w") as f:
