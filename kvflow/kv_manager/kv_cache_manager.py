@@ -19,7 +19,7 @@ into a fresh one first (copy on write), and queues the ``(src, dst)`` copy in
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvflow.kv_manager.block_pool import BlockHash, BlockPool, hash_block
@@ -326,7 +326,7 @@ class KVCacheManager:
         block = self.block_tables[request_id][position // self.block_size]
         return block * self.block_size + position % self.block_size
 
-    def fragmentation(self, filled: Iterable[tuple[Hashable, int]]) -> float:
+    def fragmentation(self, filled: Sequence[tuple[Hashable, int]]) -> float:
         """Fraction of the slots in used device blocks that hold no token (0 when none is
         used): the tail of each sequence's last block, and blocks allocated ahead of its
         tokens. ``filled``: (sequence, tokens whose KV is in its blocks) for the sequences
@@ -335,22 +335,34 @@ class KVCacheManager:
         used = self.pool.num_used_blocks
         if used == 0:
             return 0.0
-        bs = self.block_size
-        holders = [(self.block_tables[r], n) for r, n in filled if self.block_tables.get(r)]
+        bs, tables, refs = self.block_size, self.block_tables, self.pool.ref_counts
+        unfilled = 0
+        holders: list[tuple[list[int], int]] = []  # the rare ones: shared or ahead blocks
+        for request_id, num_tokens in filled:
+            table = tables.get(request_id)
+            if not table:
+                continue
+            n = len(table)
+            if num_tokens // bs >= n - 1 and refs[table[-1]] == 1:
+                # NOTE: the common case, O(1): the last block alone is unfilled, and its own.
+                unfilled += max(n * bs - num_tokens, 0)
+            else:
+                holders.append((table, num_tokens))
         partial: dict[int, int] = {}  # block -> filled slots, for the blocks past full ones
         for table, num_tokens in holders:
             for i in range(min(num_tokens // bs, len(table)), len(table)):
-                n = min(max(num_tokens - i * bs, 0), bs)
-                partial[table[i]] = max(partial.get(table[i], 0), n)
+                k = min(max(num_tokens - i * bs, 0), bs)
+                partial[table[i]] = max(partial.get(table[i], 0), k)
         # NOTE: only the blocks past each holder's full ones are visited (one or two each),
         # so a shared block (a fork's) may be full in another holder's table: look it up.
-        shared = {b for b in partial if self.pool.ref_counts[b] > 1}
+        shared = {b for b in partial if refs[b] > 1}
         if shared:
-            for table, num_tokens in holders:
+            for request_id, num_tokens in filled:
+                table = tables.get(request_id) or []
                 for i in range(min(num_tokens // bs, len(table))):
                     if table[i] in shared:
                         partial[table[i]] = bs
-        unfilled = sum(bs - n for n in partial.values())
+        unfilled += sum(bs - k for k in partial.values())
         return unfilled / (used * bs)
 
     def check_integrity(self) -> None:

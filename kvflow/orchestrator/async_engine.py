@@ -219,4 +219,5 @@ class AsyncLLMEngine:
 
     def shutdown(self) -> None:
         self.loop.shutdown()
-        self.loop.engine.close()
+        if not self.loop.is_alive:  # never pull the pool (or the ring) from a running step
+            self.loop.engine.close()

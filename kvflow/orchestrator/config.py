@@ -151,8 +151,9 @@ class EngineOptions:
                                     choices=_quantized_matmul_modes)
     trace_steps: str | None = _option(None, "write a step timeline to this file: Chrome "
                                             "Trace Event JSON that Perfetto opens, the last "
-                                            "trace_max_steps steps, written at shutdown and "
-                                            "on SIGUSR1 (kvflow trace summarize reads it)")
+                                            "trace_max_steps steps, written at shutdown "
+                                            "(kvflow serve: also on SIGUSR1); kvflow trace "
+                                            "summarize reads it")
     trace_max_steps: int = _option(10_000, "steps the step timeline keeps (a ring: older "
                                            "steps are dropped)")
     debug_checks: bool = _option(help="check the KV pool's and the scheduler's invariants "

@@ -130,20 +130,14 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        prompt_ids = tokenize_prompt(self.tokenizer, prompt)
-        self._check_token_ids(prompt_ids, params)
+        try:
+            prompt_ids, grammars = self._prepare(prompt, params)
+        except ValueError as e:  # refused: counted as bad input unless it is the engine's
+            if not str(e).startswith(ENGINE_ERROR_PREFIX):
+                self.counters.rejected_by_cause["bad_request"] += 1
+            raise
         arrival = self.clock() if arrival_time is None else arrival_time
         n = params.n
-        # Compiled (or found in the cache) before the scheduler sees the request: a bad schema
-        # is refused here, having taken no KV block. One grammar state per sequence.
-        grammars: list[Grammar | None] = [None] * n
-        if params.structured is not None:
-            try:
-                grammar = self.grammar_compiler().compile(params.structured)
-            except RuntimeError as e:  # the engine's fault (its tokenizer), not the request's
-                raise ValueError(f"{ENGINE_ERROR_PREFIX}: structured outputs are unavailable "
-                                 f"on this engine: {e}") from None
-            grammars = [grammar, *(grammar.fork() for _ in range(n - 1))]
         seqs = [Request(request_id if n == 1 else f"{request_id}#{j}", prompt_ids, params,
                         arrival, priority, self.eos_token_ids, self.config.max_model_len,
                         cache_salt, tenant, parent_id=request_id, index=j) for j in range(n)]
@@ -165,6 +159,24 @@ class LLMEngine:
                                                         params.logprobs is not None,
                                                         grammars[seq.index])
         return request, None
+
+    def _prepare(self, prompt: Prompt,
+                 params: SamplingParams) -> tuple[list[int], list[Grammar | None]]:
+        """The prompt's token ids and each sequence's grammar state; ValueError for a prompt
+        or a structured-output spec that cannot run."""
+        prompt_ids = tokenize_prompt(self.tokenizer, prompt)
+        self._check_token_ids(prompt_ids, params)
+        # Compiled (or found in the cache) before the scheduler sees the request: a bad schema
+        # is refused here, having taken no KV block. One grammar state per sequence.
+        grammars: list[Grammar | None] = [None] * params.n
+        if params.structured is not None:
+            try:
+                grammar = self.grammar_compiler().compile(params.structured)
+            except RuntimeError as e:  # the engine's fault (its tokenizer), not the request's
+                raise ValueError(f"{ENGINE_ERROR_PREFIX}: structured outputs are unavailable "
+                                 f"on this engine: {e}") from None
+            grammars = [grammar, *(grammar.fork() for _ in range(params.n - 1))]
+        return prompt_ids, grammars
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The engine's structured-output compiler (built at the first constrained request:
@@ -196,12 +208,13 @@ class LLMEngine:
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
-        if self.tracer is not None:
+        if self.tracer is not None:  # the sequences this abort ended (not those done before)
             now = self.clock()
             for seq in request.group.seqs if request.group is not None else [request]:
-                m = seq.metrics
-                self.tracer.finish(seq.request_id, "abort", now,
-                                   m.arrival_time if m.first_scheduled_time is None else None)
+                if seq.status == RequestStatus.FINISHED_ABORTED:
+                    m = seq.metrics
+                    self.tracer.finish(seq.request_id, "abort", now, m.arrival_time
+                                       if m.first_scheduled_time is None else None)
         return self._output(request, {})
 
     def has_unfinished_requests(self) -> bool:
@@ -368,15 +381,15 @@ class LLMEngine:
             finished=[o.request_id for o in outputs if o.finished],
             scheduled=[(s.request.request_id, s.num_new_tokens) for s in sched.scheduled]))
         if self.tracer is not None:
-            self._trace(sched, times)
+            self._trace(sched, sampled, times)
 
-    def _trace(self, sched: SchedulerOutput,
+    def _trace(self, sched: SchedulerOutput, sampled: _Sampled,
                times: tuple[float, float, float, float, float]) -> None:
         """The step's record in the timeline: each chunk (with the arrival of a request
-        scheduled for the first time), the preemptions and transfers, the ends."""
+        scheduled for the first time), the preemptions and transfers, the sequences that
+        ended (a forked member may end on the token it took from its leader's row)."""
         t0, t4 = times[0], times[-1]
         entries: list[Entry] = []
-        finished: list[Finish] = []
         for s in sched.scheduled:
             r = s.request
             m = r.metrics
@@ -385,8 +398,10 @@ class LLMEngine:
             first = m.first_scheduled_time is not None and m.first_scheduled_time >= t0
             entries.append((r.request_id, kind, s.num_new_tokens,
                             m.arrival_time if first else None, s.sample))
-            if r.is_finished:
-                finished.append((r.request_id, r.status.finish_reason or "", t4, None))
+        ended = dict.fromkeys(r for r in [*(s.request for s in sched.scheduled),
+                                          *sampled.requests] if r.is_finished)
+        finished: list[Finish] = [(r.request_id, r.status.finish_reason or "", t4, None)
+                                  for r in ended]
         transfers = {f"{kind}_blocks": sum(len(p) for k, p in sched.transfers if k == kind)
                      for kind in TRANSFER_KINDS}
         assert self.tracer is not None
@@ -446,7 +461,12 @@ class LLMEngine:
             for seq in seqs:
                 self.states.pop(seq.request_id, None)
             if request.status != RequestStatus.REJECTED:
-                self.counters.finished_by_reason[outputs[0].finish_reason or "abort"] += 1
+                # A group's reason: an abort or a timeout if any sequence had one (so that it
+                # matches kvflow_request_timeout_total), else its first sequence's.
+                reasons = {o.finish_reason for o in outputs}
+                reason = next((r for r in ("abort", "timeout") if r in reasons),
+                              outputs[0].finish_reason or "abort")
+                self.counters.finished_by_reason[reason] += 1
         return RequestOutput(
             request_id=request.parent_id, outputs=outputs, finished=finished,
             num_prompt_tokens=request.num_prompt_tokens, metrics=_request_metrics(seqs),

@@ -33,7 +33,7 @@ STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1
 REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
                          50000, 100000)
 TOKEN_KINDS = ("prefill", "decode")
-# How a request that ran ended (the label of kvflow_request_success_total); rejections are
+# How a request ended (the label of kvflow_request_success_total); rejections are
 # counted by kvflow_request_rejected_total instead.
 FINISHED_REASONS = ("stop", "length", "abort", "timeout")
 
@@ -122,11 +122,13 @@ METRICS: dict[str, Metric] = dict((
     _m("kvflow_generation_tokens_total", "counter", "Output tokens generated"),
     _m("kvflow_num_preemptions_total", "counter", "Requests preempted"),
     _m("kvflow_request_success_total", "counter",
-       "Requests that ran and ended, by finished reason", label="finished_reason",
+       "Requests that ended, by finished reason (rejections are counted apart)",
+       label="finished_reason",
        values=FINISHED_REASONS),
     _m("kvflow_request_rejected_total", "counter",
-       "Requests rejected by admission control, by cause: bad input, a full queue, or a "
-       "predicted wait over max_queue_delay_ms", label="reason", values=REJECT_CAUSES),
+       "Requests refused at once, by cause: bad input (refused by the front door or by "
+       "admission), a full queue, or a predicted wait over max_queue_delay_ms",
+       label="reason", values=REJECT_CAUSES),
     _m("kvflow_request_timeout_total", "counter",
        "Requests ended past their deadline, by the phase they were in", label="phase",
        values=TIMEOUT_PHASES),
@@ -177,13 +179,23 @@ class MetricsUpdate:
     totals: dict[str, float]
 
 
+# (series key, the EngineCounters field, the label value within it or None), precomputed
+_COUNTER_KEYS = [(key, COUNTER_FIELDS[name], value)
+                 for name, m in METRICS.items() if m.kind == "counter"
+                 for key, value in zip(m.series(), m.values or (None,), strict=True)]
+_PREFILL_TOKENS = series_key("kvflow_iteration_tokens", "kind", "prefill")
+_DECODE_TOKENS = series_key("kvflow_iteration_tokens", "kind", "decode")
+
+
 class EngineMetrics:
     """Reads an engine after each step into a :class:`MetricsUpdate`.
 
     Call :meth:`collect` once after every ``engine.step()`` with the outputs it returned (and
     after a change without a step, an abort or a rejection, with none). Per-request histograms
     are observed from those outputs: the requests that ended in a step (aborts, which end
-    outside one, are counted by ``kvflow_request_success_total`` alone).
+    outside one, are counted by ``kvflow_request_success_total`` alone). :meth:`observations`
+    and :meth:`state` are its two halves, for a reader (the simulator) that needs the state
+    only when it samples it.
     """
 
     def __init__(self) -> None:
@@ -191,16 +203,20 @@ class EngineMetrics:
 
     def collect(self, engine: LLMEngine, outputs: list[RequestOutput],
                 serving_time_s: float = 0.0) -> MetricsUpdate:
+        gauges, totals = self.state(engine, serving_time_s)
+        return MetricsUpdate(self.observations(engine, outputs), gauges, totals)
+
+    def observations(self, engine: LLMEngine,
+                     outputs: list[RequestOutput]) -> list[tuple[str, float]]:
+        """The histogram observations of the step just run (none twice for one step)."""
         obs: list[tuple[str, float]] = []
         stats = None
         if engine.counters.steps != self._steps_seen and engine.step_stats:
             self._steps_seen = engine.counters.steps
             stats = engine.step_stats[-1]
             obs += [("kvflow_iteration_num_seqs", stats.num_scheduled_seqs),
-                    (series_key("kvflow_iteration_tokens", "kind", "prefill"),
-                     stats.num_prefill_tokens),
-                    (series_key("kvflow_iteration_tokens", "kind", "decode"),
-                     stats.num_decode_tokens),
+                    (_PREFILL_TOKENS, stats.num_prefill_tokens),
+                    (_DECODE_TOKENS, stats.num_decode_tokens),
                     ("kvflow_schedule_time_seconds", stats.schedule_time_s),
                     ("kvflow_model_time_seconds", stats.model_time_s),
                     ("kvflow_sampling_time_seconds", stats.sample_time_s),
@@ -211,14 +227,14 @@ class EngineMetrics:
         for out in outputs:
             m = out.metrics
             times = m.token_times
-            if out.delta_token_ids and stats is not None:
-                if len(times) == 1 and m.ttft_s is not None:
+            if stats is not None and out.delta_token_ids:
+                if len(times) >= 2:
+                    itl = times[-1] - times[-2]
+                    obs += [("kvflow_inter_token_latency_seconds", itl), (itl_key, itl)]
+                elif len(times) == 1 and m.ttft_s is not None:
                     obs.append(("kvflow_time_to_first_token_seconds", m.ttft_s))
                     if m.queue_time_s is not None:
                         obs.append(("kvflow_request_queue_time_seconds", m.queue_time_s))
-                elif len(times) >= 2:
-                    itl = times[-1] - times[-2]
-                    obs += [("kvflow_inter_token_latency_seconds", itl), (itl_key, itl)]
             if out.finished and out.finish_reason != "rejected":
                 obs += [("kvflow_request_prompt_tokens", out.num_prompt_tokens),
                         ("kvflow_request_generation_tokens", out.num_output_tokens)]
@@ -228,23 +244,24 @@ class EngineMetrics:
                                    ("kvflow_time_per_output_token_seconds", m.tpot_s)):
                     if value is not None:
                         obs.append((key, value))
+        return obs
+
+    @staticmethod
+    def state(engine: LLMEngine,
+              serving_time_s: float = 0.0) -> tuple[dict[str, float], dict[str, float]]:
+        """The gauges now, and the counters' totals."""
         sched, kv = engine.scheduler, engine.kv
         gauges = {"kvflow_num_requests_running": float(sched.num_running),
                   "kvflow_num_requests_waiting": float(sched.num_waiting),
                   "kvflow_kv_cache_usage_ratio": kv.usage,
                   "kvflow_kv_cache_fragmentation_ratio": kv.fragmentation(
-                      (r.request_id, r.num_computed_tokens) for r in sched.running)}
+                      [(r.request_id, r.num_computed_tokens) for r in sched.running])}
+        counters = engine.counters
         totals: dict[str, float] = {}
-        for name, field in COUNTER_FIELDS.items():
-            value = (serving_time_s if field == "serving_time_s"
-                     else getattr(engine.counters, field))
-            metric = METRICS[name]
-            if metric.label is None:
-                totals[name] = value
-            else:
-                totals.update({series_key(name, metric.label, v): value.get(v, 0)
-                               for v in metric.values})
-        return MetricsUpdate(obs, gauges, totals)
+        for key, field, value in _COUNTER_KEYS:
+            total = serving_time_s if field == "serving_time_s" else getattr(counters, field)
+            totals[key] = total if value is None else total.get(value, 0)
+        return gauges, totals
 
 
 class MetricsRegistry:
@@ -259,10 +276,17 @@ class MetricsRegistry:
                            if m.kind == "histogram" for k in m.series()}
 
     def apply(self, update: MetricsUpdate) -> None:
-        for key, value in update.observations:
-            self.histograms[key].observe(value)
-        self.gauges.update(update.gauges)
-        self.counters.update(update.totals)
+        self.observe(update.observations)
+        self.set_state(update.gauges, update.totals)
+
+    def observe(self, observations: list[tuple[str, float]]) -> None:
+        histograms = self.histograms
+        for key, value in observations:
+            histograms[key].observe(value)
+
+    def set_state(self, gauges: dict[str, float], totals: dict[str, float]) -> None:
+        self.gauges.update(gauges)
+        self.counters.update(totals)
 
     def row(self) -> dict[str, float]:
         """Every series' value now: gauges, counters, and each histogram's ``_sum`` and

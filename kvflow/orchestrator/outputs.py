@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvflow.orchestrator.request import RequestMetrics
 
@@ -117,8 +117,9 @@ class EngineCounters:
     alone (the Prometheus counters mirror them).
 
     ``step_time_s`` is the time inside steps, on the engine's clock (simulated seconds in the
-    simulator). ``finished_by_reason`` counts every request that ran and ended by its finish
-    reason (its first sequence's: stop, length, abort, timeout), rejections not;
+    simulator). ``finished_by_reason`` counts every request that ended by its finish reason
+    (stop, length, abort, timeout: a group's abort or timeout if any sequence had one, else
+    its first sequence's), rejections not;
     ``rejected_by_cause`` counts the rejections by :data:`REJECT_CAUSES`;
     ``timeouts_by_phase`` counts the timeouts by :data:`TIMEOUT_PHASES`.
     """
@@ -134,9 +135,15 @@ class EngineCounters:
     rejected_by_cause: Counter[str] = field(default_factory=Counter)
     timeouts_by_phase: Counter[str] = field(default_factory=Counter)
 
+    def copy(self) -> EngineCounters:
+        """A snapshot that later steps do not change (the per-label counts copied too)."""
+        return replace(self, finished_by_reason=Counter(self.finished_by_reason),
+                       rejected_by_cause=Counter(self.rejected_by_cause),
+                       timeouts_by_phase=Counter(self.timeouts_by_phase))
+
     @property
     def finished(self) -> int:
-        """Requests that ran and ended, every reason together."""
+        """Requests that ended (not rejected), every reason together."""
         return sum(self.finished_by_reason.values())
 
     @property

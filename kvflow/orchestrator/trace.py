@@ -19,7 +19,6 @@ longest steps (``kvflow trace summarize``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -29,7 +28,7 @@ import threading
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # One scheduled chunk: (sequence id, kind, tokens, its arrival if first scheduled now, sampled)
 Entry = tuple[str, str, int, float | None, bool]
@@ -57,6 +56,25 @@ class StepRecord:
         self.running, self.waiting, self.finished = running, waiting, finished
 
 
+class TraceSnapshot(NamedTuple):
+    steps: list[StepRecord]
+    pending: list[Finish]
+    dropped_steps: int
+
+
+def check_trace_path(path: str | Path) -> Path:
+    """The trace file's absolute path, once its folder exists and is writable (refused early,
+    naming the option, rather than at shutdown)."""
+    path = Path(path).resolve()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"trace_steps: cannot create {path.parent}: {e}") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise ValueError(f"trace_steps: cannot write {path}")
+    return path
+
+
 class StepTracer:
     """A bounded ring of :class:`StepRecord` and the requests' ends between steps; written to
     ``path`` by :meth:`write` (atomically: a reader never sees half a file).
@@ -71,7 +89,7 @@ class StepTracer:
                  source: str = "engine") -> None:
         if max_steps < 1:
             raise ValueError(f"trace_max_steps must be >= 1, got {max_steps}")
-        self.path = Path(path)
+        self.path = check_trace_path(path)
         self.source = source
         self.steps: deque[StepRecord] = deque(maxlen=max_steps)
         self.num_steps = 0
@@ -95,14 +113,22 @@ class StepTracer:
         ``arrival`` for one that never ran, so that its wait is drawn."""
         self.pending.append((request_id, reason, t, arrival))
 
-    def write(self, path: str | Path | None = None) -> Path:
-        """Write the ring as a Trace Event JSON file (to ``path``, default the tracer's)."""
+    def snapshot(self) -> TraceSnapshot:
+        """The ring's contents now (cheap: on the engine's thread, so that :meth:`write` may
+        build and write the file on another one without stalling the steps)."""
+        return TraceSnapshot(list(self.steps), list(self.pending), self.dropped_steps)
+
+    def write(self, path: str | Path | None = None,
+              snapshot: TraceSnapshot | None = None) -> Path:
+        """Write the ring (or a :meth:`snapshot` of it) as a Trace Event JSON file, to
+        ``path`` (default the tracer's)."""
         path = Path(path) if path is not None else self.path
         path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"traceEvents": trace_events(list(self.steps), self.pending),
+        snap = snapshot or self.snapshot()
+        doc = {"traceEvents": trace_events(snap.steps, snap.pending),
                "displayTimeUnit": "ms",
                "otherData": {"producer": "kvflow", "source": self.source,
-                             "steps": len(self.steps), "dropped_steps": self.dropped_steps,
+                             "steps": len(snap.steps), "dropped_steps": snap.dropped_steps,
                              "clock": "microseconds from the first step kept (or an "
                                       "earlier arrival)"}}
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
@@ -125,8 +151,9 @@ class SignalWatch:
     previous handler and wakeup fd.
     """
 
-    def __init__(self, signum: int, callback: Callable[[], None]) -> None:
-        self.signum, self.callback = signum, callback
+    def __init__(self, signum: int, callback: Callable[[], None],
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
+        self.signum, self.callback, self.on_error = signum, callback, on_error
         self._read, self._write = socket.socketpair()
         self._write.setblocking(False)
         self._previous = signal.signal(signum, lambda *_: None)  # raises off the main thread
@@ -143,13 +170,24 @@ class SignalWatch:
             if not data:
                 return
             if self.signum in data:
-                with contextlib.suppress(Exception):  # a failed flush must not end the watch
+                try:
                     self.callback()
+                except Exception as e:  # noqa: BLE001  (a failed write must not end the watch)
+                    if self.on_error is not None:
+                        self.on_error(e)
 
     def close(self) -> None:
-        with contextlib.suppress(ValueError):  # off the main thread: the process is ending
+        """Restore the previous handler (SIG_IGN if there was none Python knew of) and wakeup
+        fd. Off the main thread they cannot be restored: the sockets are then left open (the
+        C handler still writes to the wakeup fd, which must not be reused), and the thread
+        stops."""
+        try:
             signal.set_wakeup_fd(self._previous_fd)
-            signal.signal(self.signum, self._previous)
+            signal.signal(self.signum, self._previous if self._previous is not None
+                          else signal.SIG_IGN)
+        except ValueError:
+            self.callback = lambda: None
+            return
         self._write.close()
         self._read.shutdown(socket.SHUT_RDWR)
         self._thread.join(5.0)
@@ -167,13 +205,16 @@ def trace_events(steps: list[StepRecord],
         _meta(ENGINE_PID, 1, "thread_name", "steps"),
         _meta(REQUESTS_PID, None, "process_name", "requests"),
     ]
-    if not steps:
+    pending = pending or []
+    ends = [f for rec in steps for f in rec.finished] + pending
+    times = [t for f in ends for t in (f[2], f[3]) if t is not None]
+    times += [e[3] for rec in steps for e in rec.entries if e[3] is not None]
+    if steps:
+        times.append(steps[0].times[0])
+    if not times:
         return events
-    # Time 0: the first step kept, or an earlier arrival of a request it scheduled.
-    origin = min([steps[0].times[0],
-                  *(e[3] for rec in steps for e in rec.entries if e[3] is not None),
-                  *(f[3] for rec in steps for f in rec.finished if f[3] is not None),
-                  *(f[3] for f in pending or () if f[3] is not None)])
+    # Time 0: the earliest moment shown (the first step kept, an arrival, an end before it).
+    origin = min(times)
 
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 3)
@@ -212,9 +253,9 @@ def trace_events(steps: list[StepRecord],
             tracks.run(_tid(tids, events, rid), rec, kind, n, arrival, sampled)
         for rid, reason, t, arrival in rec.finished:
             tracks.finish(_tid(tids, events, rid), reason, t, arrival)
-    for rid, reason, t, arrival in pending or ():
+    for rid, reason, t, arrival in pending:
         tracks.finish(_tid(tids, events, rid), reason, t, arrival)
-    tracks.close_all(steps[-1].times[-1])
+    tracks.close_all(steps[-1].times[-1] if steps else origin)
     return events
 
 
@@ -294,7 +335,10 @@ class _RequestTracks:
 
 def load(path: str | Path) -> dict[str, Any]:
     """A trace file, checked to be a Trace Event JSON object."""
-    doc = json.loads(Path(path).read_text())
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise ValueError(f"{path}: not a Trace Event file (no traceEvents list)")
     return doc
@@ -303,6 +347,10 @@ def load(path: str | Path) -> dict[str, Any]:
 def summarize(path: str | Path, top: int = 10) -> str:
     """Per-phase totals (engine phases, request phases) and the ``top`` longest steps."""
     doc = load(path)
+    if doc.get("otherData", {}).get("producer") != "kvflow":
+        raise ValueError(f"{path}: not a kvflow step timeline (written by --trace-steps)")
+    if top < 0:
+        raise ValueError(f"--top must be >= 0, got {top}")
     events = doc["traceEvents"]
     steps = [e for e in events if e.get("cat") == "step"]
     phases: dict[str, float] = defaultdict(float)

@@ -152,12 +152,13 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions
                 finished[i] = RequestTiming(t, [], spec.prompt_tokens, 0, ok=False)
         before = (clock.now, len(engine.step_stats))
         outputs = engine.step()
-        registry.apply(collector.collect(engine, outputs))
+        registry.observe(collector.observations(engine, outputs))
         if (clock.now, len(engine.step_stats)) == before:  # nothing could be scheduled
             if not arrivals:
                 raise RuntimeError("simulation stalled: requests wait, nothing can be scheduled")
             clock.now = max(clock.now, arrivals[0][0])
-        if clock.now >= next_sample:
+        if clock.now >= next_sample:  # the gauges and counters: read when sampled
+            registry.set_state(*collector.state(engine))
             series.append(_sample_series(engine, registry, clock.now))
             next_sample = clock.now + series_period_s
         for out in outputs:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -22,7 +23,6 @@ import numpy as np
 
 from kvflow.orchestrator.async_engine import EngineLoop
 from kvflow.orchestrator.config import options_from_parameters
-from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.outputs import CompletionOutput, RequestOutput
 from kvflow.orchestrator.trace import SignalWatch
 from kvflow.triton_backend.metrics import TritonMetrics
@@ -38,6 +38,8 @@ from kvflow.triton_backend.params import (
 # as a parameter); every other parameter is an engine option.
 BACKEND_PARAMETERS = ("engine_dir", "python_paths", "served_model_name")
 SERVE_FILE = "serve.json"
+# Beside it: the pids of stubs whose SIGUSR1 writes the step timeline (one line each).
+TRACE_SIGNAL_FILE = "trace_signal.pids"
 
 
 def _parameter(model_config: dict, key: str, default: str = "") -> str:
@@ -185,8 +187,14 @@ class KvflowTritonModel:
 
         self.pb = pb_utils
         model_config = json.loads(args["model_config"])
-        serve_file = Path(args.get("model_repository", "")) / SERVE_FILE
+        self.repository = Path(args.get("model_repository", ""))
+        serve_file = self.repository / SERVE_FILE
         served = json.loads(serve_file.read_text()) if serve_file.is_file() else {}
+        if served.get("trace_steps"):
+            # SIGUSR1 will write the step timeline: until the watch is live (the engine takes
+            # seconds to load), it must not end the stub, as its default action would.
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         engine_dir = served.get("engine_dir") or _parameter(model_config, "engine_dir")
         if not engine_dir or not (Path(engine_dir) / "engine_config.json").is_file():
             raise pb_utils.TritonModelException(
@@ -212,14 +220,27 @@ class KvflowTritonModel:
             lambda t: tokenizer.decode([t], skip_special_tokens=False))
 
     def _watch_trace_signal(self, pb_utils: Any) -> SignalWatch | None:
-        """With a step timeline, SIGUSR1 writes it (on the engine's thread, between steps)."""
-        if self.engine.tracer is None:
+        """With a step timeline, SIGUSR1 writes it: the ring is copied on the engine's thread
+        between steps, and the file built and written on the watch's. Once the watch is live
+        this stub's pid goes into TRACE_SIGNAL_FILE, the one place `kvflow serve` signals."""
+        tracer = self.engine.tracer
+        if tracer is None:
             return None
+
+        def write() -> None:
+            tracer.write(snapshot=self.loop.call(lambda engine: tracer.snapshot()))
+
+        def failed(e: BaseException) -> None:
+            pb_utils.Logger.log_error(f"kvflow: writing the step timeline failed: {e!r}")
+
         try:
-            return SignalWatch(signal.SIGUSR1, lambda: self.loop.call(LLMEngine.write_trace))
+            watch = SignalWatch(signal.SIGUSR1, write, failed)
         except ValueError as e:  # not on the main thread: the timeline is written at shutdown
             pb_utils.Logger.log_warn(f"kvflow: SIGUSR1 will not write the step timeline: {e}")
             return None
+        with open(self.repository / TRACE_SIGNAL_FILE, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return watch
 
     def execute(self, requests: list[Any]) -> None:
         pb = self.pb
@@ -251,8 +272,8 @@ class KvflowTritonModel:
         # NOTE: metrics first: while the model unloads, a metrics call from the loop thread
         # may never be answered, and shutdown would wait on that thread.
         self.metrics.close()
-        if self.trace_watch is not None:
-            self.trace_watch.close()
         self.loop.shutdown(timeout=10.0)
         if not self.loop.is_alive:  # never pull the KV pool from under a running step
             self.engine.close()  # the step timeline is written here
+        if self.trace_watch is not None:  # after: a SIGUSR1 until now is still handled
+            self.trace_watch.close()

@@ -83,8 +83,13 @@ class ServerConfig:
         from kvflow.orchestrator.llm import plan_engine
 
         if self.engine_args.get("trace_steps"):  # the backend's working directory is not ours
-            self.engine_args["trace_steps"] = str(Path(self.engine_args["trace_steps"])
-                                                  .resolve())
+            from kvflow.orchestrator.trace import check_trace_path
+
+            try:
+                self.engine_args["trace_steps"] = str(check_trace_path(
+                    self.engine_args["trace_steps"]))
+            except ValueError as e:
+                raise ServeError(f"--trace-steps: {e}") from None
         try:  # bad options are refused before any server starts
             plan_engine(self.engine_dir, **self.engine_args)
         except ValueError as e:
@@ -362,31 +367,22 @@ class TritonServer:
             self._workspace = None
         return code
 
-    def backend_pids(self) -> list[int]:
-        """The Python backend stub processes of this server (its children; Linux)."""
-        if self.proc is None:
-            return []
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                text = stat.read_text()
-                ppid = int(text[text.rindex(")") + 2:].split()[1])
-                if ppid == self.proc.pid and b"triton_python_backend_stub" in (
-                        stat.parent / "cmdline").read_bytes():
-                    pids.append(int(stat.parent.name))
-        return pids
-
     def write_trace(self) -> int:
-        """Ask the backend to write its step timeline now (SIGUSR1 to its stub); how many
-        stubs were signalled. Only with ``trace_steps`` set: without a timeline the stub has
-        no handler, and SIGUSR1 would end it."""
+        """Ask the backend to write its step timeline now: SIGUSR1 to each stub whose watch is
+        live (the pids it wrote beside its model); returns how many were signalled (0 while
+        the model is still loading). Needs ``trace_steps``."""
         if not self.cfg.engine_args.get("trace_steps"):
-            raise ServeError("the server has no step timeline (start it with trace_steps)")
-        pids = self.backend_pids()
+            raise ServeError("the server has no step timeline (start it with --trace-steps)")
+        if self._workspace is None:
+            return 0
+        marker = Path(self._workspace.name) / "models" / MODEL_NAME / "trace_signal.pids"
+        pids = [int(line) for line in marker.read_text().split()] if marker.exists() else []
+        signalled = 0
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
-        return len(pids)
+                signalled += 1
+        return signalled
 
     def __enter__(self) -> TritonServer:
         return self.start()
@@ -436,8 +432,15 @@ def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    if cfg.engine_args.get("trace_steps"):  # SIGUSR1 writes the step timeline now
-        signal.signal(signal.SIGUSR1, lambda *_: server.write_trace())
+    def on_usr1(_signum: int, _frame: object) -> None:
+        if not cfg.engine_args.get("trace_steps"):
+            print("[kvflow serve] SIGUSR1: no step timeline (start with --trace-steps FILE)",
+                  file=sys.stderr, flush=True)
+        elif server.write_trace() == 0:
+            print("[kvflow serve] SIGUSR1: the model is still loading; send it again once "
+                  "it is ready", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGUSR1, on_usr1)  # writes the step timeline now
     print(f"[kvflow serve] starting tritonserver for {cfg.engine_dir} ...", flush=True)
     server.start()
     if frontend is not None:
