@@ -57,7 +57,7 @@ def test_one_run_writes_the_bench_serve_report_plus_kv_and_queue(tmp_path):
                     reason=f"Azure trace not found at {default_trace()}")
 def test_a_sweep_of_policies_and_rates_shows_continuous_beating_static(tmp_path):
     out = tmp_path / "sweep"
-    assert run_cli("simulate", "--num-prompts", "400", "--policy", "static,continuous",
+    assert run_cli("simulate", "--num-prompts", "200", "--policy", "static,continuous",
                    "--rates", "4,16", "--max-num-seqs", "64", "--slo", "ttft_ms=1000",
                    "--out", str(out), "--no-progress") == 0
     sweep = json.loads((out / "sweep.json").read_text())
@@ -255,6 +255,15 @@ def test_validate_runs_the_real_server_and_the_simulator_on_the_same_requests(
     engine_alone = json.loads((tmp_path / "engine_alone" / "report.json").read_text())
     assert engine_alone["summary"]["completed"] == 8
     assert set(result["errors_vs_engine_alone"]) >= {"mean TTFT", "mean TPOT"}
+    # The two step timelines, side by side: the same requests, each ended once.
+    from kvflow.orchestrator.trace import load
+
+    for part, source, expected in (("real", "engine", 9), ("sim", "simulator", 8)):
+        doc = load(tmp_path / part / "steps.json")  # real: the warm-up request too
+        assert doc["otherData"]["source"] == source
+        ends = [e for e in doc["traceEvents"] if e["name"] == "finished"]
+        assert len(ends) == expected, part
+    assert "Simulator: `kvflow trace summarize" in (tmp_path / "summary.md").read_text()
 
 
 def test_the_tenants_workload_reports_fairness_and_slo_admission_refuses(tmp_path):

@@ -393,15 +393,15 @@ class LLMEngine:
         for s in sched.scheduled:
             r = s.request
             m = r.metrics
-            kind = ("decode" if s.is_decode else "recompute" if m.num_preemptions
-                    else "prefill")
+            if s.num_new_tokens == 1 and s.start >= r.num_prompt_tokens:  # s.is_decode
+                entries.append((r.request_id, "decode", 1, None, True))
+                continue
             first = m.first_scheduled_time is not None and m.first_scheduled_time >= t0
-            entries.append((r.request_id, kind, s.num_new_tokens,
-                            m.arrival_time if first else None, s.sample))
-        ended = dict.fromkeys(r for r in [*(s.request for s in sched.scheduled),
-                                          *sampled.requests] if r.is_finished)
+            entries.append((r.request_id, "recompute" if m.num_preemptions else "prefill",
+                            s.num_new_tokens, m.arrival_time if first else None, s.sample))
+        # A sequence ends only on a token it sampled (aborts and timeouts are traced apart).
         finished: list[Finish] = [(r.request_id, r.status.finish_reason or "", t4, None)
-                                  for r in ended]
+                                  for r in sampled.requests if r.is_finished]
         transfers = {f"{kind}_blocks": sum(len(p) for k, p in sched.transfers if k == kind)
                      for kind in TRANSFER_KINDS}
         assert self.tracer is not None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from kvflow.bench.serve import (
     write_serve_report,
 )
 from kvflow.bench.workloads import RequestSpec
+from kvflow.orchestrator.trace import summarize
 from kvflow.sim.calibrate import COST_MODEL_FILE
 from kvflow.sim.cost_model import LinearCostModel
 from kvflow.sim.simulator import run_in_real_time, simulate, timing_of
@@ -111,12 +114,16 @@ def validate_main(args: argparse.Namespace) -> int:
               "num_prompts": len(specs), "slo": slo, "max_concurrency": None}
 
     print(f"[validate] serving {args.engine} ({MODE_LABELS[args.policy]}) ...", flush=True)
-    cfg = ServerConfig.on_free_ports(args.engine, options)
+    # Both runs write their step timeline, to be opened side by side (Perfetto).
+    real_trace, sim_trace = out / "real" / "steps.json", out / "sim" / "steps.json"
+    real_trace.unlink(missing_ok=True)
+    cfg = ServerConfig.on_free_ports(args.engine, {**options, "trace_steps": str(real_trace)})
     with TritonServer(cfg, log_path=out / "tritonserver.log") as server:
         list(stream_generate(server.grpc_url, texts[0], {"max_tokens": 2}))  # warm-up
         with MetricsScraper(server.metrics_url) as scraper:
             timings, duration = run_load(server.grpc_url, specs, texts, None,
                                          progress=not args.no_progress, desc="real server")
+        write_trace_now(server, real_trace)
     real = write_serve_report(out / "real", "kvflow bench serve", config, timings, duration,
                               scraper.samples, echo=False)
 
@@ -126,8 +133,8 @@ def validate_main(args: argparse.Namespace) -> int:
                                  offline_timings, offline_s, [], echo=False)
 
     print("[validate] simulating the same requests ...", flush=True)
-    result = simulate(specs, cost, plan.scheduler, plan.num_blocks,
-                      plan.engine.limits.block_size, prompts=prompts)
+    result = simulate(specs, cost, replace(plan.scheduler, trace_steps=str(sim_trace)),
+                      plan.num_blocks, plan.engine.limits.block_size, prompts=prompts)
     sim = write_serve_report(out / "sim", "kvflow simulate", {**config, "cost_file":
                                                              str(cost_path)},
                              result.timings, result.duration_s, result.series,
@@ -156,6 +163,21 @@ def validate_main(args: argparse.Namespace) -> int:
               f"{worst:.1%} (target 10%). The engine-alone column replays the same requests "
               "through the engine without Triton or a client: the simulator's error against "
               "it is the cost model's, the rest is the serving path's. Full reports: "
-              "`real/`, `engine_alone/`, `sim/`."]
+              "`real/`, `engine_alone/`, `sim/`.", "",
+              "Step timelines: `real/steps.json` and `sim/steps.json` (open both in "
+              "ui.perfetto.dev; the warm-up request is the real one's first).", ""]
+    for name, path in (("Real server", real_trace), ("Simulator", sim_trace)):
+        if path.exists():
+            lines += [f"### {name}: `kvflow trace summarize {path}`", "",
+                      summarize(path, top=5), ""]
     write_report(out / "summary.md", lines)
     return 0
+
+
+def write_trace_now(server: Any, path: Path, timeout_s: float = 60.0) -> None:
+    """Have the server write its step timeline (SIGUSR1) and wait until the file is there."""
+    deadline = time.monotonic() + timeout_s
+    while server.write_trace() == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the model's watch is not live yet
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
