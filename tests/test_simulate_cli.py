@@ -264,6 +264,7 @@ def test_validate_runs_the_real_server_and_the_simulator_on_the_same_requests(
         ends = [e for e in doc["traceEvents"] if e["name"] == "finished"]
         assert len(ends) == expected, part
     assert "Simulator: `kvflow trace summarize" in (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "timelines.png").stat().st_size > 0
 
 
 def test_the_tenants_workload_reports_fairness_and_slo_admission_refuses(tmp_path):

@@ -54,10 +54,11 @@ class EngineLoop:
         """Queue a request; ``callback`` gets every output, the last one with ``finished``.
 
         ``is_cancelled`` is polled before every step; once it returns True the request is
-        aborted (its KV blocks freed) before that step runs.
+        aborted (its KV blocks freed) before that step runs. Its arrival is now, on the
+        engine's clock: the wait in the inbox while a step runs counts in its TTFT.
         """
         self._inbox.put(("add", (request_id, prompt, params, callback, priority, is_cancelled,
-                                 cache_salt, tenant)))
+                                 cache_salt, tenant, self.engine.clock())))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -83,10 +84,12 @@ class EngineLoop:
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            request_id, prompt, params, callback, priority, is_cancelled, salt, tenant = payload
+            (request_id, prompt, params, callback, priority, is_cancelled, salt, tenant,
+             arrival) = payload
             try:
                 _, rejected = self.engine.add_request(prompt, params, request_id, priority,
-                                                      cache_salt=salt, tenant=tenant)
+                                                      arrival_time=arrival, cache_salt=salt,
+                                                      tenant=tenant)
             except ValueError as e:
                 callback(RequestOutput.failed(request_id, str(e), "bad_request", params.n))
                 return

@@ -166,12 +166,47 @@ def validate_main(args: argparse.Namespace) -> int:
               "`real/`, `engine_alone/`, `sim/`.", "",
               "Step timelines: `real/steps.json` and `sim/steps.json` (open both in "
               "ui.perfetto.dev; the warm-up request is the real one's first).", ""]
-    for name, path in (("Real server", real_trace), ("Simulator", sim_trace)):
-        if path.exists():
-            lines += [f"### {name}: `kvflow trace summarize {path}`", "",
-                      summarize(path, top=5), ""]
+    traces = [(name, path) for name, path in (("Real server", real_trace),
+                                              ("Simulator", sim_trace)) if path.exists()]
+    if traces:
+        plot = plot_timelines(out / "timelines.png", traces)
+        lines += [f"![the two step timelines]({Path(plot).name})", ""]
+    for name, path in traces:
+        lines += [f"### {name}: `kvflow trace summarize {path}`", "",
+                  summarize(path, top=5), ""]
     write_report(out / "summary.md", lines)
     return 0
+
+
+def plot_timelines(path: Path, traces: list[tuple[str, Path]]) -> str:
+    """The step timelines one above the other: each step a bar as long as it lasted,
+    coloured by kind, and the running requests under them."""
+    from kvflow.bench.report import pyplot, save_figure
+    from kvflow.orchestrator.trace import load
+
+    plt = pyplot()
+    fig, axes = plt.subplots(len(traces), 1, figsize=(13, 2.4 * len(traces)), sharex=True,
+                             squeeze=False)
+    colours = {"prefill": "C3", "mixed": "C1", "decode": "C0"}
+    for ax, (name, trace) in zip(axes[:, 0], traces, strict=True):
+        events = load(trace)["traceEvents"]
+        steps = [e for e in events if e.get("cat") == "step"]
+        for kind, colour in colours.items():
+            bars = [(e["ts"] / 1e6, e["dur"] / 1e6) for e in steps if e["name"] == kind]
+            ax.broken_barh(bars, (1, 1), color=colour, label=f"{kind} step")
+        running = [(e["ts"] / 1e6, e["args"]["running"]) for e in events
+                   if e["ph"] == "C" and e["name"] == "requests"]
+        if running:
+            top = max(r for _, r in running) or 1
+            ax.plot([t for t, _ in running], [r / top for _, r in running], color="grey",
+                    linewidth=0.8, drawstyle="steps-post", label=f"running (max {top})")
+        ax.set_yticks([])
+        ax.set_ylim(0, 2.1)
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7, loc="upper right", ncol=4)
+    axes[-1, 0].set_xlabel("seconds from the first step")
+    fig.suptitle("Step timelines of one workload, served and simulated")
+    return save_figure(fig, path)
 
 
 def write_trace_now(server: Any, path: Path, timeout_s: float = 60.0) -> None:
