@@ -46,12 +46,15 @@ class InstantRunner(ModelRunner):
         return self._argmax[: len(step.logits_indices)]
 
 
-def run(engine_dir: str, num_requests: int, steps: int, vocab: int | None,
-        detokenize: bool) -> dict:
+def decoding_engine(engine_dir: str, num_requests: int, steps: int, vocab: int | None,
+                    detokenize: bool, **options: object) -> LLMEngine:
+    """An engine over an :class:`InstantRunner` with ``num_requests`` requests past their
+    prefills, each with room for ``steps`` more decode steps; ``options``: more
+    :class:`EngineOptions` fields."""
     engine_cfg = EngineConfig.load(engine_dir)
     vocab = vocab or engine_cfg.model.vocab_size
     sched = EngineOptions(max_num_seqs=num_requests, max_num_batched_tokens=8192,
-                            max_model_len=2048)
+                          max_model_len=2048, **options)  # type: ignore[arg-type]
     blocks = num_requests * (2048 // engine_cfg.limits.block_size) + 1
     runner = InstantRunner(engine_cfg, blocks, vocab)
     tokenizer = EngineTokenizer(engine_dir) if detokenize else None
@@ -63,6 +66,13 @@ def run(engine_dir: str, num_requests: int, steps: int, vocab: int | None,
     while engine.scheduler.num_waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
+    return engine
+
+
+def run(engine_dir: str, num_requests: int, steps: int, vocab: int | None,
+        detokenize: bool) -> dict:
+    engine = decoding_engine(engine_dir, num_requests, steps, vocab, detokenize)
+    vocab = engine.sampler.vocab_size
     engine.step_stats.clear()
     wall = []
     for _ in range(steps):

@@ -26,11 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scheduler_overhead import InstantRunner  # noqa: E402
+from scheduler_overhead import decoding_engine  # noqa: E402
 
 from kvflow.bench.report import pyplot, save_figure, write_report  # noqa: E402
-from kvflow.build.engine_config import EngineConfig  # noqa: E402
-from kvflow.orchestrator.config import EngineOptions  # noqa: E402
 from kvflow.orchestrator.engine import LLMEngine  # noqa: E402
 from kvflow.orchestrator.llm import create_engine  # noqa: E402
 from kvflow.orchestrator.sampling_params import SamplingParams  # noqa: E402
@@ -50,25 +48,9 @@ def timed_trace(engine: LLMEngine) -> list[float]:
     return times
 
 
-def instant_engine(engine_dir: str, trace: Path | None, num_requests: int,
-                   steps: int) -> LLMEngine:
-    cfg = EngineConfig.load(engine_dir)
-    options = EngineOptions(max_num_seqs=num_requests, max_num_batched_tokens=8192,
-                            max_model_len=2048, trace_steps=str(trace) if trace else None)
-    blocks = num_requests * (2048 // cfg.limits.block_size) + 1
-    engine = LLMEngine(InstantRunner(cfg, blocks, 32), None, options, cfg.model.eos_token_ids)
-    engine.sampler.vocab_size = 32
-    params = SamplingParams(max_tokens=steps + 30, temperature=0.0, ignore_eos=True)
-    for i in range(num_requests):
-        engine.add_request(list(range(100, 132)), params, request_id=f"r{i}")
-    while engine.scheduler.num_waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-        engine.step()
-    return engine
-
-
 def run_instant(engine_dir: str, trace: Path | None, steps: int) -> dict:
-    engine = instant_engine(engine_dir, trace, 256, steps)
+    engine = decoding_engine(engine_dir, 256, steps, 32, False,
+                             trace_steps=str(trace) if trace else None)
     record = timed_trace(engine) if trace else []
     wall = []
     for _ in range(steps):

@@ -18,9 +18,10 @@ import pytest
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.metrics import METRICS, MetricsRegistry, all_series, series_key
 from kvflow.orchestrator.trace import load, summarize
+from tests.test_hardening import post
+from tests.test_serving import scrape, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
-DEADLINE_S = 300.0
 
 
 # --- the fragmentation gauge -----------------------------------------------------------------
@@ -243,38 +244,16 @@ def test_timeline_of_a_group_and_an_abort(tmp_path):
 
 # --- served: the series follow from the workload, Prometheus scrapes them --------------------
 
-def scrape(url: str) -> dict[str, float]:
-    """The kvflow_* series by the catalogue's keys (``model`` dropped; no buckets)."""
-    text = urllib.request.urlopen(url, timeout=DEADLINE_S).read().decode()
+def series(server) -> dict[str, float]:
+    """The server's kvflow_* series by the catalogue's keys (``model`` dropped; no buckets)."""
     out = {}
-    for line in text.splitlines():
-        if line.startswith("kvflow_") and "le=" not in line:
-            key, value = line.rsplit(" ", 1)
-            name, _, labels = key.partition("{")
-            pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-            pairs.pop("model", None)
-            out[series_key(name, *next(iter(pairs.items()))) if pairs else name] = float(value)
+    for key, value in scrape(server).items():
+        name, _, labels = key.partition("{")
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        pairs.pop("model", None)
+        if "le" not in pairs:
+            out[series_key(name, *next(iter(pairs.items()))) if pairs else name] = value
     return out
-
-
-def wait_for(predicate, what: str, timeout_s: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def post(server, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/kvflow/generate",
-                                 data=json.dumps(body).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=DEADLINE_S) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
 
 
 PROMPTS = ["The history of paged attention", "Explain continuous batching",
@@ -291,17 +270,15 @@ def test_served_series_follow_from_a_fixed_workload(triton_server, default_engin
 
     tok = EngineTokenizer(default_engines["onnxruntime"])
     prompt_tokens = [len(tokenize_prompt(tok, p)) for p in PROMPTS]
-    url = triton_server.metrics_url
-
     def settled() -> dict[str, float] | None:
         """Idle, and published: two scrapes agree (the metrics thread lags the engine)."""
-        a = scrape(url)
+        a = series(triton_server)
         time.sleep(0.3)
-        b = scrape(url)
+        b = series(triton_server)
         idle = b["kvflow_num_requests_running"] == 0 == b["kvflow_num_requests_waiting"]
         return b if idle and a == b else None
 
-    before = wait_for(settled, "an idle server")
+    before = wait_for(settled, what="an idle server")
 
     finals = {}
 
@@ -315,9 +292,9 @@ def test_served_series_follow_from_a_fixed_workload(triton_server, default_engin
     first.start()
     # NOTE: so that its decodes share steps with the others' prefills (the split of the ITL
     # below is checked against the timeline, not assumed).
-    wait_for(lambda: scrape(url)["kvflow_generation_tokens_total"]
+    wait_for(lambda: series(triton_server)["kvflow_generation_tokens_total"]
              > before["kvflow_generation_tokens_total"] or not first.is_alive(),
-             "the first request decoding")
+             what="the first request decoding")
     rest = [threading.Thread(target=send, args=(i,)) for i in range(1, len(PROMPTS))]
     for t in rest:
         t.start()
@@ -329,8 +306,8 @@ def test_served_series_follow_from_a_fixed_workload(triton_server, default_engin
     n = len(PROMPTS)
     key_len = series_key("kvflow_request_success_total", "finished_reason", "length")
     key_bad = series_key("kvflow_request_rejected_total", "reason", "bad_request")
-    after = wait_for(lambda: (s := scrape(url))[key_len] - before[key_len] == n
-                     and s[key_bad] - before[key_bad] == 2 and s, "the workload counted")
+    after = wait_for(lambda: (s := series(triton_server))[key_len] - before[key_len] == n
+                     and s[key_bad] - before[key_bad] == 2 and s, what="the workload counted")
 
     def d(key: str) -> float:
         return after[key] - before.get(key, 0.0)
@@ -365,7 +342,8 @@ def test_served_series_follow_from_a_fixed_workload(triton_server, default_engin
     trace = Path(triton_server.cfg.engine_args["trace_steps"])
     mtime = trace.stat().st_mtime_ns if trace.exists() else 0
     assert triton_server.write_trace() == 1
-    wait_for(lambda: trace.exists() and trace.stat().st_mtime_ns != mtime, "the timeline")
+    wait_for(lambda: trace.exists() and trace.stat().st_mtime_ns != mtime,
+             what="the timeline")
     doc = load(trace)
     check_trace_schema(doc)
     longest = max(e["dur"] for e in step_events(doc)) / 1e6
@@ -461,7 +439,7 @@ def test_prometheus_scrapes_every_series(triton_server, tmp_path):
         for m in METRICS.values():
             expr = f"{m.name}_count" if m.kind == "histogram" else m.name
             result = wait_for(lambda e=expr: (r := query(e))["status"] == "success"
-                              and r["data"]["result"], f"a PromQL answer for {expr}")
+                              and r["data"]["result"], what=f"a PromQL answer for {expr}")
             assert all(s["metric"]["model"] == "kvflow" for s in result)
             if m.label is not None:
                 assert {s["metric"][m.label] for s in result} == set(m.values)

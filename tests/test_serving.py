@@ -56,10 +56,11 @@ def settled_scrape(server, before: dict[str, float], finished: int) -> dict[str,
 
 
 def wait_for(predicate, timeout_s=DEADLINE_S, what="condition"):
+    """Poll ``predicate`` until it returns something true, and return that."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if predicate():
-            return
+        if value := predicate():
+            return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
 

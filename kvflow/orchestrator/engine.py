@@ -212,9 +212,7 @@ class LLMEngine:
             now = self.clock()
             for seq in request.group.seqs if request.group is not None else [request]:
                 if seq.status == RequestStatus.FINISHED_ABORTED:
-                    m = seq.metrics
-                    self.tracer.finish(seq.request_id, "abort", now, m.arrival_time
-                                       if m.first_scheduled_time is None else None)
+                    self._trace_end(seq, "abort", now)
         return self._output(request, {})
 
     def has_unfinished_requests(self) -> bool:
@@ -369,7 +367,7 @@ class LLMEngine:
         c.prefix_cache_queries = self.scheduler.prefix_cache_queries
         c.prefix_cache_hits = self.scheduler.prefix_cache_hits
         self.scheduler.observe_step(num_prefill, t4 - t0)
-        self.step_stats.append(StepStats(
+        stats = StepStats(
             time=t4, num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
@@ -379,21 +377,23 @@ class LLMEngine:
             model_time_s=t2 - t1, sample_time_s=t3 - t2, postprocess_time_s=t4 - t3,
             num_timed_out=len(sched.timed_out),
             finished=[o.request_id for o in outputs if o.finished],
-            scheduled=[(s.request.request_id, s.num_new_tokens) for s in sched.scheduled]))
+            scheduled=[(s.request.request_id, s.num_new_tokens) for s in sched.scheduled])
+        self.step_stats.append(stats)
         if self.tracer is not None:
-            self._trace(sched, sampled, times)
+            self._trace(sched, sampled, times, stats)
 
     def _trace(self, sched: SchedulerOutput, sampled: _Sampled,
-               times: tuple[float, float, float, float, float]) -> None:
+               times: tuple[float, float, float, float, float], stats: StepStats) -> None:
         """The step's record in the timeline: each chunk (with the arrival of a request
         scheduled for the first time), the preemptions and transfers, the sequences that
-        ended (a forked member may end on the token it took from its leader's row)."""
+        ended (a forked member may end on the token it took from its leader's row), and the
+        state after it (from the step's ``stats``)."""
         t0, t4 = times[0], times[-1]
         entries: list[Entry] = []
         for s in sched.scheduled:
             r = s.request
             m = r.metrics
-            if s.num_new_tokens == 1 and s.start >= r.num_prompt_tokens:  # s.is_decode
+            if s.is_decode:
                 entries.append((r.request_id, "decode", 1, None, True))
                 continue
             first = m.first_scheduled_time is not None and m.first_scheduled_time >= t0
@@ -407,8 +407,16 @@ class LLMEngine:
         assert self.tracer is not None
         self.tracer.record(StepRecord(
             self.counters.steps, times, entries, [r.request_id for r in sched.preempted],
-            transfers, self.kv.usage, self.kv.pool.num_used_blocks, self.scheduler.num_running,
-            self.scheduler.num_waiting, finished))
+            transfers, stats.kv_usage, stats.kv_blocks_used, stats.num_running,
+            stats.num_waiting, finished))
+
+    def _trace_end(self, seq: Request, reason: str, now: float) -> None:
+        """A sequence that ended outside a step (an abort, a timeout), with its arrival if
+        it never ran (so that its wait is drawn)."""
+        assert self.tracer is not None
+        m = seq.metrics
+        self.tracer.finish(seq.request_id, reason, now,
+                           m.arrival_time if m.first_scheduled_time is None else None)
 
     def write_trace(self, path: str | None = None) -> Path | None:
         """Write the step timeline (to ``path``, default ``trace_steps``); None when tracing
@@ -432,9 +440,7 @@ class LLMEngine:
             if seq.status != RequestStatus.FINISHED_TIMEOUT:
                 continue
             if self.tracer is not None:
-                m = seq.metrics
-                self.tracer.finish(seq.request_id, "timeout", now,
-                                   m.arrival_time if m.first_scheduled_time is None else None)
+                self._trace_end(seq, "timeout", now)
             if state is not None:
                 delta = state.flush()
                 state.text += delta

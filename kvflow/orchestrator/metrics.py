@@ -41,7 +41,9 @@ FINISHED_REASONS = ("stop", "length", "abort", "timeout")
 @dataclass(frozen=True)
 class Metric:
     """One metric family: ``kind`` is counter, gauge or histogram; ``label`` and ``values``
-    name its one label and every value it takes (each series exists from the start, at 0)."""
+    name its one label and every value it takes (each series exists from the start, at 0).
+    A counter mirrors the :class:`EngineCounters` field ``source`` (a Counter by label value
+    when labeled; ``serving_time_s`` is the engine loop's, not the engine's)."""
 
     name: str
     kind: str
@@ -49,6 +51,7 @@ class Metric:
     label: str | None = None
     values: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
+    source: str = ""
 
     def series(self) -> list[str]:
         """The series' keys: the name, or one ``name{label="value"}`` per value."""
@@ -118,46 +121,34 @@ METRICS: dict[str, Metric] = dict((
        "Each step's postprocessing time (detokenizing, stop checks, appending, outputs)",
        buckets=STEP_TIME_BUCKETS),
     # --- counters (mirrors of EngineCounters) ---
-    _m("kvflow_prompt_tokens_total", "counter", "Prefill tokens computed"),
-    _m("kvflow_generation_tokens_total", "counter", "Output tokens generated"),
-    _m("kvflow_num_preemptions_total", "counter", "Requests preempted"),
+    _m("kvflow_prompt_tokens_total", "counter", "Prefill tokens computed",
+       source="prompt_tokens"),
+    _m("kvflow_generation_tokens_total", "counter", "Output tokens generated",
+       source="generation_tokens"),
+    _m("kvflow_num_preemptions_total", "counter", "Requests preempted", source="preemptions"),
     _m("kvflow_request_success_total", "counter",
        "Requests that ended, by finished reason (rejections are counted apart)",
-       label="finished_reason",
-       values=FINISHED_REASONS),
+       label="finished_reason", values=FINISHED_REASONS, source="finished_by_reason"),
     _m("kvflow_request_rejected_total", "counter",
        "Requests refused at once, by cause: bad input (refused by the front door or by "
        "admission), a full queue, or a predicted wait over max_queue_delay_ms",
-       label="reason", values=REJECT_CAUSES),
+       label="reason", values=REJECT_CAUSES, source="rejected_by_cause"),
     _m("kvflow_request_timeout_total", "counter",
        "Requests ended past their deadline, by the phase they were in", label="phase",
-       values=TIMEOUT_PHASES),
+       values=TIMEOUT_PHASES, source="timeouts_by_phase"),
     _m("kvflow_prefix_cache_queries_total", "counter",
-       "Prompt tokens looked up in the prefix cache (the hit ratio is hits over queries)"),
-    _m("kvflow_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache"),
-    _m("kvflow_engine_steps_total", "counter", "Engine steps run"),
+       "Prompt tokens looked up in the prefix cache (the hit ratio is hits over queries)",
+       source="prefix_cache_queries"),
+    _m("kvflow_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache",
+       source="prefix_cache_hits"),
+    _m("kvflow_engine_steps_total", "counter", "Engine steps run", source="steps"),
     _m("kvflow_engine_step_seconds_total", "counter",
-       "Engine-thread seconds inside engine steps"),
+       "Engine-thread seconds inside engine steps", source="step_time_s"),
     _m("kvflow_serving_seconds_total", "counter",
        "Engine-thread seconds serving around the steps: cancellation checks, metrics "
-       "snapshots, handing outputs to the response senders"),
+       "snapshots, handing outputs to the response senders", source="serving_time_s"),
 ))
-# counter -> the EngineCounters field it mirrors (a Counter by label value when labeled;
-# serving_time_s is the engine loop's, not the engine's)
-COUNTER_FIELDS = {
-    "kvflow_prompt_tokens_total": "prompt_tokens",
-    "kvflow_generation_tokens_total": "generation_tokens",
-    "kvflow_num_preemptions_total": "preemptions",
-    "kvflow_request_success_total": "finished_by_reason",
-    "kvflow_request_rejected_total": "rejected_by_cause",
-    "kvflow_request_timeout_total": "timeouts_by_phase",
-    "kvflow_prefix_cache_queries_total": "prefix_cache_queries",
-    "kvflow_prefix_cache_hits_total": "prefix_cache_hits",
-    "kvflow_engine_steps_total": "steps",
-    "kvflow_engine_step_seconds_total": "step_time_s",
-    "kvflow_serving_seconds_total": "serving_time_s",
-}
-assert set(COUNTER_FIELDS) == {n for n, m in METRICS.items() if m.kind == "counter"}
+assert all(m.source for m in METRICS.values() if m.kind == "counter"), "a counter lacks source"
 
 
 def all_series() -> list[str]:
@@ -180,8 +171,8 @@ class MetricsUpdate:
 
 
 # (series key, the EngineCounters field, the label value within it or None), precomputed
-_COUNTER_KEYS = [(key, COUNTER_FIELDS[name], value)
-                 for name, m in METRICS.items() if m.kind == "counter"
+_COUNTER_KEYS = [(key, m.source, value)
+                 for m in METRICS.values() if m.kind == "counter"
                  for key, value in zip(m.series(), m.values or (None,), strict=True)]
 _PREFILL_TOKENS = series_key("kvflow_iteration_tokens", "kind", "prefill")
 _DECODE_TOKENS = series_key("kvflow_iteration_tokens", "kind", "decode")
@@ -297,9 +288,6 @@ class MetricsRegistry:
             row[f"{name}_sum{brace}{labels}"] = h.sum
             row[f"{name}_count{brace}{labels}"] = float(h.count)
         return row
-
-    def histogram(self, key: str) -> _Histogram:
-        return self.histograms[key]
 
     def exposition(self, labels: Mapping[str, str] | None = None) -> str:
         """The Prometheus text format of every series (what Triton's /metrics shows)."""

@@ -56,7 +56,7 @@ class TritonMetrics:
         """A request the front door refused before the engine saw it (malformed input):
         counted in ``kvflow_request_rejected_total`` with the engine's own refusals."""
         key = series_key("kvflow_request_rejected_total", "reason", cause)
-        self._queue.put(_Snapshot(MetricsUpdate([], {}, {}), increments={key: 1}))
+        self._queue.put(_Snapshot(None, increments={key: 1}))
 
     def _publish_loop(self) -> None:
         while True:
