@@ -7,6 +7,11 @@ Prefix caching: a full block may carry a content hash (see :func:`hash_block`). 
 reference goes, a hashed block stays in the pool, findable by its hash, until it is evicted to
 make room: the free queue is ordered least recently freed first, and allocation evicts from its
 front. A block with references is never on the free queue, so it is never evicted.
+
+KV events: with ``events`` set to a list (``BlockPool.record_events()``), the pool appends a
+:class:`BlockStored` each time a block's content enters the cache and a :class:`BlockRemoved`
+each time one is evicted, for a distributed router (kvflow's Dynamo worker) to mirror the cache.
+Whoever reads them takes them with ``take_events``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -22,6 +28,27 @@ class NoFreeBlocksError(RuntimeError):
 
 
 BlockHash = bytes
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """A full block's content entered the prefix cache: its hash, its parent's (None for a
+    sequence's first block), its token ids, and whether a cache salt went into its hash."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    salted: bool = False
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """A cached block was evicted: its content can no longer be hit."""
+
+    block_hash: BlockHash
+
+
+KVEvent = BlockStored | BlockRemoved
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
@@ -60,6 +87,19 @@ class BlockPool:
         # cached block that gets hit while free.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.num_evictions = 0
+        self.events: list[KVEvent] | None = None  # None: not recorded
+
+    def record_events(self) -> None:
+        """Start recording :class:`BlockStored` / :class:`BlockRemoved` events."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     @property
     def num_usable_blocks(self) -> int:
@@ -98,6 +138,8 @@ class BlockPool:
                 del self.cached[h]
                 self.block_hashes[b] = None
                 self.num_evictions += 1
+                if self.events is not None:
+                    self.events.append(BlockRemoved(h))
             self.ref_counts[b] = 1
             blocks.append(b)
         return blocks
@@ -124,8 +166,11 @@ class BlockPool:
         """The block holding ``block_hash``'s content, if it is still cached."""
         return self.cached.get(block_hash)
 
-    def cache_block(self, block: int, block_hash: BlockHash) -> None:
-        """Record that ``block`` (referenced, full, computed) holds ``block_hash``'s content.
+    def cache_block(self, block: int, block_hash: BlockHash, parent: BlockHash | None = None,
+                    token_ids: Sequence[int] = (), salted: bool = False) -> None:
+        """Record that ``block`` (referenced, full, computed) holds ``block_hash``'s content;
+        ``parent``, ``token_ids`` and ``salted`` only describe it in the :class:`BlockStored`
+        event.
 
         If another block already holds that content, this one stays unhashed (a duplicate that
         is simply reused like an empty block once freed).
@@ -134,6 +179,8 @@ class BlockPool:
             return
         self.cached[block_hash] = block
         self.block_hashes[block] = block_hash
+        if self.events is not None:
+            self.events.append(BlockStored(block_hash, parent, tuple(token_ids), salted))
 
     def free_queue(self) -> list[int]:
         """The free blocks, next to be evicted first."""

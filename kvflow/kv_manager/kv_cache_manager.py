@@ -147,8 +147,14 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request_id, token_ids[:full * self.block_size], salt)
         table = self.block_tables[request_id]
-        for i in range(done, full):
-            self.pool.cache_block(table[i], hashes[i])
+        if self.pool.events is None:
+            for i in range(done, full):
+                self.pool.cache_block(table[i], hashes[i])
+        else:  # the events carry each block's parent and tokens
+            bs = self.block_size
+            for i in range(done, full):
+                self.pool.cache_block(table[i], hashes[i], hashes[i - 1] if i else None,
+                                      token_ids[i * bs:(i + 1) * bs], bool(salt))
         self._num_cached[request_id] = full
 
     # --- allocation ---------------------------------------------------------------------------
