@@ -119,7 +119,8 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None,
                     cache_salt: str | None = None,
-                    tenant: str | None = None) -> tuple[Request, RequestOutput | None]:
+                    tenant: str | None = None,
+                    kv_transferred: bool = False) -> tuple[Request, RequestOutput | None]:
         """Queue a request. Returns it, and a final output at once if it was rejected.
 
         ``prompt``: text, token ids, or a :class:`ChatPrompt` (rendered with the model's chat
@@ -127,6 +128,12 @@ class LLMEngine:
         tokenized (no tokenizer, a chat template error) raises ValueError. Requests with
         different ``cache_salt`` never share prefix-cache blocks; ``tenant`` names whom the
         request is accounted to (the OpenAI ``user``).
+
+        ``kv_transferred``: the KV of every prompt token but the last was computed on another
+        instance and arrives with the request (disaggregated serving: the prompt is the
+        prefilled prompt followed by the token the prefill instance sampled). Admission then
+        allocates blocks for it, waiting like any request while the pool lacks room, and
+        computes only the last token; the transferred tokens count as no prefix-cache hit.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -142,6 +149,8 @@ class LLMEngine:
                         arrival, priority, self.eos_token_ids, self.config.max_model_len,
                         cache_salt, tenant, parent_id=request_id, index=j) for j in range(n)]
         request = seqs[0]
+        if kv_transferred:  # the leader's; the other sequences of a group fork off its blocks
+            request.num_transferred_tokens = len(prompt_ids) - 1
         if n > 1:
             SequenceGroup(request_id, seqs)
         if not self.scheduler.add_request(request):

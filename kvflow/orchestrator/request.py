@@ -154,6 +154,11 @@ class Request:
         self.max_output_tokens = limit
         # Seconds on the engine's clock past which the request times out (None: never).
         self.deadline: float | None = None
+        # Prompt tokens whose KV was computed on another instance and arrives with the request
+        # (disaggregated prefill: LLMEngine.add_request's kv_transferred). Its first admission
+        # allocates their blocks and computes only the rest; 0 once admitted, so that a
+        # preemption by recompute computes them here.
+        self.num_transferred_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

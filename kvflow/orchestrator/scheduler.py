@@ -168,7 +168,8 @@ class Scheduler:
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens (recomputation included) queued to be prefilled: those of the
         waiting requests and the rest of the running prefills."""
-        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        waiting = sum(r.num_tokens - max(r.num_computed_tokens, r.num_transferred_tokens)
+                      for r in self.waiting)
         running = sum(left for r in self.running
                       if (left := r.num_tokens - r.num_computed_tokens) > 1)
         return waiting + running
@@ -402,7 +403,11 @@ class Scheduler:
     def _admission_chunk(self, request: Request, budget: int) -> tuple[int, list[int], int]:
         """What admitting ``request`` under ``budget`` would run: (tokens, its cached blocks,
         its cached tokens). A swapped-out request resumes from its computed tokens and reuses
-        no cache; any other starts after its longest cached prefix."""
+        no cache; one whose KV was transferred in starts after it (in blocks of its own: it is
+        no cache hit); any other starts after its longest cached prefix."""
+        if request.num_transferred_tokens:
+            num_done = request.num_transferred_tokens
+            return self._chunk(request.num_tokens - num_done, budget, prefill=True), [], num_done
         if self.kv.is_swapped(request.request_id):
             remaining = request.num_tokens - request.num_computed_tokens
             return self._chunk(remaining, budget, prefill=remaining > 1), [], 0
@@ -439,7 +444,9 @@ class Scheduler:
                                                       computed_blocks=hits):
             return 0
         request.num_computed_tokens = num_cached
-        if self.kv.enable_caching:
+        if request.num_transferred_tokens:
+            request.num_transferred_tokens = 0  # in its blocks now; a recompute redoes them
+        elif self.kv.enable_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
             if request.metrics.first_scheduled_time is None:
