@@ -26,6 +26,8 @@ __all__ = [
     "poisson_arrivals",
     "random_workload",
     "retime",
+    "SessionsWorkload",
+    "sessions_workload",
     "shared_prefix_workload",
     "tenants_workload",
 ]
@@ -266,6 +268,74 @@ def shared_prefix_workload(
     return [RequestSpec(a, prefix_tokens + question_tokens, output_len, int(g))
             for a, g in zip(arrivals, groups, strict=True)]
 
+
+
+@dataclass(frozen=True)
+class SessionsWorkload:
+    """Multi-turn conversations, one entry per request in arrival order: its spec, its prompt's
+    token ids, its session and its turn (0 first)."""
+
+    specs: list[RequestSpec]
+    prompts: list[list[int]]
+    sessions: list[int]
+    turns: list[int]
+
+
+def sessions_workload(lengths: list[RequestSpec], n: int, rate: float, seed: int,
+                      turns_per_session: int = 4, think_time_s: float = 20.0,
+                      system_prompt_tokens: int = 0, max_prompt_tokens: int | None = None,
+                      output_token_id: int = 0) -> SessionsWorkload:
+    """``n`` requests of chat sessions whose turns share their history, as a prefix cache
+    sees it: turn ``k``'s prompt is the system prompt (``system_prompt_tokens``, the same in
+    every session), then every earlier turn's prompt message and output, then a new message.
+
+    Each turn draws its new message's length and its output's from a row of ``lengths`` (the
+    Azure trace's). Sessions start as a Poisson process at ``rate / turns_per_session`` per
+    second, so that requests arrive at about ``rate``; each later turn is sent ``think_time_s
+    * U(0.5, 1.5)`` after the one before (open loop: a turn sent before the previous one
+    finished finds only the older history cached). A session ends after
+    ``turns_per_session`` turns, or earlier when its next prompt would exceed
+    ``max_prompt_tokens``. An earlier turn's output appears in the history as
+    ``output_token_id`` repeated, the token the simulator's model always samples: a real
+    model's history holds what it generated, and so does this one's. Each session's
+    messages have token ids no other session uses.
+    """
+    _check_n_rate(n, rate)
+    if turns_per_session < 1:
+        raise ValueError(f"turns_per_session must be >= 1, got {turns_per_session}")
+    if not think_time_s >= 0 or math.isinf(think_time_s):
+        raise ValueError(f"think_time_s must be finite and >= 0, got {think_time_s}")
+    if system_prompt_tokens < 0:
+        raise ValueError(f"system_prompt_tokens must be >= 0, got {system_prompt_tokens}")
+    if max_prompt_tokens is not None and max_prompt_tokens <= system_prompt_tokens:
+        raise ValueError(f"max_prompt_tokens ({max_prompt_tokens}) must exceed "
+                         f"system_prompt_tokens ({system_prompt_tokens})")
+    rng = np.random.default_rng([seed, 5])
+    starts = poisson_arrivals(n, rate / turns_per_session, seed)
+    system = list(range(1, system_prompt_tokens + 1))
+    rows: list[tuple[float, int, int, list[int], int]] = []  # arrival, session, turn, ids, out
+    session = 0
+    while len(rows) < n:
+        history, t = list(system), starts[session]
+        base = 1_000_000_000 * (session + 1)  # this session's own token ids
+        for turn in range(turns_per_session):
+            row = lengths[int(rng.integers(len(lengths)))]
+            message = row.prompt_tokens
+            if turn == 0 and max_prompt_tokens is not None:
+                message = min(message, max_prompt_tokens - len(history))
+            prompt = history + list(range(base, base + message))
+            if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
+                break
+            base += message
+            rows.append((t, session, turn, prompt, row.output_tokens))
+            history = prompt + [output_token_id] * row.output_tokens
+            t += think_time_s * float(rng.uniform(0.5, 1.5))
+            if len(rows) == n:
+                break
+        session += 1  # NOTE: each session has a first turn, so n starts always suffice
+    rows.sort(key=lambda r: r[0])  # stable: a session's turns keep their order
+    return SessionsWorkload([RequestSpec(a, len(ids), out) for a, _, _, ids, out in rows],
+                            [r[3] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 HEAVY_TENANT = "heavy"
 

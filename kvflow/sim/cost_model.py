@@ -27,9 +27,9 @@ class StepShape:
 
     @classmethod
     def of(cls, step: StepInput) -> StepShape:
-        qsl = step.query_start_loc.astype(np.int64)
-        return cls(tuple(int(x) for x in qsl[1:] - qsl[:-1]),
-                   tuple(int(x) for x in step.seq_lens), int(step.logits_indices.shape[0]))
+        qsl = step.query_start_loc.tolist()  # NOTE: every simulated step: lists, not numpy
+        return cls(tuple([b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)]),
+                   tuple(step.seq_lens.tolist()), int(step.logits_indices.shape[0]))
 
     @property
     def num_tokens(self) -> int:

@@ -30,15 +30,29 @@ from kvflow.bench.serve import (
     tenant_line,
     write_serve_report,
 )
-from kvflow.bench.workloads import RequestSpec
+from kvflow.bench.workloads import RequestSpec, load_azure_trace, sessions_workload
 from kvflow.orchestrator.config import EngineOptions
+from kvflow.sim.cluster_run import add_cluster_args, cluster_main, is_cluster_run
 from kvflow.sim.cost_model import HARDWARE, MODELS, CostModel, LinearCostModel, RooflineCostModel
-from kvflow.sim.simulator import SimResult, simulate
+from kvflow.sim.simulator import SIM_TOKEN, SimResult, simulate
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     p.set_defaults(workload="trace", num_prompts=1000, max_model_len=8192, engine=None)
+    # NOTE: sessions only here: their history holds what the model generated, which only the
+    # simulator knows before the run (its model always samples SIM_TOKEN).
+    workload = p._option_string_actions["--workload"]
+    workload.choices = [*(workload.choices or ()), "sessions"]
+    workload.help = (f"{workload.help}; sessions: multi-turn chats whose prompts hold their "
+                     "whole history (trace lengths, Poisson sessions at --request-rate)")
+    p.add_argument("--session-turns", type=int, default=4,
+                   help="sessions workload: turns per session (fewer when the history would "
+                        "pass 3/4 of --max-model-len)")
+    p.add_argument("--think-time-s", type=float, default=20.0,
+                   help="sessions workload: a turn is sent THINK x U(0.5, 1.5) s after the last")
+    p.add_argument("--system-prompt-len", type=int, default=0,
+                   help="sessions workload: a system prompt every session starts with")
     p.add_argument("--hardware", choices=sorted(HARDWARE), default="H100")
     p.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
@@ -74,6 +88,37 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-max-steps", type=int, default=10_000,
                    help="steps the timeline keeps (the last ones)")
     p.add_argument("--out", default="reports/simulate")
+    add_cluster_args(p)
+
+
+def build_sim_workload(args: argparse.Namespace) -> tuple[list[RequestSpec],
+                                                          list[list[int]] | None, dict[str, Any]]:
+    """The workload the arguments name: its requests, their token ids (None: the
+    simulator's own) and how the report describes it."""
+    if args.workload != "sessions":
+        specs, info = build_workload(args)
+        return specs, None, info
+    if args.request_rate is None:
+        raise ValueError("--request-rate is required for the sessions workload")
+    rate = float(args.request_rate)
+    budget = args.max_model_len
+    max_prompt = budget * 3 // 4
+    lengths, _ = load_azure_trace(args.trace, max_prompt_tokens=max_prompt,
+                                  max_output_tokens=budget - max_prompt,
+                                  length_scale=args.length_scale)
+    w = sessions_workload(lengths, args.num_prompts, rate, args.seed, args.session_turns,
+                          args.think_time_s, args.system_prompt_len, max_prompt, SIM_TOKEN)
+    info = {"workload": "sessions", "request_rate": rate, "seed": args.seed,
+            "trace": str(args.trace), "length_scale": args.length_scale,
+            "session_turns": args.session_turns, "think_time_s": args.think_time_s,
+            "system_prompt_len": args.system_prompt_len, "sessions": len(set(w.sessions)),
+            "note": f"{len(set(w.sessions))} sessions of up to {args.session_turns} turns, "
+                    "each turn's prompt its whole history and a new message; message and "
+                    f"output lengths from trace rows multiplied by {args.length_scale:g}, "
+                    f"prompts up to {max_prompt} tokens, outputs up to "
+                    f"{budget - max_prompt}; mean prompt "
+                    f"{np.mean([s.prompt_tokens for s in w.specs]):.0f} tokens"}
+    return w.specs, w.prompts, info
 
 
 def make_cost(args: argparse.Namespace) -> tuple[CostModel, dict[str, Any]]:
@@ -237,13 +282,15 @@ def simulate_main(args: argparse.Namespace) -> int:
     num_blocks = default_num_blocks(args)
     rates: list[float | None] = (list(parse_rates(args.rates)) if args.rates
                                  else [None])
+    if is_cluster_run(args):
+        return cluster_main(args, cost, cost_info, num_blocks, modes, rates, build_sim_workload)
     out = Path(args.out)
     workloads = []
     for rate in rates:
         ns = copy.copy(args)
         ns.request_rate = args.request_rate if rate is None else str(rate)
-        specs, info = build_workload(ns)
-        workloads.append((rate, specs, info))
+        specs, prompts, info = build_sim_workload(ns)
+        workloads.append((rate, specs, prompts, info))
 
     bar = None
     if not args.no_progress:
@@ -255,14 +302,14 @@ def simulate_main(args: argparse.Namespace) -> int:
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
         for mode in modes:
-            for rate, specs, info in workloads:
+            for rate, specs, prompts, info in workloads:
                 sub = out if single else out / mode / f"rate_{rate if rate else 'trace'}"
                 config = {**info, **cost_info, "num_prompts": len(specs), "slo": slo,
                           "max_concurrency": None}
                 trace = None if not args.trace_steps else (
                     Path(args.trace_steps) if single else sub / Path(args.trace_steps).name)
                 report = run_one(specs, mode, cost, args, num_blocks, config, sub, bar,
-                                 echo=single, trace_steps=trace)
+                                 prompts=prompts, echo=single, trace_steps=trace)
                 results[mode].append({"rate": info["request_rate"],
                                       "summary": report["summary"],
                                       "simulation": report["config"]["simulation"]})

@@ -30,6 +30,7 @@ from kvflow.sim.cost_model import CostModel, StepShape
 
 SIM_VOCAB = 8  # the simulated model's logits: small, since no token is ever read
 SIM_EOS = SIM_VOCAB - 1
+SIM_TOKEN = 0  # the token the simulated model always samples (greedy over its logits)
 
 
 class SimClock:
@@ -43,7 +44,8 @@ class SimClock:
 
 
 class SimRunner(ModelRunner):
-    """Costs each step by the cost model, advances the clock, returns logits favouring token 0."""
+    """Costs each step by the cost model, advances the clock, returns logits favouring
+    :data:`SIM_TOKEN`."""
 
     name = "sim"
     reads_token_ids = False
@@ -53,7 +55,7 @@ class SimRunner(ModelRunner):
         super().__init__(engine, num_blocks)
         self.cost, self.clock = cost, clock
         self._logits = np.zeros((1, SIM_VOCAB), dtype=np.float32)
-        self._logits[:, 0] = 1.0
+        self._logits[:, SIM_TOKEN] = 1.0
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Nothing to copy: the simulated pool holds no data (a copy's time is not modelled)."""
@@ -61,6 +63,11 @@ class SimRunner(ModelRunner):
     def execute(self, step: StepInput) -> np.ndarray:
         self.clock.now += self.cost.step_time_s(StepShape.of(step))
         return np.repeat(self._logits, len(step.logits_indices), axis=0)
+
+    def execute_argmax(self, step: StepInput) -> np.ndarray:
+        """The argmax of :meth:`execute`'s logits, without building them."""
+        self.clock.now += self.cost.step_time_s(StepShape.of(step))
+        return np.full(len(step.logits_indices), SIM_TOKEN, dtype=np.int64)
 
 
 def sim_engine_config(block_size: int, max_model_len: int, max_num_tokens: int,
