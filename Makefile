@@ -13,7 +13,7 @@ TRT_STUBS := $(VENV)/trt-stubs
 TENSORRT_CODE := kvflow/build/tensorrt_build.py kvflow/runtime/tensorrt_runner.py \
                  kvflow/plugins/tensorrt_plugin.py
 
-.PHONY: install test lint typecheck prometheus serve engine bench-step clean
+.PHONY: install test lint typecheck prometheus dynamo cluster serve engine bench-step clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,7 +51,26 @@ prometheus:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; \
 	  else echo "make prometheus: not root; its test is skipped (apt-get install prometheus)"; fi
 
-test: install lint typecheck prometheus
+# NVIDIA Dynamo (PyPI) and the servers it runs on (Debian's etcd and NATS): the Dynamo worker,
+# `kvflow cluster up` and tests/test_dynamo.py. ai-dynamo goes in --no-deps (see
+# deploy/dynamo-requirements.txt); the servers need root, as CI has.
+DYNAMO_VERSION ?= 1.6.1
+$(VENV)/.dynamo: $(VENV)/.installed deploy/dynamo-requirements.txt
+	$(PIP) install -q -r deploy/dynamo-requirements.txt
+	$(PIP) install -q --no-deps ai-dynamo==$(DYNAMO_VERSION)
+	touch $@
+
+dynamo: $(VENV)/.dynamo
+	@command -v etcd >/dev/null && command -v nats-server >/dev/null || \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    etcd-server nats-server; \
+	  else echo "make dynamo: not root; the Dynamo tests are skipped (apt-get install etcd-server nats-server)"; fi
+
+cluster: engine dynamo
+	$(VENV)/bin/kvflow cluster up --engine $(ENGINE) --workers $(or $(WORKERS),2)
+
+test: install lint typecheck prometheus dynamo
 	$(VENV)/bin/pytest -q -ra tests
 
 engine: install

@@ -216,6 +216,22 @@ def make_parser() -> argparse.ArgumentParser:
     add_compare_args(p)
     p.set_defaults(func=compare_main)
 
+    from kvflow.dynamo.cluster import add_cluster_args, add_worker_args
+
+    p = sub.add_parser("dynamo-worker", help="run an engine as an NVIDIA Dynamo worker (behind "
+                                            "python -m dynamo.frontend)")
+    add_worker_args(p)
+    add_engine_option_args(p)
+    p.set_defaults(func=run_dynamo_worker)
+
+    cluster = sub.add_parser("cluster", help="a local Dynamo cluster of kvflow workers")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
+    p = cluster_sub.add_parser("up", help="start etcd, NATS, N kvflow workers and Dynamo's "
+                                          "frontend with the KV router, on loopback; Ctrl-C "
+                                          "stops them all")
+    add_cluster_args(p)
+    p.set_defaults(func=run_cluster_up)
+
     add_simulate_parsers(sub)
 
     trace = sub.add_parser("trace", help="read a step timeline (--trace-steps)")
@@ -226,6 +242,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=_int, default=10, help="how many of the longest steps")
     p.set_defaults(func=run_trace_summarize)
     return parser
+
+
+def run_dynamo_worker(args: argparse.Namespace) -> int:
+    from kvflow.dynamo.worker import serve
+
+    return serve(args)
+
+
+def run_cluster_up(args: argparse.Namespace) -> int:
+    from kvflow.dynamo.cluster import cluster_up
+
+    return cluster_up(args)
 
 
 def run_trace_summarize(args: argparse.Namespace) -> int:

@@ -187,8 +187,8 @@ class EngineLoop:
 class AsyncLLMEngine:
     """asyncio front end: ``async for out in engine.add_request(...)`` streams deltas."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.loop = EngineLoop(engine)
+    def __init__(self, engine: LLMEngine, step_hook: StepHook | None = None) -> None:
+        self.loop = EngineLoop(engine, step_hook=step_hook)
 
     @classmethod
     def from_engine_dir(cls, engine_dir: str, **overrides: Any) -> AsyncLLMEngine:
@@ -198,15 +198,19 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: Prompt,
                           params: SamplingParams | None = None,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; leaving the iterator early aborts the request."""
+                          priority: int = 0,
+                          is_cancelled: Callable[[], bool] | None = None,
+                          tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; leaving the iterator early aborts the request, and so
+        does ``is_cancelled()`` turning true (polled by the loop before every step)."""
         aio_loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def on_output(out: RequestOutput) -> None:
             aio_loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        self.loop.submit(request_id, prompt, params or SamplingParams(), on_output, priority)
+        self.loop.submit(request_id, prompt, params or SamplingParams(), on_output, priority,
+                         is_cancelled=is_cancelled, tenant=tenant)
         finished = False
         try:
             while not finished:

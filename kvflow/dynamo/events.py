@@ -1,0 +1,154 @@
+"""kvflow's prefix-cache events on a ZMQ socket, in the format Dynamo's KV event relay reads.
+
+The worker hands Dynamo a :class:`~dynamo.common.backend.publisher.ZmqSource`; Dynamo's
+``KvEventPublisher`` subscribes to this socket and relays each event onto the event plane, where
+the KV router's indexer mirrors every worker's cache. The wire format is vLLM's, which Dynamo's
+relay decodes: a multipart message ``[topic, sequence (8 bytes, big-endian), payload]``, the
+payload the msgpack array ``[timestamp, [event, ...], data_parallel_rank]``, and each event a
+tagged array:
+
+- ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``
+- ``["BlockRemoved", block_hashes, medium]``
+- ``["AllBlocksCleared"]``
+
+The router hashes the token ids itself to match requests; a block hash is only the block's
+identity (so that a removal and a child's parent can name it). kvflow's is a 256-bit digest;
+its first 63 bits stand for it here (an integer every reader takes, signed or not).
+
+The socket is an XPUB: it sees the relay subscribe. Events raised before then are held, and the
+first subscription gets ``AllBlocksCleared`` ahead of them, so the router starts from an empty
+view of this worker whatever it held of an earlier one at this address.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from kvflow.kv_manager.block_pool import BlockHash, BlockRemoved, BlockStored, KVEvent
+
+MEDIUM = "GPU"
+
+
+def block_id(block_hash: BlockHash) -> int:
+    """The 63-bit integer that names a kvflow block hash on the wire."""
+    return int.from_bytes(block_hash[:8], "little") >> 1
+
+
+def encode_events(events: Sequence[KVEvent], block_size: int) -> list[list]:
+    """Wire events of kvflow's; consecutive stores of one chain go in one ``BlockStored``.
+
+    Salted blocks (a request's ``cache_salt`` went into their hash) are left out: the router
+    would match them against unsalted requests, which can never hit them.
+    """
+    wire: list[list] = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            if ev.salted:
+                continue
+            h = block_id(ev.block_hash)
+            parent = None if ev.parent_hash is None else block_id(ev.parent_hash)
+            last = wire[-1] if wire else None
+            if (last is not None and last[0] == "BlockStored" and last[1]
+                    and parent == last[1][-1]):
+                last[1].append(h)
+                last[3].extend(ev.token_ids)
+            else:
+                wire.append(["BlockStored", [h], parent, list(ev.token_ids), block_size, None,
+                             MEDIUM])
+        elif isinstance(ev, BlockRemoved):
+            h = block_id(ev.block_hash)
+            last = wire[-1] if wire else None
+            if last is not None and last[0] == "BlockRemoved":
+                last[1].append(h)
+            else:
+                wire.append(["BlockRemoved", [h], MEDIUM])
+    return wire
+
+
+class ZmqEventPublisher:
+    """Publishes kvflow KV events on an XPUB socket bound to a loopback port, from a thread of
+    its own: :meth:`put` is all the engine loop does (no socket call on its thread).
+
+    ``stored_hashes`` is the set of blocks the router was told are stored, so that a removal of
+    a block it never saw (a salted one) is not sent.
+    """
+
+    def __init__(self, block_size: int, host: str = "127.0.0.1", topic: str = "") -> None:
+        self.block_size = block_size
+        self.topic = topic.encode()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.XPUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{self.port}"
+        self._queue: queue.SimpleQueue[list[KVEvent] | None] = queue.SimpleQueue()
+        self._seq = 0
+        self._subscribed = False
+        self._held: list[list[KVEvent]] = []
+        self._stored: set[int] = set()
+        self.num_events_sent = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._thread = threading.Thread(target=self._run, name="kvflow-kv-events", daemon=True)
+        self._thread.start()
+
+    def put(self, events: list[KVEvent]) -> None:
+        """Hand over events (from the engine loop's thread)."""
+        if events:
+            self._queue.put(events)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5.0)
+        self._sock.close()
+        self._ctx.term()
+
+    def _send(self, wire: list[list]) -> None:
+        if not wire:
+            return
+        payload = self._encoder.encode([time.time(), wire, 0])
+        self._sock.send_multipart([self.topic, self._seq.to_bytes(8, "big"), payload])
+        self._seq += 1
+        self.num_events_sent += len(wire)
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        wire = []
+        for ev in encode_events(events, self.block_size):
+            if ev[0] == "BlockStored":
+                self._stored.update(ev[1])
+            elif ev[0] == "BlockRemoved":
+                ev[1] = [h for h in ev[1] if h in self._stored]
+                self._stored.difference_update(ev[1])
+                if not ev[1]:
+                    continue
+            wire.append(ev)
+        self._send(wire)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while True:
+            if dict(poller.poll(timeout=20)).get(self._sock):
+                msg = self._sock.recv()
+                if msg[:1] == b"\x01" and not self._subscribed:  # the relay subscribed
+                    self._subscribed = True
+                    self._send([["AllBlocksCleared"]])
+                    for events in self._held:
+                        self._publish(events)
+                    self._held.clear()
+            while True:
+                try:
+                    events = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if events is None:
+                    return
+                if self._subscribed:
+                    self._publish(events)
+                else:
+                    self._held.append(events)

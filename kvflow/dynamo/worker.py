@@ -1,0 +1,274 @@
+"""``kvflow dynamo-worker``: kvflow's engine as an NVIDIA Dynamo backend worker.
+
+The worker is Dynamo's *unified backend* contract (``dynamo.common.backend``): Dynamo's Rust
+``Worker`` owns the runtime, discovery (etcd), model registration, the endpoint, cancellation
+monitoring and shutdown; :class:`KvflowDynamoEngine` supplies the engine. That engine is
+kvflow's :class:`~kvflow.orchestrator.async_engine.AsyncLLMEngine` over the same
+:func:`~kvflow.orchestrator.llm.create_engine` that the Triton backend runs: one scheduler, one
+KV manager, one validation of the sampling options (:mod:`kvflow.dynamo.protocol`).
+
+What the worker gives Dynamo:
+
+- **The model**, registered token-in, token-out (``ModelInput.Tokens``) under a Hugging
+  Face-style card folder written from the engine folder (:func:`write_model_card`), so that
+  ``python -m dynamo.frontend`` tokenizes, applies the chat template and serves the OpenAI API.
+- **KV events** from kvflow's prefix cache (:mod:`kvflow.dynamo.events`): ``BlockStored`` and
+  ``BlockRemoved`` as blocks enter and leave the cache, ``AllBlocksCleared`` first.
+- **Its load**: after every step a snapshot of KV blocks used, total and the prefix-cache hit
+  rate (the router's load input and Dynamo's ``dynamo_component_*`` gauges), a forward-pass
+  metrics record (requests running and waiting, prefill and decode tokens) for Dynamo's planner,
+  and every ``kvflow_*`` series of the Triton server on the worker's ``/metrics``
+  (``DYN_SYSTEM_PORT``).
+- **Cancellation**: a client that goes away (or a frontend that stops the stream) aborts the
+  request in the engine, which frees its KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+from kvflow.dynamo.events import ZmqEventPublisher
+from kvflow.dynamo.protocol import chunks_of, sampling_params_from, tenant_of, write_model_card
+
+log = logging.getLogger("kvflow.dynamo")
+
+try:  # Dynamo is an optional dependency (make dynamo); the CLI says so when it is missing
+    from dynamo.common.backend import EngineConfig as DynamoEngineConfig
+    from dynamo.common.backend import LLMEngine as DynamoLLMEngine
+    from dynamo.common.backend import LlmRegistration, WorkerConfig
+    from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
+    from dynamo.llm.exceptions import InvalidArgument, Unknown
+except ImportError as e:  # pragma: no cover - exercised only without Dynamo
+    _DYNAMO_IMPORT_ERROR: ImportError | None = e
+    DynamoLLMEngine = object  # type: ignore[misc,assignment]
+else:
+    _DYNAMO_IMPORT_ERROR = None
+
+def require_dynamo() -> None:
+    if _DYNAMO_IMPORT_ERROR is not None:
+        raise SystemExit(f"kvflow dynamo-worker needs NVIDIA Dynamo (`make dynamo`): "
+                         f"{_DYNAMO_IMPORT_ERROR}")
+
+
+def model_card_for(config: Any, engine_dir: Path, context_length: int) -> Path:
+    """The engine's Dynamo model card folder, written once and shared by its workers.
+
+    Every worker of one model must register the same card (Dynamo's frontend keeps the first
+    card's checksum, which covers its path, and rejects workers whose card differs), so the
+    card lives at a path fixed by the engine: ``dynamo_card_<context length>`` inside the
+    engine folder, or, where that is read-only, in the temporary folder under a name derived
+    from the engine's path. It is built aside and renamed into place, so workers starting
+    together never see half a card.
+    """
+    name = f"dynamo_card_{context_length}"
+    digest = hashlib.sha256(str(engine_dir.resolve()).encode()).hexdigest()[:16]
+    for parent in (engine_dir.resolve(), Path(tempfile.gettempdir()) / f"kvflow-{digest}"):
+        card = parent / name
+        if (card / "config.json").is_file():
+            return card
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=parent))
+        except OSError:
+            continue
+        write_model_card(config, engine_dir, staging, context_length)
+        try:
+            os.rename(staging, card)
+        except OSError:  # another worker got there first: its card is the same
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+        return card
+    raise OSError(f"no writable place for the Dynamo model card of {engine_dir}")
+
+
+class KvflowDynamoEngine(DynamoLLMEngine):
+    """kvflow's engine behind Dynamo's ``LLMEngine`` contract (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, overrides: dict[str, Any]) -> None:
+        from kvflow.build.engine_config import EngineConfig
+
+        self.args, self.overrides = args, overrides
+        self.engine_dir = Path(args.engine)
+        self.config = EngineConfig.load(self.engine_dir)
+        self.model_name = args.model_name or self.engine_dir.resolve().name
+        # The card's context length is the engine's: the frontend refuses longer prompts.
+        max_len = overrides.get("max_model_len") or self.config.limits.max_model_len
+        self.card = model_card_for(self.config, self.engine_dir, max_len)
+        self.aengine: Any = None
+        self.events: ZmqEventPublisher | None = None
+        self._snapshots: Any = None
+        self._fpm: Any = None
+        self._worker_id = 0
+        self._metrics_lock = threading.Lock()
+        self._registry: Any = None
+        self._collector: Any = None
+        self._closed = False
+
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None
+                        ) -> tuple[KvflowDynamoEngine, WorkerConfig]:
+        from kvflow.cli import add_engine_option_args
+        from kvflow.dynamo.cluster import add_worker_args
+
+        p = argparse.ArgumentParser(prog="kvflow dynamo-worker")
+        add_worker_args(p)
+        add_engine_option_args(p)
+        return cls.from_parsed(p.parse_args(argv))
+
+    @classmethod
+    def from_parsed(cls, args: argparse.Namespace) -> tuple[KvflowDynamoEngine, WorkerConfig]:
+        """The engine (not started) and Dynamo's worker config, from parsed flags."""
+        from kvflow.cli import engine_overrides
+
+        engine = cls(args, engine_overrides(args))
+        config = WorkerConfig(
+            namespace=args.namespace, component=args.component, endpoint="generate",
+            model_name=str(engine.card), served_model_name=engine.model_name,
+            endpoint_types="chat,completions", discovery_backend=args.discovery_backend,
+            request_plane=args.request_plane, event_plane=args.event_plane,
+            enable_kv_routing=True)
+        return engine, config
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self, worker_id: int) -> DynamoEngineConfig:
+        from kvflow.orchestrator.async_engine import AsyncLLMEngine
+        from kvflow.orchestrator.llm import create_engine
+        from kvflow.orchestrator.metrics import EngineMetrics, MetricsRegistry
+
+        self._worker_id = worker_id
+        engine = await asyncio.to_thread(create_engine, str(self.engine_dir), **self.overrides)
+        self._registry, self._collector = MetricsRegistry(), EngineMetrics()
+        if self.args.kv_events and engine.config.enable_prefix_caching:
+            engine.kv.pool.record_events()
+            self.events = ZmqEventPublisher(engine.kv.block_size)
+        self.aengine = AsyncLLMEngine(engine, step_hook=self._on_step)
+        opts = engine.config
+        log.info("kvflow worker %s: %s, %d KV blocks of %d tokens", worker_id, self.model_name,
+                 engine.kv.pool.num_usable_blocks, engine.kv.block_size)
+        return DynamoEngineConfig(
+            model=str(self.card), served_model_name=self.model_name,
+            llm=LlmRegistration(context_length=opts.max_model_len,
+                                kv_cache_block_size=engine.kv.block_size,
+                                total_kv_blocks=engine.kv.pool.num_usable_blocks,
+                                max_num_seqs=opts.max_num_seqs,
+                                max_num_batched_tokens=opts.max_num_batched_tokens))
+
+    async def kv_event_sources(self) -> list[Any]:
+        return [] if self.events is None else [ZmqSource(endpoint=self.events.endpoint)]
+
+    def component_metrics_dp_ranks(self) -> list[int]:
+        return [0]
+
+    def attach_snapshot_publisher(self, publisher: Any) -> None:
+        self._snapshots = publisher
+
+    async def on_endpoint_ready(self, endpoint: Any) -> None:
+        try:
+            from dynamo._core import FpmDirectPublisher
+
+            self._fpm = FpmDirectPublisher(endpoint, str(self._worker_id), 1)
+        except Exception as e:  # the planner's input only: serving goes on without it
+            log.warning("no forward-pass metrics publisher: %r", e)
+
+    async def register_prometheus(self, metrics: Any) -> None:
+        labels = {"worker_id": str(self._worker_id), "model": self.model_name}
+
+        def exposition() -> str:
+            with self._metrics_lock:
+                return self._registry.exposition(labels)
+
+        metrics.register_prometheus_expfmt_callback(exposition)
+
+    async def cleanup(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.aengine is not None:
+            await asyncio.to_thread(self.aengine.shutdown)
+        if self.events is not None:
+            self.events.close()
+        if self._fpm is not None:
+            self._fpm.shutdown()
+
+    # --- requests -------------------------------------------------------------------------
+    async def generate(self, request: dict[str, Any],
+                       context: Any) -> AsyncGenerator[dict[str, Any], None]:
+        try:
+            params = sampling_params_from(request)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        token_ids = request.get("token_ids") or []
+        stream = self.aengine.add_request(str(context.id()), list(token_ids), params,
+                                          is_cancelled=context.is_stopped,
+                                          tenant=tenant_of(request))
+        ended: set[int] = set()
+        try:
+            async for out in stream:
+                if out.error is not None:
+                    if out.error_code == "bad_request":
+                        raise InvalidArgument(out.error)
+                    raise Unknown(f"{out.error_code}: {out.error}")
+                for chunk in chunks_of(out, ended):
+                    yield chunk
+        finally:
+            await stream.aclose()  # an early exit aborts the request: its blocks are freed
+
+    async def abort(self, context: Any) -> None:
+        if self.aengine is not None:
+            self.aengine.abort(str(context.id()))
+
+    # --- after every step (on the engine loop's thread) -----------------------------------
+    def _on_step(self, loop: Any, outputs: list[Any]) -> None:
+        engine = loop.engine
+        with self._metrics_lock:
+            self._registry.apply(self._collector.collect(engine, outputs, loop.serving_time_s))
+        if self.events is not None:
+            self.events.put(engine.kv.pool.take_events())
+        pool, counters = engine.kv.pool, engine.counters
+        if self._snapshots is not None:
+            hit = (counters.prefix_cache_hits / counters.prefix_cache_queries
+                   if counters.prefix_cache_queries else None)
+            self._snapshots.publish(0, ComponentSnapshot(
+                kv_used_blocks=pool.num_used_blocks, kv_total_blocks=pool.num_usable_blocks,
+                gpu_cache_usage=pool.usage, dp_rank=0, kv_cache_hit_rate=hit))
+        if self._fpm is not None and outputs and engine.step_stats:
+            self._publish_fpm(engine)
+
+    def _publish_fpm(self, engine: Any) -> None:
+        sched, last = engine.scheduler, engine.step_stats[-1]
+        decoding = [r for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        prefilling = sched.num_running - len(decoding)
+        waiting = list(sched.waiting)
+        self._fpm.publish(
+            dp_rank=0, scheduled_num_prefill_requests=prefilling,
+            scheduled_sum_prefill_tokens=last.num_prefill_tokens,
+            scheduled_sum_prefill_kv_tokens=sum(
+                r.num_computed_tokens for r in sched.running if r not in decoding),
+            scheduled_num_decode_requests=len(decoding),
+            scheduled_sum_decode_kv_tokens=sum(r.num_computed_tokens for r in decoding),
+            queued_num_prefill_requests=len(waiting),
+            queued_sum_prefill_tokens=sum(r.num_prompt_tokens for r in waiting),
+            queued_num_decode_requests=0, queued_sum_decode_kv_tokens=0,
+            wall_time_secs=last.model_time_s + last.overhead_time_s)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run one worker until SIGINT or SIGTERM (Dynamo's Worker drains it, then cleans up)."""
+    require_dynamo()
+    from dynamo.common.backend.run import run
+
+    async def factory(argv: list[str] | None) -> tuple[KvflowDynamoEngine, WorkerConfig]:
+        return KvflowDynamoEngine.from_parsed(args)
+
+    run(KvflowDynamoEngine, engine_factory=factory)
+    return 0
