@@ -1,5 +1,5 @@
 # kvflow: two commands set up everything on a fresh machine.
-#   make test   venv, install (and Debian's prometheus), run the tests
+#   make test   venv, install (and Debian's prometheus, etcd, NATS; PyPI's Dynamo), run the tests
 #   make serve  venv, install, build the default engine, start Triton
 PYTHON ?= python3
 VENV   := .venv
