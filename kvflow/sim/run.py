@@ -100,7 +100,11 @@ def build_sim_workload(args: argparse.Namespace) -> tuple[list[RequestSpec],
         return specs, None, info
     if args.request_rate is None:
         raise ValueError("--request-rate is required for the sessions workload")
-    rate = float(args.request_rate)
+    try:
+        rate = float(args.request_rate)
+    except ValueError:
+        raise ValueError(f"--request-rate must be a number or inf, got "
+                         f"{args.request_rate!r}") from None
     budget = args.max_model_len
     max_prompt = budget * 3 // 4
     lengths, _ = load_azure_trace(args.trace, max_prompt_tokens=max_prompt,
