@@ -122,7 +122,7 @@ def plot(out: Path, results: list[dict[str, Any]]) -> str:
     axes[2].set_xticks(range(len(results[0]["worker_requests"])),
                        [f"worker {i}" for i in range(len(results[0]["worker_requests"]))])
     axes[2].set_ylabel("requests served")
-    axes[2].legend()
+    axes[2].legend(loc="lower center")
     fig.suptitle("Dynamo frontend over 2 kvflow workers: KV router vs round robin, "
                  "same shared-prefix workload")
     fig.tight_layout()
@@ -133,17 +133,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", default=str(REPO / "engines" / "smollm2-135m"))
-    p.add_argument("--num-prompts", type=int, default=96)
+    p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--num-prefixes", type=int, default=8)
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--request-rate", type=float, default=1.5)
+    p.add_argument("--request-rate", type=float, default=0.5)
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--worker-kv-blocks", type=int, default=160,
                    help="each worker's KV pool: 160 blocks of 16 tokens hold 5 of the 8 "
                         "prefixes, so the cluster's two caches hold them all only if each "
                         "prefix stays on one worker")
     p.add_argument("--modes", default="kv,round-robin")
+    p.add_argument("--overlap-credit", type=float, default=None,
+                   help="the KV router's --router-kv-overlap-score-credit (Dynamo's default "
+                        "1.0: a cached block saves what one block of load costs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "reports" / "dynamo_routing"))
     args = p.parse_args()
@@ -154,7 +157,10 @@ def main() -> int:
                                   args.request_rate, args.seed, args.num_prefixes)
     results = []
     with Cluster(args.engine, workers=2, frontends={m: 0 for m in modes},
-                 model_name="smollm2", worker_args=["--max-num-seqs", "16", "--num-kv-blocks",
+                 model_name="smollm2",
+                 frontend_args=([] if args.overlap_credit is None else
+                                ["--router-kv-overlap-score-credit", str(args.overlap_credit)]),
+                 worker_args=["--max-num-seqs", "16", "--num-kv-blocks",
                                               str(args.worker_kv_blocks)]) as cluster:
         for j, mode in enumerate(modes):
             # The same arrivals and lengths; prefixes of this mode's own.

@@ -141,9 +141,9 @@ def cluster(default_engines, tmp_path_factory):
                 root=tmp_path_factory.mktemp("dynamo-cluster"))
     c.start()
     yield c
+    procs = list(c.procs)
     c.stop()
-    leftover = [p.name for p in c.procs if p.alive]
-    assert not leftover
+    assert [p.name for p in procs if p.alive] == []  # nothing stays behind
 
 
 def client(cluster, mode: str):
@@ -269,7 +269,9 @@ def test_a_killed_worker_is_routed_around_and_nothing_hangs(cluster):
     for t in threads:
         t.join(150)
     assert not any(t.is_alive() for t in threads), "a request hung after its worker died"
-    assert len(results) == 4
+    # Those on the live worker finished; those on the dead one were moved to it
+    # (--migration-limit) or failed fast.
+    assert len(results) == 4 and sum(isinstance(r, int) for r in results) >= 2, results
     served0 = metric(cluster.worker_metrics(1), "kvflow_request_success_total")
     # New requests all go to the worker left, and all succeed.
     for i in range(4):

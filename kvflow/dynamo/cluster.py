@@ -271,20 +271,24 @@ class Cluster:
 
     # --- stop -----------------------------------------------------------------------------
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Stop every process the cluster started, newest first: SIGTERM to its session, then
-        SIGKILL after ``timeout_s``; then remove the temporary folder."""
-        for proc in reversed(self.procs):
-            if proc.alive:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in reversed(self.procs):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(max(0.1, deadline - time.monotonic()))
-            with contextlib.suppress(ProcessLookupError):  # its children too
-                os.killpg(proc.popen.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(5)
+        """Stop every process the cluster started: the frontends and workers first (so that
+        the workers can still unregister from etcd), then NATS and etcd. Each gets SIGTERM to
+        its session, then SIGKILL after ``timeout_s``; then the temporary folder goes."""
+        services = {"etcd", "nats"}
+        for group in ([p for p in self.procs if p.name not in services],
+                      [p for p in self.procs if p.name in services]):
+            for proc in group:
+                if proc.alive:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.popen.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for proc in group:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.popen.wait(max(0.1, deadline - time.monotonic()))
+                with contextlib.suppress(ProcessLookupError):  # its children too
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.popen.wait(5)
         self.procs.clear()
         if self._own_root and self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
