@@ -198,7 +198,11 @@ class Cluster:
                "--model-name", str(self.model_name), "--namespace", self.namespace,
                *self.worker_args]
         proc = self._spawn(f"worker-{i}", cmd, system,
-                           env={"DYN_SYSTEM_PORT": str(system)})
+                           env={"DYN_SYSTEM_PORT": str(system),
+                                # Stopped after the frontends, a worker gets no new request:
+                                # Dynamo's 5 s wait for in-flight ones after unregistering
+                                # need not be that long.
+                                "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "1"})
         if i < len(self.worker_procs):
             self.worker_procs[i] = proc
         else:
