@@ -191,3 +191,22 @@ def test_kv_blocks_for_a_model_on_a_device():
         MODELS["llama-3-70b"].kv_blocks_for(HARDWARE["H100"], 16)
     assert ModelSpec(**{**MODELS["llama-3-70b"].__dict__, "tp": 4}).kv_blocks_for(
         HARDWARE["H100"], 16) > 0
+
+
+def test_step_shape_matches_the_full_step_build():
+    """A runner with needs_inputs False (the simulator's) gets the same step shape as the
+    full build would give, without the token ids, slots or block tables."""
+    import numpy as np
+
+    from kvflow.kv_manager import KVCacheManager
+    from kvflow.runtime.step_builder import SeqChunk, build_step, build_step_shape
+
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    assert kv.allocate_slots("a", 9) and kv.allocate_slots("b", 3)
+    chunks = [SeqChunk("a", list(range(9)), 8, 1, True),
+              SeqChunk("b", [7, 8, 9], 0, 3, False)]
+    full, shape = build_step(kv, chunks), build_step_shape(chunks)
+    for name in ("seq_lens", "query_start_loc", "logits_indices"):
+        assert np.array_equal(getattr(full, name), getattr(shape, name)), name
+        assert getattr(full, name).dtype == getattr(shape, name).dtype, name
+    assert shape.input_ids.size == 0 and shape.block_tables.shape == (2, 0)

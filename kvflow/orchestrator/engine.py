@@ -42,7 +42,7 @@ from kvflow.orchestrator.structured import (
 from kvflow.orchestrator.tokenizer import EngineTokenizer, Prompt, tokenize_prompt
 from kvflow.orchestrator.trace import Entry, Finish, StepRecord, StepTracer
 from kvflow.runtime.base import ModelRunner
-from kvflow.runtime.step_builder import SeqChunk, build_step
+from kvflow.runtime.step_builder import SeqChunk, build_step, build_step_shape
 
 
 class _RequestState:
@@ -279,7 +279,8 @@ class LLMEngine:
         by the runner: no vocabulary-wide row crosses to the sampler)."""
         chunks = [SeqChunk(s.request.request_id, s.request.token_ids, s.start, s.num_new_tokens,
                            s.sample) for s in sched.scheduled]
-        step = build_step(self.kv, chunks)
+        step = (build_step(self.kv, chunks) if self.runner.needs_inputs
+                else build_step_shape(chunks))
         plain = self.sampler.is_plain_greedy
         if all(plain(s.request.sampling_params, len(s.request.output_token_ids))
                for s in sched.scheduled if s.sample):

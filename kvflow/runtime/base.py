@@ -72,6 +72,10 @@ class ModelRunner(ABC):
     # Whether token ids index a real embedding table (the engine refuses ids outside the
     # vocabulary before they reach it); the simulator's runner reads no token.
     reads_token_ids: bool = True
+    # Whether the runner reads the step's tokens, positions, slots and block tables; False
+    # (the simulator's) gets a StepInput with only seq_lens, query_start_loc and
+    # logits_indices filled, which the engine builds for a fraction of the cost.
+    needs_inputs: bool = True
 
     def __init__(self, engine: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.engine = engine

@@ -70,3 +70,25 @@ def build_step(kv: KVCacheManager, chunks: Sequence[SeqChunk]) -> StepInput:
         np.array(input_ids, dtype=np.int64), np.array(positions, dtype=np.int64),
         np.array(slots, dtype=np.int64), block_tables, np.array(seq_lens, dtype=np.int32),
         np.array(query_start_loc, dtype=np.int32), np.array(logits_indices, dtype=np.int64))
+
+
+_EMPTY_I64 = np.empty(0, dtype=np.int64)
+
+
+def build_step_shape(chunks: Sequence[SeqChunk]) -> StepInput:
+    """A :class:`StepInput` with only the step's shape (``seq_lens``, ``query_start_loc``,
+    ``logits_indices``), for a runner that reads no inputs (``needs_inputs = False``): the
+    token ids, positions, slots and block tables are empty."""
+    seq_lens, query_start_loc, logits_indices = [], [0], []
+    offset = 0
+    for c in chunks:
+        seq_lens.append(c.start + c.num_new)
+        offset += c.num_new
+        query_start_loc.append(offset)
+        if c.sample:
+            logits_indices.append(offset - 1)
+    return StepInput(_EMPTY_I64, _EMPTY_I64, _EMPTY_I64,
+                     np.zeros((len(seq_lens), 0), dtype=np.int32),
+                     np.array(seq_lens, dtype=np.int32),
+                     np.array(query_start_loc, dtype=np.int32),
+                     np.array(logits_indices, dtype=np.int64))

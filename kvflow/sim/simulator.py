@@ -49,6 +49,7 @@ class SimRunner(ModelRunner):
 
     name = "sim"
     reads_token_ids = False
+    needs_inputs = False  # the cost model reads the step's shape alone
 
     def __init__(self, engine: EngineConfig, num_blocks: int, cost: CostModel,
                  clock: SimClock) -> None:
