@@ -5,6 +5,7 @@ HTTP. Also the worker's pure parts: the KV event wire format and the request map
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
@@ -106,6 +107,70 @@ def test_chunks_carry_deltas_finish_reason_and_cached_tokens():
     assert chunk["completion_usage"] == {"prompt_tokens": 40, "completion_tokens": 4,
                                          "total_tokens": 44,
                                          "prompt_tokens_details": {"cached_tokens": 32}}
+
+
+def test_every_finish_reason_has_a_dynamo_name():
+    from kvflow.dynamo.protocol import FINISH_REASONS
+    from kvflow.orchestrator.request import RequestStatus
+
+    for status in RequestStatus:
+        reason = status.finish_reason
+        if reason is not None and status is not RequestStatus.REJECTED:  # rejected: an error
+            assert FINISH_REASONS[reason] in ("stop", "length", "cancelled"), reason
+
+
+def test_zmq_publisher_clears_first_holds_events_and_filters_unknown_removals():
+    import zmq
+
+    from kvflow.dynamo.events import ZmqEventPublisher
+    from kvflow.kv_manager.block_pool import BlockRemoved, BlockStored
+
+    pub = ZmqEventPublisher(block_size=2)
+    a, b, stranger = bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32
+    pub.put([BlockStored(a, None, (1, 2))])  # before anyone subscribes: held
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(pub.endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 10_000)
+        pub.put([BlockStored(b, stranger, (5, 6)),  # its parent was never stored: dropped
+                 BlockRemoved(stranger), BlockRemoved(a)])
+        batches = []
+        while sum(len(x[1]) for x in batches) < 3:
+            topic, seq, payload = sub.recv_multipart()
+            batches.append(msgspec.msgpack.decode(payload))
+        events = [ev for batch in batches for ev in batch[1]]
+        assert events == [["AllBlocksCleared"],
+                          ["BlockStored", [block_id(a)], None, [1, 2], 2, None, "GPU"],
+                          ["BlockRemoved", [block_id(a)], "GPU"]]
+    finally:
+        sub.close()
+        ctx.term()
+        pub.close()
+
+
+@needs_dynamo
+def test_model_card_is_shared_by_path_and_renewed_with_the_engine(default_engines, tmp_path):
+    from kvflow.build.engine_config import EngineConfig
+    from kvflow.dynamo.worker import model_card_for
+
+    src = Path(default_engines["onnxruntime"])
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    for name in ("engine_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
+        (engine / name).write_bytes((src / name).read_bytes())
+    config = EngineConfig.load(engine)
+    card = model_card_for(config, engine, 1024)
+    assert model_card_for(config, engine, 1024) == card  # every worker: the same path
+    cfg = json.loads((card / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 1024 and (card / "tokenizer.json").is_file()
+    assert "chat_template" in json.loads((card / "tokenizer_config.json").read_text())
+    assert model_card_for(config, engine, 2048) != card
+    (engine / "chat_template.jinja").write_text("{{ messages }}")  # a rebuilt engine
+    assert model_card_for(config, engine, 1024) != card
+    assert not list(engine.glob(".dynamo_card_*"))  # no staging folder left
 
 
 # --- the cluster ------------------------------------------------------------------------------

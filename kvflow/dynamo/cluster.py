@@ -51,10 +51,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--discovery-backend", default="etcd", choices=["etcd", "file", "mem"],
                    help="where workers are found (etcd: $ETCD_ENDPOINTS, default localhost)")
     p.add_argument("--request-plane", default="tcp", choices=["tcp", "nats"])
-    p.add_argument("--event-plane", default="nats", choices=["nats", "zmq"],
-                   help="how KV events reach the router (nats: $NATS_SERVER)")
+    p.add_argument("--event-plane", default=None, choices=["nats", "zmq"],
+                   help="how KV events reach the router (default: Dynamo's, as the "
+                        "frontend's; nats: $NATS_SERVER); the frontend's must be the same")
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
-                   help="publish no KV events (a KV router then only predicts the caches)")
+                   help="publish no KV events (run the frontend with --no-router-kv-events, "
+                        "so that its KV router predicts the caches from its own routing)")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -153,8 +155,9 @@ class Cluster:
         return proc
 
     def start(self) -> Cluster:
-        """Start everything and wait until each frontend lists the model with every worker
-        behind it; on failure, stop what started and raise ServeError with the log's tail."""
+        """Start everything: the servers, the workers (until each answers ``/health`` as
+        ready, registered), then the frontends (until each lists the model). On failure, stop
+        what started and raise ServeError with the failing process's log tail."""
         try:
             self._start()
         except BaseException:
@@ -180,6 +183,8 @@ class Cluster:
         self._wait_port(nats_proc, 30)
         for i in range(self.workers):
             self.start_worker(i)
+        # Every worker registered before a frontend starts: each sees all of them at once.
+        self.wait_workers(self.workers)
         for mode, port in self.frontends.items():
             port = port or free_port()
             fe = self._spawn(f"frontend-{mode}", [
@@ -189,19 +194,18 @@ class Cluster:
                 "--migration-limit", str(self.migration_limit), *self.frontend_args], port)
             self.frontend_urls[mode] = f"http://{HOST}:{port}"
             self._wait_model(fe)
-        self.wait_workers(self.workers)
 
     def start_worker(self, i: int) -> Proc:
         """Start worker ``i`` (again, after :meth:`kill_worker`)."""
         system = low_free_port()  # Dynamo reads DYN_SYSTEM_PORT as an i16
         cmd = [sys.executable, "-m", "kvflow.cli", "dynamo-worker", "--engine", self.engine,
                "--model-name", str(self.model_name), "--namespace", self.namespace,
-               *self.worker_args]
+               "--discovery-backend", "etcd", "--event-plane", "nats", *self.worker_args]
         proc = self._spawn(f"worker-{i}", cmd, system,
                            env={"DYN_SYSTEM_PORT": str(system),
-                                # Stopped after the frontends, a worker gets no new request:
-                                # Dynamo's 5 s wait for in-flight ones after unregistering
-                                # need not be that long.
+                                # Cluster.stop stops the frontends with the workers: Dynamo's
+                                # 5 s wait for in-flight requests after unregistering need
+                                # not be that long here.
                                 "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "1"})
         if i < len(self.worker_procs):
             self.worker_procs[i] = proc
@@ -341,6 +345,7 @@ def cluster_up(args: argparse.Namespace) -> int:
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, on_signal)
+    code = 0
     try:
         print(f"[cluster] starting etcd, NATS, {args.workers} kvflow workers and Dynamo's "
               f"frontend ({args.router_mode} router); logs in {cluster.root}", flush=True)
@@ -357,10 +362,14 @@ def cluster_up(args: argparse.Namespace) -> int:
             time.sleep(0.5)
             if all(not p.alive for p in cluster.worker_procs):
                 print("[cluster] no worker is left", flush=True)
+                code = 1
                 break
     except KeyboardInterrupt:
         pass
+    except ServeError as e:
+        print(f"[cluster] failed to start: {e}", file=sys.stderr, flush=True)
+        code = 1
     finally:
         print("[cluster] stopping", flush=True)
         cluster.stop()
-    return 0
+    return code

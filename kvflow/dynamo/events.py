@@ -22,6 +22,7 @@ view of this worker whatever it held of an earlier one at this address.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -33,6 +34,8 @@ import zmq
 from kvflow.kv_manager.block_pool import BlockHash, BlockRemoved, BlockStored, KVEvent
 
 MEDIUM = "GPU"
+MAX_HELD_BATCHES = 10_000  # steps' events held while no relay has subscribed
+log = logging.getLogger("kvflow.dynamo")
 
 
 def block_id(block_hash: BlockHash) -> int:
@@ -85,6 +88,7 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop an event for a slow relay
         self.port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{self.port}"
         self._queue: queue.SimpleQueue[list[KVEvent] | None] = queue.SimpleQueue()
@@ -105,8 +109,9 @@ class ZmqEventPublisher:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5.0)
-        self._sock.close()
-        self._ctx.term()
+        if not self._thread.is_alive():  # never pull the socket from under its thread
+            self._sock.close()
+            self._ctx.term()
 
     def _send(self, wire: list[list]) -> None:
         if not wire:
@@ -120,6 +125,10 @@ class ZmqEventPublisher:
         wire = []
         for ev in encode_events(events, self.block_size):
             if ev[0] == "BlockStored":
+                if ev[2] is not None and ev[2] not in self._stored:
+                    # Its parent was evicted (a duplicate block kept the prefix computed):
+                    # the router would refuse a child of a block it no longer has.
+                    continue
                 self._stored.update(ev[1])
             elif ev[0] == "BlockRemoved":
                 ev[1] = [h for h in ev[1] if h in self._stored]
@@ -133,22 +142,36 @@ class ZmqEventPublisher:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while True:
-            if dict(poller.poll(timeout=20)).get(self._sock):
-                msg = self._sock.recv()
-                if msg[:1] == b"\x01" and not self._subscribed:  # the relay subscribed
-                    self._subscribed = True
-                    self._send([["AllBlocksCleared"]])
-                    for events in self._held:
-                        self._publish(events)
-                    self._held.clear()
-            while True:
-                try:
-                    events = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if events is None:
+            try:
+                if self._step(poller):
                     return
-                if self._subscribed:
+            except Exception:  # noqa: BLE001  (a bad batch must not end the publishing)
+                log.exception("publishing KV events failed; the router's view of this "
+                              "worker may miss blocks until they are stored again")
+
+    def _step(self, poller: zmq.Poller) -> bool:
+        """One round: subscriptions, then the queued events. True once closed."""
+        if dict(poller.poll(timeout=10)).get(self._sock):
+            msg = self._sock.recv()
+            if msg[:1] == b"\x01" and not self._subscribed:  # the relay subscribed
+                self._subscribed = True
+                self._stored.clear()
+                self._send([["AllBlocksCleared"]])
+                for events in self._held:
                     self._publish(events)
-                else:
-                    self._held.append(events)
+                self._held.clear()
+            elif msg[:1] == b"\x00":  # it left: the next one starts from a cleared view
+                self._subscribed = False
+        while True:
+            try:
+                events = self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            if events is None:
+                return True
+            if self._subscribed:
+                self._publish(events)
+            else:
+                self._held.append(events)
+                if len(self._held) > MAX_HELD_BATCHES:  # nobody listens: keep the latest
+                    del self._held[0]

@@ -94,6 +94,18 @@ def _guided(value: Any) -> dict[str, Any]:
     return out
 
 
+def cache_salt_of(request: Mapping[str, Any]) -> str | None:
+    """The request's cache salt: Dynamo's routing hint, else ``extra_args.nvext``."""
+    routing = request.get("routing") or {}
+    if isinstance(routing, Mapping) and routing.get("cache_salt"):
+        return str(routing["cache_salt"])
+    extra = request.get("extra_args") or {}
+    nvext = extra.get("nvext") if isinstance(extra, Mapping) else None
+    if isinstance(nvext, Mapping) and nvext.get("cache_salt"):
+        return str(nvext["cache_salt"])
+    return None
+
+
 def tenant_of(request: Mapping[str, Any]) -> str | None:
     """The fair-share tenant: ``extra_args.user`` where the frontend forwards it."""
     extra = request.get("extra_args") or {}
@@ -109,8 +121,10 @@ def usage_of(out: RequestOutput) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
 
+# kvflow's finish reasons in Dynamo's vocabulary (an unknown one is an HTTP 500 there). Dynamo
+# has no "timeout": a request past its deadline ends as "length", with the output it has.
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled",
-                  "timeout": "length", "rejected": "error"}
+                  "timeout": "length"}
 
 
 def chunks_of(out: RequestOutput, ended: set[int]) -> list[dict[str, Any]]:
@@ -126,11 +140,16 @@ def chunks_of(out: RequestOutput, ended: set[int]) -> list[dict[str, Any]]:
         chunk: dict[str, Any] = {"token_ids": list(seq.delta_token_ids), "index": seq.index}
         if ends:
             ended.add(seq.index)
-            chunk["finish_reason"] = FINISH_REASONS.get(seq.finish_reason, seq.finish_reason)
+            chunk["finish_reason"] = FINISH_REASONS[seq.finish_reason]
         if seq.logprobs and seq.delta_token_ids:
             recent = seq.logprobs[-len(seq.delta_token_ids):]
-            chunk["log_probs"] = [lp.get(t, 0.0)
-                                  for lp, t in zip(recent, seq.delta_token_ids, strict=False)]
+            pairs = list(zip(recent, seq.delta_token_ids, strict=False))
+            if all(t in lp for lp, t in pairs):
+                chunk["log_probs"] = [lp[t] for lp, t in pairs]
+                chunk["top_logprobs"] = [
+                    [{"rank": rank, "token_id": tid, "logprob": value} for rank, (tid, value)
+                     in enumerate(sorted(lp.items(), key=lambda kv: -kv[1]), 1)]
+                    for lp, _ in pairs]
         chunks.append(chunk)
     if out.finished:
         if not chunks:

@@ -28,25 +28,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import itertools
 import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
 from kvflow.dynamo.events import ZmqEventPublisher
-from kvflow.dynamo.protocol import chunks_of, sampling_params_from, tenant_of, write_model_card
+from kvflow.dynamo.protocol import (
+    cache_salt_of,
+    chunks_of,
+    sampling_params_from,
+    tenant_of,
+    write_model_card,
+)
 
 log = logging.getLogger("kvflow.dynamo")
+SNAPSHOT_PERIOD_S = 0.05  # the load snapshot and forward-pass record, at most this often
 
 try:  # Dynamo is an optional dependency (make dynamo); the CLI says so when it is missing
     from dynamo.common.backend import EngineConfig as DynamoEngineConfig
     from dynamo.common.backend import LLMEngine as DynamoLLMEngine
     from dynamo.common.backend import LlmRegistration, WorkerConfig
     from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
-    from dynamo.llm.exceptions import InvalidArgument, Unknown
+    from dynamo.common.utils.token_ids import normalize_request_token_ids
+    from dynamo.llm import HttpError
+    from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
 except ImportError as e:  # pragma: no cover - exercised only without Dynamo
     _DYNAMO_IMPORT_ERROR: ImportError | None = e
     DynamoLLMEngine = object  # type: ignore[misc,assignment]
@@ -59,19 +70,29 @@ def require_dynamo() -> None:
                          f"{_DYNAMO_IMPORT_ERROR}")
 
 
+CARD_FORMAT = 1  # bump when write_model_card writes something else
+
+
 def model_card_for(config: Any, engine_dir: Path, context_length: int) -> Path:
     """The engine's Dynamo model card folder, written once and shared by its workers.
 
     Every worker of one model must register the same card (Dynamo's frontend keeps the first
     card's checksum, which covers its path, and rejects workers whose card differs), so the
-    card lives at a path fixed by the engine: ``dynamo_card_<context length>`` inside the
-    engine folder, or, where that is read-only, in the temporary folder under a name derived
-    from the engine's path. It is built aside and renamed into place, so workers starting
-    together never see half a card.
+    card lives at a path fixed by what goes into it: ``dynamo_card_<digest>`` inside the engine
+    folder (or, where that is read-only, in ``~/.cache/kvflow``), the digest over the tokenizer
+    files, the engine config, the context length and the card format. A rebuilt engine gets a
+    card of its own. It is built aside and renamed into place, so workers starting together
+    never see half a card.
     """
-    name = f"dynamo_card_{context_length}"
-    digest = hashlib.sha256(str(engine_dir.resolve()).encode()).hexdigest()[:16]
-    for parent in (engine_dir.resolve(), Path(tempfile.gettempdir()) / f"kvflow-{digest}"):
+    import shutil
+
+    h = hashlib.sha256(f"{CARD_FORMAT}:{context_length}".encode())
+    for name in ("engine_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
+        f = engine_dir / name
+        h.update(name.encode() + (f.read_bytes() if f.is_file() else b"-"))
+    name = f"dynamo_card_{h.hexdigest()[:16]}"
+    for parent in (engine_dir.resolve(), Path.home() / ".cache" / "kvflow"):
         card = parent / name
         if (card / "config.json").is_file():
             return card
@@ -80,13 +101,18 @@ def model_card_for(config: Any, engine_dir: Path, context_length: int) -> Path:
             staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=parent))
         except OSError:
             continue
-        write_model_card(config, engine_dir, staging, context_length)
         try:
+            write_model_card(config, engine_dir, staging, context_length)
             os.rename(staging, card)
-        except OSError:  # another worker got there first: its card is the same
-            import shutil
-
+        except FileExistsError:  # another worker got there first: its card is the same
             shutil.rmtree(staging, ignore_errors=True)
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (card / "config.json").is_file():
+                raise OSError(f"writing the Dynamo model card {card}: {e}") from e
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         return card
     raise OSError(f"no writable place for the Dynamo model card of {engine_dir}")
 
@@ -104,7 +130,12 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         # The card's context length is the engine's: the frontend refuses longer prompts.
         max_len = overrides.get("max_model_len") or self.config.limits.max_model_len
         self.card = model_card_for(self.config, self.engine_dir, max_len)
+        self.engine: Any = None
         self.aengine: Any = None
+        self._ids = itertools.count()
+        self._live: dict[str, str] = {}  # Dynamo's request id -> kvflow's, for abort
+        self._next_snapshot = 0.0
+        self._hook_failures = 0
         self.events: ZmqEventPublisher | None = None
         self._snapshots: Any = None
         self._fpm: Any = None
@@ -146,7 +177,8 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         from kvflow.orchestrator.metrics import EngineMetrics, MetricsRegistry
 
         self._worker_id = worker_id
-        engine = await asyncio.to_thread(create_engine, str(self.engine_dir), **self.overrides)
+        engine = self.engine = await asyncio.to_thread(create_engine, str(self.engine_dir),
+                                                       **self.overrides)
         self._registry, self._collector = MetricsRegistry(), EngineMetrics()
         if self.args.kv_events and engine.config.enable_prefix_caching:
             engine.kv.pool.record_events()
@@ -176,7 +208,7 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         try:
             from dynamo._core import FpmDirectPublisher
 
-            self._fpm = FpmDirectPublisher(endpoint, str(self._worker_id), 1)
+            self._fpm = FpmDirectPublisher(endpoint, str(endpoint.connection_id()), 1)
         except Exception as e:  # the planner's input only: serving goes on without it
             log.warning("no forward-pass metrics publisher: %r", e)
 
@@ -195,6 +227,8 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         self._closed = True
         if self.aengine is not None:
             await asyncio.to_thread(self.aengine.shutdown)
+        elif self.engine is not None:  # start failed after the engine was built
+            self.engine.close()
         if self.events is not None:
             self.events.close()
         if self._fpm is not None:
@@ -203,37 +237,69 @@ class KvflowDynamoEngine(DynamoLLMEngine):
     # --- requests -------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any],
                        context: Any) -> AsyncGenerator[dict[str, Any], None]:
+        normalize_request_token_ids(request)  # a packed buffer (DYN_TOKEN_IDS_AS_BYTES) too
         try:
             params = sampling_params_from(request)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        token_ids = request.get("token_ids") or []
-        stream = self.aengine.add_request(str(context.id()), list(token_ids), params,
-                                          is_cancelled=context.is_stopped,
-                                          tenant=tenant_of(request))
+        # Dynamo's ids are unique per frontend, not across frontends: ours must be unique.
+        dyn_id = str(context.id())
+        request_id = f"{dyn_id}-{next(self._ids)}"
+        self._live[dyn_id] = request_id
+        try:
+            stream = self.aengine.add_request(
+                request_id, list(request.get("token_ids") or []), params,
+                is_cancelled=context.is_stopped, tenant=tenant_of(request),
+                cache_salt=cache_salt_of(request))
+        except RuntimeError as e:  # the engine loop is gone: let the frontend go elsewhere
+            self._live.pop(dyn_id, None)
+            raise EngineShutdown(str(e)) from None
         ended: set[int] = set()
         try:
             async for out in stream:
                 if out.error is not None:
                     if out.error_code == "bad_request":
                         raise InvalidArgument(out.error)
-                    raise Unknown(f"{out.error_code}: {out.error}")
+                    if out.error_code == "overloaded":
+                        raise HttpError(503, out.error)
+                    raise EngineShutdown(out.error)
+                if out.finished and out.aborted and not context.is_stopped():
+                    # Aborted by the worker's shutdown, not by the client: an error the
+                    # frontend can migrate (--migration-limit), not a short answer.
+                    raise EngineShutdown("the worker is shutting down")
                 for chunk in chunks_of(out, ended):
                     yield chunk
         finally:
+            self._live.pop(dyn_id, None)
             await stream.aclose()  # an early exit aborts the request: its blocks are freed
 
     async def abort(self, context: Any) -> None:
-        if self.aengine is not None:
-            self.aengine.abort(str(context.id()))
+        request_id = self._live.get(str(context.id()))
+        if self.aengine is not None and request_id is not None:
+            self.aengine.abort(request_id)
 
     # --- after every step (on the engine loop's thread) -----------------------------------
     def _on_step(self, loop: Any, outputs: list[Any]) -> None:
+        """After each step: kvflow's series, the KV events, and (at most 20 times a second)
+        the load snapshot and the forward-pass record. Never raises: a failure to report must
+        not stop the engine (it is logged, the first few times)."""
+        try:
+            self._report(loop, outputs)
+        except Exception:  # noqa: BLE001
+            self._hook_failures += 1
+            if self._hook_failures <= 5:
+                log.exception("reporting after a step failed (%d so far)", self._hook_failures)
+
+    def _report(self, loop: Any, outputs: list[Any]) -> None:
         engine = loop.engine
         with self._metrics_lock:
             self._registry.apply(self._collector.collect(engine, outputs, loop.serving_time_s))
         if self.events is not None:
             self.events.put(engine.kv.pool.take_events())
+        now = time.monotonic()
+        if now < self._next_snapshot:
+            return
+        self._next_snapshot = now + SNAPSHOT_PERIOD_S
         pool, counters = engine.kv.pool, engine.counters
         if self._snapshots is not None:
             hit = (counters.prefix_cache_hits / counters.prefix_cache_queries
@@ -241,23 +307,35 @@ class KvflowDynamoEngine(DynamoLLMEngine):
             self._snapshots.publish(0, ComponentSnapshot(
                 kv_used_blocks=pool.num_used_blocks, kv_total_blocks=pool.num_usable_blocks,
                 gpu_cache_usage=pool.usage, dp_rank=0, kv_cache_hit_rate=hit))
-        if self._fpm is not None and outputs and engine.step_stats:
+        if self._fpm is not None and engine.step_stats:
             self._publish_fpm(engine)
 
     def _publish_fpm(self, engine: Any) -> None:
+        """The last step as Dynamo's planner reads it: what it scheduled (by the step's own
+        record) and what waits."""
         sched, last = engine.scheduler, engine.step_stats[-1]
-        decoding = [r for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        prefilling = sched.num_running - len(decoding)
-        waiting = list(sched.waiting)
+        running = {r.request_id: r for r in sched.running}
+        prefill_reqs = prefill_kv = decode_reqs = decode_kv = 0
+        for request_id, num_tokens in last.scheduled:
+            r = running.get(request_id)
+            context = r.num_computed_tokens if r is not None else num_tokens
+            if num_tokens > 1 or (r is not None and r.num_output_tokens <= 1):
+                prefill_reqs += 1
+                prefill_kv += context
+            else:
+                decode_reqs += 1
+                decode_kv += context
+        queued = queued_tokens = 0
+        for r in sched.waiting:
+            queued += 1
+            queued_tokens += r.num_prompt_tokens
         self._fpm.publish(
-            dp_rank=0, scheduled_num_prefill_requests=prefilling,
+            dp_rank=0, scheduled_num_prefill_requests=prefill_reqs,
             scheduled_sum_prefill_tokens=last.num_prefill_tokens,
-            scheduled_sum_prefill_kv_tokens=sum(
-                r.num_computed_tokens for r in sched.running if r not in decoding),
-            scheduled_num_decode_requests=len(decoding),
-            scheduled_sum_decode_kv_tokens=sum(r.num_computed_tokens for r in decoding),
-            queued_num_prefill_requests=len(waiting),
-            queued_sum_prefill_tokens=sum(r.num_prompt_tokens for r in waiting),
+            scheduled_sum_prefill_kv_tokens=prefill_kv,
+            scheduled_num_decode_requests=decode_reqs,
+            scheduled_sum_decode_kv_tokens=decode_kv,
+            queued_num_prefill_requests=queued, queued_sum_prefill_tokens=queued_tokens,
             queued_num_decode_requests=0, queued_sum_decode_kv_tokens=0,
             wall_time_secs=last.model_time_s + last.overhead_time_s)
 

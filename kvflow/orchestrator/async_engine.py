@@ -174,14 +174,29 @@ class EngineLoop:
             self.error = e
             raise
         finally:
+            message = f"{ENGINE_ERROR_PREFIX}: {self.error!r}"
             for request_id, callback in list(self._callbacks.items()):
-                out = self.engine.abort_request(request_id)
+                try:
+                    out = self.engine.abort_request(request_id)
+                except Exception:  # noqa: BLE001  (a broken engine: the waiter still hears)
+                    out = RequestOutput.failed(request_id, message, "engine_error")
                 if out is not None:
                     if self.error is not None:
-                        out.error = f"{ENGINE_ERROR_PREFIX}: {self.error!r}"
-                        out.error_code = "engine_error"
+                        out.error, out.error_code = message, "engine_error"
                     callback(out)
             self._callbacks.clear()
+            # Requests still in the inbox were never admitted: tell their waiters too.
+            while True:
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    payload[3](RequestOutput.failed(payload[0], message if self.error else
+                                                    "the engine loop has stopped",
+                                                    "engine_error", payload[2].n))
+                elif kind == "call":
+                    payload[1].put((False, RuntimeError("the engine loop has stopped")))
 
 
 class AsyncLLMEngine:
@@ -200,9 +215,17 @@ class AsyncLLMEngine:
                           params: SamplingParams | None = None,
                           priority: int = 0,
                           is_cancelled: Callable[[], bool] | None = None,
-                          tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                          tenant: str | None = None,
+                          cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; leaving the iterator early aborts the request, and so
-        does ``is_cancelled()`` turning true (polled by the loop before every step)."""
+        does ``is_cancelled()`` turning true (polled by the loop before every step).
+
+        Raises:
+            RuntimeError: the engine loop has stopped (it failed, or was shut down): nothing
+                would ever answer.
+        """
+        if not self.loop.is_alive:
+            raise RuntimeError(f"the engine loop has stopped: {self.loop.error!r}")
         aio_loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -210,7 +233,7 @@ class AsyncLLMEngine:
             aio_loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         self.loop.submit(request_id, prompt, params or SamplingParams(), on_output, priority,
-                         is_cancelled=is_cancelled, tenant=tenant)
+                         is_cancelled=is_cancelled, tenant=tenant, cache_salt=cache_salt)
         finished = False
         try:
             while not finished:
