@@ -240,6 +240,8 @@ class ProvenanceRunner(SimRunner):
     wrote), and its logits are drawn from the hash of everything read: KV that came from the
     wrong sequence, or a copy or swap made in the wrong order, changes the tokens."""
 
+    needs_inputs = True  # it reads the tokens, positions and block tables (SimRunner does not)
+
     def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int = 4) -> None:
         engine = sim_engine_config(block_size, 128, 32, 8)
         super().__init__(engine, num_blocks, FixedCostModel(1.0), SimClock())
