@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,7 @@ class CountingClient(OpenAIClient):
         return body
 
     def token_counts(self, event: dict[str, Any]) -> tuple[int, int] | None:
-        import threading
-
-        key = threading.get_ident()
+        key = threading.get_ident()  # one stream per thread in run_load
         if event.get("usage"):
             self.usages.append(event["usage"])
             self._seen.pop(key, None)

@@ -22,6 +22,8 @@ from kvflow.dynamo.events import block_id, encode_events
 from kvflow.dynamo.protocol import chunks_of, sampling_params_from
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tests.test_serving import kvflow_samples
+from tests.test_serving import metric as serving_metric
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -186,12 +188,8 @@ def system_prompt(topic: int, tag: str) -> str:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if (line.startswith((name + "{", name + " "))
-                and all(f'{k}="{v}"' in line for k, v in labels.items())):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """The sum of a kvflow series' samples in Prometheus text, over the labels not given."""
+    return serving_metric(kvflow_samples(text), name, **labels)
 
 
 @pytest.fixture(scope="module")

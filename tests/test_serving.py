@@ -25,8 +25,13 @@ DEADLINE_S = 300.0
 
 
 def scrape(server) -> dict[str, float]:
+    """The server's kvflow_* series: {'name{labels}': value}."""
+    return kvflow_samples(
+        urllib.request.urlopen(server.metrics_url, timeout=DEADLINE_S).read().decode())
+
+
+def kvflow_samples(text: str) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} for the kvflow_* series."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=DEADLINE_S).read().decode()
     out = {}
     for line in text.splitlines():
         if line.startswith("kvflow_"):

@@ -64,14 +64,18 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return out
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The workload options ``bench serve``, ``bench compare`` and ``simulate`` share."""
+def add_workload_args(p: argparse.ArgumentParser,
+                      extra_workloads: dict[str, str] | None = None) -> None:
+    """The workload options ``bench serve``, ``bench compare`` and ``simulate`` share;
+    ``extra_workloads`` (name -> help) adds workloads of the caller's own."""
+    extra = extra_workloads or {}
     p.add_argument("--engine", default="engines/smollm2-135m",
                    help="engine folder whose tokenizer cuts prompts to exact lengths")
-    p.add_argument("--workload", choices=["random", "trace", "prefix", "tenants"],
+    p.add_argument("--workload", choices=["random", "trace", "prefix", "tenants", *extra],
                    default="random",
-                   help="tenants: one heavy tenant (long prompts, a high rate) and several "
-                        "light ones (short chats), on the trace's lengths")
+                   help="; ".join(["tenants: one heavy tenant (long prompts, a high rate) and "
+                                   "several light ones (short chats), on the trace's lengths",
+                                   *(f"{k}: {v}" for k, v in extra.items())]))
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="trace: arrival times divided by this (2 = twice as fast)")

@@ -96,7 +96,6 @@ class ZmqEventPublisher:
         self._subscribed = False
         self._held: list[list[KVEvent]] = []
         self._stored: set[int] = set()
-        self.num_events_sent = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._thread = threading.Thread(target=self._run, name="kvflow-kv-events", daemon=True)
         self._thread.start()
@@ -119,7 +118,6 @@ class ZmqEventPublisher:
         payload = self._encoder.encode([time.time(), wire, 0])
         self._sock.send_multipart([self.topic, self._seq.to_bytes(8, "big"), payload])
         self._seq += 1
-        self.num_events_sent += len(wire)
 
     def _publish(self, events: list[KVEvent]) -> None:
         wire = []

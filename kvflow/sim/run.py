@@ -38,14 +38,12 @@ from kvflow.sim.simulator import SIM_TOKEN, SimResult, simulate
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_workload_args(p)
-    p.set_defaults(workload="trace", num_prompts=1000, max_model_len=8192, engine=None)
     # NOTE: sessions only here: their history holds what the model generated, which only the
     # simulator knows before the run (its model always samples SIM_TOKEN).
-    workload = p._option_string_actions["--workload"]
-    workload.choices = [*(workload.choices or ()), "sessions"]
-    workload.help = (f"{workload.help}; sessions: multi-turn chats whose prompts hold their "
-                     "whole history (trace lengths, Poisson sessions at --request-rate)")
+    add_workload_args(p, {"sessions": "multi-turn chats whose prompts hold their whole "
+                                      "history (trace lengths, Poisson sessions at "
+                                      "--request-rate)"})
+    p.set_defaults(workload="trace", num_prompts=1000, max_model_len=8192, engine=None)
     p.add_argument("--session-turns", type=int, default=4,
                    help="sessions workload: turns per session (fewer when the history would "
                         "pass 3/4 of --max-model-len)")
