@@ -3,6 +3,8 @@
 * ``KVFLOW_DEBUG_CHECKS`` (``1``/``true``): the default of the engine option ``debug_checks``,
   the invariants of the KV pool and the scheduler checked after every step.
 * ``KVFLOW_API_KEY``: the default ``--api-key`` of ``kvflow serve`` and ``kvflow generate``.
+* ``KVFLOW_FAIL_AFTER_STEPS`` (an integer N): fault injection for tests of failure handling:
+  the served engine loop raises instead of running its step N + 1, as a failing runner would.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 
 DEBUG_CHECKS = "KVFLOW_DEBUG_CHECKS"
 API_KEY = "KVFLOW_API_KEY"
+FAIL_AFTER_STEPS = "KVFLOW_FAIL_AFTER_STEPS"
 
 
 def debug_checks() -> bool:
@@ -19,3 +22,13 @@ def debug_checks() -> bool:
 
 def api_key() -> str | None:
     return os.environ.get(API_KEY) or None
+
+
+def fail_after_steps() -> int | None:
+    value = os.environ.get(FAIL_AFTER_STEPS, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{FAIL_AFTER_STEPS} must be a step count (an integer >= 0), got "
+                         f"{value!r}")
+    return int(value)

@@ -21,6 +21,7 @@ import numpy as np
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.detokenizer import IncrementalDetokenizer
+from kvflow.orchestrator.input_processor import InputProcessor, PreparedPrompt
 from kvflow.orchestrator.outputs import (
     ENGINE_ERROR_PREFIX,
     CompletionOutput,
@@ -33,13 +34,8 @@ from kvflow.orchestrator.sampler import Sampler, SamplerOutput, SamplingRow, mak
 from kvflow.orchestrator.sampling_params import MAX_SEED, SamplingParams
 from kvflow.orchestrator.scheduler import make_scheduler
 from kvflow.orchestrator.scheduler_output import TRANSFER_KINDS, Clock, SchedulerOutput
-from kvflow.orchestrator.structured import (
-    Grammar,
-    GrammarCompiler,
-    allocate_bitmask,
-    fill_bitmasks,
-)
-from kvflow.orchestrator.tokenizer import EngineTokenizer, Prompt, tokenize_prompt
+from kvflow.orchestrator.structured import Grammar, allocate_bitmask, fill_bitmasks
+from kvflow.orchestrator.tokenizer import EngineTokenizer, Prompt
 from kvflow.orchestrator.trace import Entry, Finish, StepRecord, StepTracer
 from kvflow.runtime.base import ModelRunner
 from kvflow.runtime.step_builder import SeqChunk, build_step, build_step_shape
@@ -109,13 +105,16 @@ class LLMEngine:
         self.step_stats: deque[StepStats] = deque(maxlen=stats_window)
         self.counters = EngineCounters()  # written by this engine alone
         self._ids = itertools.count()
-        self._grammar_compiler: GrammarCompiler | None = None
+        # Tokenizing and grammar compiling: thread-safe, so the served loop runs it elsewhere.
+        self.inputs = InputProcessor(tokenizer, runner.engine.model.vocab_size,
+                                     self.eos_token_ids, options.max_model_len,
+                                     check_token_ids=runner.reads_token_ids)
         # The step timeline (trace_steps); None: no step is recorded, tracing costs nothing.
         self.tracer = (StepTracer(options.trace_steps, options.trace_max_steps, trace_source)
                        if options.trace_steps else None)
 
     # --- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None,
                     cache_salt: str | None = None,
@@ -124,8 +123,9 @@ class LLMEngine:
         """Queue a request. Returns it, and a final output at once if it was rejected.
 
         ``prompt``: text, token ids, or a :class:`ChatPrompt` (rendered with the model's chat
-        template); this is the one place prompts are tokenized. A prompt that cannot be
-        tokenized (no tokenizer, a chat template error) raises ValueError. Requests with
+        template), tokenized here by :attr:`inputs`; or what :attr:`inputs` prepared already
+        (on another thread: the served engine's way). A prompt that cannot be tokenized (no
+        tokenizer, a chat template error) raises ValueError. Requests with
         different ``cache_salt`` never share prefix-cache blocks; ``tenant`` names whom the
         request is accounted to (the OpenAI ``user``).
 
@@ -137,12 +137,13 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        try:
-            prompt_ids, grammars = self._prepare(prompt, params)
-        except ValueError as e:  # refused: counted as bad input unless it is the engine's
-            if not str(e).startswith(ENGINE_ERROR_PREFIX):
-                self.counters.rejected_by_cause["bad_request"] += 1
-            raise
+        if not isinstance(prompt, PreparedPrompt):
+            try:
+                prompt = self.inputs.prepare(prompt, params)
+            except ValueError as e:
+                self.count_refused(e)
+                raise
+        prompt_ids, grammars = prompt.prompt_token_ids, prompt.grammars
         arrival = self.clock() if arrival_time is None else arrival_time
         n = params.n
         seqs = [Request(request_id if n == 1 else f"{request_id}#{j}", prompt_ids, params,
@@ -169,48 +170,10 @@ class LLMEngine:
                                                         grammars[seq.index])
         return request, None
 
-    def _prepare(self, prompt: Prompt,
-                 params: SamplingParams) -> tuple[list[int], list[Grammar | None]]:
-        """The prompt's token ids and each sequence's grammar state; ValueError for a prompt
-        or a structured-output spec that cannot run."""
-        prompt_ids = tokenize_prompt(self.tokenizer, prompt)
-        self._check_token_ids(prompt_ids, params)
-        # Compiled (or found in the cache) before the scheduler sees the request: a bad schema
-        # is refused here, having taken no KV block. One grammar state per sequence.
-        grammars: list[Grammar | None] = [None] * params.n
-        if params.structured is not None:
-            try:
-                grammar = self.grammar_compiler().compile(params.structured)
-            except RuntimeError as e:  # the engine's fault (its tokenizer), not the request's
-                raise ValueError(f"{ENGINE_ERROR_PREFIX}: structured outputs are unavailable "
-                                 f"on this engine: {e}") from None
-            grammars = [grammar, *(grammar.fork() for _ in range(params.n - 1))]
-        return prompt_ids, grammars
-
-    def grammar_compiler(self) -> GrammarCompiler:
-        """The engine's structured-output compiler (built at the first constrained request:
-        llguidance's view of the tokenizer takes about a second to build)."""
-        if self._grammar_compiler is None:
-            if self.tokenizer is None:
-                raise ValueError("structured outputs need the engine's tokenizer, and this "
-                                 "engine has none")
-            self._grammar_compiler = GrammarCompiler(
-                self.tokenizer.tokenizer.to_str(), self.runner.engine.model.vocab_size,
-                self.eos_token_ids)
-        return self._grammar_compiler
-
-    def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Token ids the model has no embedding for are refused, naming the vocabulary size."""
-        vocab = self.runner.engine.model.vocab_size
-        for i, t in enumerate(params.stop_token_ids):
-            if t >= vocab:
-                raise ValueError(f"stop_token_ids[{i}] is {t}; the vocabulary has {vocab} "
-                                 f"tokens (ids 0..{vocab - 1})")
-        if self.runner.reads_token_ids and prompt_ids and not (
-                min(prompt_ids) >= 0 and max(prompt_ids) < vocab):
-            i = next(i for i, t in enumerate(prompt_ids) if not 0 <= t < vocab)
-            raise ValueError(f"prompt token {i} is {prompt_ids[i]}; the vocabulary has {vocab} "
-                             f"tokens (ids 0..{vocab - 1})")
+    def count_refused(self, error: ValueError) -> None:
+        """Count a request refused while it was prepared: bad input, unless the engine's."""
+        if not str(error).startswith(ENGINE_ERROR_PREFIX):
+            self.counters.rejected_by_cause["bad_request"] += 1
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request; its KV blocks are free when this returns."""

@@ -102,11 +102,14 @@ class RequestOutput:
         return any(o.finish_reason == "abort" for o in self.outputs)
 
     @classmethod
-    def failed(cls, request_id: str, message: str, code: str, n: int = 1,
-               metrics: RequestMetrics | None = None) -> RequestOutput:
-        """A final output for a request refused before it ran (every sequence ``rejected``)."""
+    def failed(cls, request_id: str, message: str | None, code: str | None, n: int = 1,
+               metrics: RequestMetrics | None = None,
+               finish_reason: str = "rejected") -> RequestOutput:
+        """A final output for a request that ended before it ran: refused (every sequence
+        ``rejected``, with ``message``), or aborted (``finish_reason="abort"``)."""
         return cls(request_id=request_id,
-                   outputs=[CompletionOutput(j, "", [], "", [], "rejected") for j in range(n)],
+                   outputs=[CompletionOutput(j, "", [], "", [], finish_reason)
+                            for j in range(n)],
                    finished=True, num_prompt_tokens=0, metrics=metrics or RequestMetrics(0.0),
                    error=message, error_code=code)
 

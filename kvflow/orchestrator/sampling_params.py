@@ -42,6 +42,17 @@ def list_unknown(keys: list[str], most: int = 8) -> str:
     return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
+def check_text(text: str, field: str) -> str:
+    """``text`` if it is valid Unicode; ValueError naming ``field`` if it holds a lone
+    surrogate (JSON's ``"\\udc00"`` decodes to one), which no tokenizer or encoder accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} holds a lone surrogate (U+{ord(text[e.start]):04X}) at "
+                         f"character {e.start}; text must be valid Unicode") from None
+    return text
+
+
 class SamplingParamsTypeError(TypeError, ValueError):
     """A sampling parameter has the wrong type.
 
@@ -192,6 +203,7 @@ class SamplingParams:
             if not s:
                 # An empty stop string would match at every position and end every request.
                 raise ValueError(f"stop[{i}] must be a non-empty string, got ''")
+            check_text(s, f"stop[{i}]")
         return tuple(stop)
 
     @staticmethod

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
-from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from kvflow.orchestrator.structured_output import (  # noqa: F401  (re-exported)
@@ -51,6 +51,13 @@ if TYPE_CHECKING:  # only in llguidance's stub
 # schema's own "x-guidance" cannot turn it back on.
 JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# Bounds on the work one grammar may cost. The initial lexer fuel (llguidance's default is 1M,
+# about 2 s on this machine for a regex like `x{1000}{1000}`) bounds the eager precomputation
+# at compile time: past it, llguidance builds the lexer lazily, step by step, where the step
+# fuel bounds each mask. Terse errors: a verbose one dumps the parser's state and the grammar.
+PARSER_LIMITS = LLParserLimits(initial_lexer_fuel=200_000, verbose_errors=False)
+
 
 def _short(message: str) -> str:
     message = message.strip()
@@ -200,14 +207,17 @@ def _build_matcher(so: StructuredOutput, tokenizer: LLTokenizer) -> LLMatcher:
             grammar = llguidance.grammar_from("grammar", so.spec)
     except ValueError as e:
         raise ValueError(f"{field}: {_short(str(e))}") from None
-    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
     if matcher.is_error():
         raise ValueError(f"{field}: {_short(matcher.get_error())}")
     # Computing the first mask builds the lexer states every copy shares: pay it here, at
     # compile time, not in the first decode step.
     matcher.compute_bitmask()
     if matcher.is_error():
-        raise ValueError(f"{field}: {_short(matcher.get_error())}")
+        error = _short(matcher.get_error().replace("<non-verbose/>", ""))
+        if error.isidentifier():  # llguidance's bare stop reason: say what it means
+            error = f"no output can satisfy it (llguidance: {error})"
+        raise ValueError(f"{field}: {error}")
     return matcher
 
 

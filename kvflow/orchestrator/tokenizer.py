@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from kvflow.orchestrator.sampling_params import list_unknown
+from kvflow.orchestrator.sampling_params import check_text, list_unknown
 
 
 class ChatTemplateError(ValueError):
@@ -31,7 +31,8 @@ class ChatPrompt:
 
     Checked when built, naming the message and the field: ``role`` is one of ``system``,
     ``user``, ``assistant`` (OpenAI's ``developer`` is taken as ``system``); ``content`` is a
-    string or a list of OpenAI text parts (``{"type": "text", "text": ...}``, joined); an
+    string or a list of OpenAI text parts (``{"type": "text", "text": ...}``, joined), or null
+    for an assistant turn (taken as ""); text must be valid Unicode (no lone surrogate); an
     optional ``name`` is kept for the template. Raises ValueError otherwise.
     """
 
@@ -62,6 +63,8 @@ def _chat_message(i: int, message: Any) -> dict[str, str]:
         raise ValueError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got "
                          f"{str(role)[:40]!r}")
     content = message.get("content")
+    if content is None and role == "assistant":  # OpenAI allows it (the turn made tool calls)
+        content = ""
     if isinstance(content, list):
         texts = []
         for k, part in enumerate(content):
@@ -74,11 +77,11 @@ def _chat_message(i: int, message: Any) -> dict[str, str]:
     if not isinstance(content, str):
         raise ValueError(f"{where}.content must be a string or a list of text parts, got "
                          f"{type(content).__name__}")
-    out = {"role": role, "content": content}
+    out = {"role": role, "content": check_text(content, f"{where}.content")}
     if "name" in message:
         if not isinstance(message["name"], str):
             raise ValueError(f"{where}.name must be a string")
-        out["name"] = message["name"]
+        out["name"] = check_text(message["name"], f"{where}.name")
     return out
 
 
@@ -93,7 +96,7 @@ def tokenize_prompt(tokenizer: EngineTokenizer | None, prompt: Prompt) -> list[i
         if tokenizer is None:
             raise ValueError("this engine has no tokenizer: pass prompt token ids")
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
+            return tokenizer.encode(check_text(prompt, "prompt"))
         return tokenizer.encode_chat(list(prompt.messages))
     return [int(t) for t in prompt]
 

@@ -38,6 +38,8 @@ from kvflow.triton_backend.params import (
 # as a parameter); every other parameter is an engine option.
 BACKEND_PARAMETERS = ("engine_dir", "python_paths", "served_model_name")
 SERVE_FILE = "serve.json"
+# Written beside it when the engine loop fails: what failed (`kvflow serve` then exits 1).
+ENGINE_FAILED_FILE = "engine_failed.txt"
 # Beside it: the pids of stubs whose SIGUSR1 writes the step timeline (one line each).
 TRACE_SIGNAL_FILE = "trace_signal.pids"
 
@@ -211,13 +213,33 @@ class KvflowTritonModel:
             raise pb_utils.TritonModelException(f"model parameters: {e}") from None
         self.max_model_len = self.engine.config.max_model_len
         self.metrics = TritonMetrics(pb_utils, args.get("model_name", "kvflow"))
-        self.loop = EngineLoop(self.engine, step_hook=self.metrics.on_step)
+        self.loop = EngineLoop(self.engine, step_hook=self.metrics.on_step,
+                               on_failure=self._on_engine_failure)
         self.trace_watch = self._watch_trace_signal(pb_utils)
         self._ids = itertools.count()
         self.model_name = args.get("model_name", "kvflow")
         tokenizer = self.engine.tokenizer
         self._decode_token = None if tokenizer is None else (
             lambda t: tokenizer.decode([t], skip_special_tokens=False))
+
+    def _on_engine_failure(self, error: BaseException) -> None:
+        """The engine loop died (every waiter has had its error, and new requests get one at
+        once): stop tritonserver, so that readiness fails at once and the process exits (and
+        `kvflow serve`, or a supervisor, sees it). A Python backend cannot mark its model
+        unready by itself; a server shutting down is not ready."""
+        self.pb.Logger.log_error(f"kvflow: the engine failed: {error!r}; stopping tritonserver")
+        with contextlib.suppress(OSError):
+            (self.repository / ENGINE_FAILED_FILE).write_text(f"{error!r}\n")
+        server = os.getppid()  # the stub's parent
+        try:
+            is_triton = Path(f"/proc/{server}/comm").read_text().strip() == "tritonserver"
+        except OSError:
+            is_triton = False
+        if is_triton:
+            os.kill(server, signal.SIGTERM)
+        else:
+            self.pb.Logger.log_error(f"kvflow: the stub's parent (pid {server}) is not "
+                                     "tritonserver: stop it yourself")
 
     def _watch_trace_signal(self, pb_utils: Any) -> SignalWatch | None:
         """With a step timeline, SIGUSR1 writes it: the ring is copied on the engine's thread

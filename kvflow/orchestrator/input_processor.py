@@ -1,0 +1,132 @@
+"""Prompt -> token ids and grammar states: the work a request needs before it can be scheduled.
+
+:class:`InputProcessor` tokenizes a request's prompt (rendering chat messages with the model's
+chat template) and compiles its structured output. It is the one place prompts are tokenized,
+and it is thread-safe: the served engine (:class:`~kvflow.orchestrator.async_engine.EngineLoop`)
+runs it on worker threads, so that a slow request (a huge prompt, a cold grammar) never stalls
+the steps of the requests already running. :meth:`LLMEngine.add_request
+<kvflow.orchestrator.engine.LLMEngine.add_request>` takes its result, or runs it inline.
+
+Oversized text is refused before any expensive work, by its length: no token of the vocabulary
+covers more than :attr:`InputProcessor.max_token_chars` characters, so a text longer than that
+times ``max_model_len`` can never fit the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX
+from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.orchestrator.structured import Grammar, GrammarCompiler
+from kvflow.orchestrator.tokenizer import ChatPrompt, EngineTokenizer, Prompt, tokenize_prompt
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt ready for the scheduler: its token ids, and one grammar state per sequence
+    (None where the request has no structured output)."""
+
+    prompt_token_ids: list[int]
+    grammars: list[Grammar | None]
+
+
+class InputProcessor:
+    """Tokenizes prompts and compiles structured outputs for one engine.
+
+    Args:
+        tokenizer: the engine's tokenizer (None: token-id prompts only, no structured output).
+        vocab_size: the model's logits width (token ids at or past it are refused).
+        eos_token_ids: the model's EOS ids (the grammars allow them when complete).
+        max_model_len: the context length (bounds a text prompt's length before tokenizing).
+        check_token_ids: refuse prompt ids outside the vocabulary (runners that embed them).
+    """
+
+    def __init__(self, tokenizer: EngineTokenizer | None, vocab_size: int,
+                 eos_token_ids: Sequence[int], max_model_len: int,
+                 check_token_ids: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.check_token_ids = check_token_ids
+        self.max_token_chars = _max_token_chars(tokenizer)
+        self._grammar_compiler: GrammarCompiler | None = None
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters of text that could still fit in ``max_model_len`` tokens."""
+        return self.max_model_len * self.max_token_chars
+
+    def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
+        """The prompt's token ids and each sequence's grammar state.
+
+        Raises:
+            ValueError: the request cannot run (bad text, too long, ids outside the
+                vocabulary, a structured output that does not compile); the message names
+                the field. A message starting with ENGINE_ERROR_PREFIX is the engine's fault.
+        """
+        self._check_length(prompt)
+        prompt_ids = tokenize_prompt(self.tokenizer, prompt)
+        self._check_token_ids(prompt_ids, params)
+        # Compiled (or found in the cache) before the scheduler sees the request: a bad schema
+        # is refused here, having taken no KV block. One grammar state per sequence.
+        grammars: list[Grammar | None] = [None] * params.n
+        if params.structured is not None:
+            try:
+                grammar = self.grammar_compiler().compile(params.structured)
+            except RuntimeError as e:  # the engine's fault (its tokenizer), not the request's
+                raise ValueError(f"{ENGINE_ERROR_PREFIX}: structured outputs are unavailable "
+                                 f"on this engine: {e}") from None
+            grammars = [grammar, *(grammar.fork() for _ in range(params.n - 1))]
+        return PreparedPrompt(prompt_ids, grammars)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's structured-output compiler (built at the first constrained request:
+        llguidance's view of the tokenizer takes about a second to build)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the engine's tokenizer, and this "
+                                 "engine has none")
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer.tokenizer.to_str(), self.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
+
+    def _check_length(self, prompt: Prompt) -> None:
+        """Refuse text that cannot fit the context, before tokenizing or rendering it."""
+        if isinstance(prompt, str):
+            field, chars = "prompt", len(prompt)
+        elif isinstance(prompt, ChatPrompt):
+            field = "messages"
+            chars = sum(len(m["content"]) + len(m.get("name", "")) for m in prompt.messages)
+        else:
+            return
+        if chars > self.max_prompt_chars:
+            raise ValueError(
+                f"{field} is {chars} characters: more than max_model_len "
+                f"({self.max_model_len} tokens) can hold, as no token covers more than "
+                f"{self.max_token_chars} characters (the limit is {self.max_prompt_chars})")
+
+    def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Token ids the model has no embedding for are refused, naming the vocabulary size."""
+        vocab = self.vocab_size
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids[{i}] is {t}; the vocabulary has {vocab} "
+                                 f"tokens (ids 0..{vocab - 1})")
+        if self.check_token_ids and prompt_ids and not (
+                min(prompt_ids) >= 0 and max(prompt_ids) < vocab):
+            i = next(i for i, t in enumerate(prompt_ids) if not 0 <= t < vocab)
+            raise ValueError(f"prompt token {i} is {prompt_ids[i]}; the vocabulary has {vocab} "
+                             f"tokens (ids 0..{vocab - 1})")
+
+
+def _max_token_chars(tokenizer: EngineTokenizer | None) -> int:
+    """An upper bound on the characters of text one token covers: its longest vocabulary
+    entry, doubled for what a normalizer may drop (byte-level entries are a byte a
+    character, so at least one character each)."""
+    if tokenizer is None:
+        return 1
+    longest = max((len(piece) for piece in tokenizer.tokenizer.get_vocab(True)), default=1)
+    return 2 * max(longest, 1)
