@@ -367,6 +367,14 @@ class TritonServer:
             self._workspace = None
         return code
 
+    def engine_failure(self) -> str | None:
+        """What the backend wrote when its engine failed (it then stops tritonserver), or
+        None."""
+        if self._workspace is None:
+            return None
+        marker = Path(self._workspace.name) / "models" / MODEL_NAME / "engine_failed.txt"
+        return marker.read_text().strip() if marker.exists() else None
+
     def write_trace(self) -> int:
         """Ask the backend to write its step timeline now: SIGUSR1 to each stub whose watch is
         live (the pids it wrote beside its model); returns how many were signalled (0 while
@@ -473,12 +481,18 @@ models)
 """, flush=True)
     for warning in exposure_warnings(cfg):
         print(f"[kvflow serve] WARNING: {warning}", file=sys.stderr, flush=True)
+    failure = None
     try:
         while not stop_requested and server.proc is not None and server.proc.poll() is None:
             time.sleep(0.5)
     finally:
+        failure = server.engine_failure()
         print("[kvflow serve] shutting down ...", flush=True)
         if frontend is not None:
             frontend.stop()
         code = server.stop()
-    return 0 if stop_requested else (code or 0)
+    if failure is not None:  # the backend stopped tritonserver: exit 1 for a supervisor
+        print(f"[kvflow serve] the engine failed: {failure}", file=sys.stderr, flush=True)
+        return 1
+    # tritonserver never exits by itself while serving: if it did, that is a failure.
+    return 0 if stop_requested else (code or 1)
