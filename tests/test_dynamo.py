@@ -400,3 +400,29 @@ def _session_pids(sid: int) -> list[int]:
                 break
             p = parent.get(p, 0)
     return found
+
+
+@needs_dynamo
+def test_a_worker_whose_engine_fails_leaves_the_cluster_and_exits_nonzero(cluster):
+    """After the killed-worker test: worker 0 comes back with an engine that fails at its
+    third step. Requests it held fail (or migrate); it unregisters and exits 1, and every
+    request after that is served by worker 1."""
+    from kvflow import envs
+
+    cluster.env[envs.FAIL_AFTER_STEPS] = "2"
+    try:
+        worker = cluster.start_worker(0)
+        cluster.wait_workers(2)
+    finally:
+        del cluster.env[envs.FAIL_AFTER_STEPS]
+    c = client(cluster, "round-robin")
+    for i in range(6):  # round robin: some land on worker 0 until it fails
+        try:
+            c.completions.create(model="smollm2", prompt=f"Count to {i}:", max_tokens=8)
+        except Exception:  # noqa: BLE001, S112  (a request held by the failing engine)
+            continue
+    assert worker.popen.wait(timeout=120) == 1
+    assert "the engine failed" in worker.log.read_text()
+    for i in range(4):
+        r = c.completions.create(model="smollm2", prompt=f"Say {i}", max_tokens=3)
+        assert r.usage.completion_tokens == 3

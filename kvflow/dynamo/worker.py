@@ -31,6 +31,8 @@ import hashlib
 import itertools
 import logging
 import os
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -144,6 +146,7 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         self._registry: Any = None
         self._collector: Any = None
         self._closed = False
+        self.failure: BaseException | None = None  # the engine loop's, if it died
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None
@@ -183,7 +186,8 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         if self.args.kv_events and engine.config.enable_prefix_caching:
             engine.kv.pool.record_events()
             self.events = ZmqEventPublisher(engine.kv.block_size)
-        self.aengine = AsyncLLMEngine(engine, step_hook=self._on_step)
+        self.aengine = AsyncLLMEngine(engine, step_hook=self._on_step,
+                                      on_failure=self._on_engine_failure)
         opts = engine.config
         log.info("kvflow worker %s: %s, %d KV blocks of %d tokens", worker_id, self.model_name,
                  engine.kv.pool.num_usable_blocks, engine.kv.block_size)
@@ -278,6 +282,14 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         if self.aengine is not None and request_id is not None:
             self.aengine.abort(request_id)
 
+    def _on_engine_failure(self, error: BaseException) -> None:
+        """The engine loop died (its waiters have their errors, migrated by the frontend):
+        stop the worker as SIGTERM would (Dynamo unregisters it, so no request is routed
+        here again), and ``serve`` then exits 1 for a supervisor to restart it."""
+        self.failure = error
+        log.error("the engine failed (%r): stopping this worker", error)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     # --- after every step (on the engine loop's thread) -----------------------------------
     def _on_step(self, loop: Any, outputs: list[Any]) -> None:
         """After each step: kvflow's series, the KV events, and (at most 20 times a second)
@@ -345,8 +357,16 @@ def serve(args: argparse.Namespace) -> int:
     require_dynamo()
     from dynamo.common.backend.run import run
 
+    engines: list[KvflowDynamoEngine] = []
+
     async def factory(argv: list[str] | None) -> tuple[KvflowDynamoEngine, WorkerConfig]:
-        return KvflowDynamoEngine.from_parsed(args)
+        engine, config = KvflowDynamoEngine.from_parsed(args)
+        engines.append(engine)
+        return engine, config
 
     run(KvflowDynamoEngine, engine_factory=factory)
+    failure = next((e.failure for e in engines if e.failure is not None), None)
+    if failure is not None:
+        print(f"kvflow dynamo-worker: the engine failed: {failure!r}", file=sys.stderr)
+        return 1
     return 0

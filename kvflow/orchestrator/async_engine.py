@@ -360,8 +360,9 @@ def _aborted_output(request_id: str, n: int) -> RequestOutput:
 class AsyncLLMEngine:
     """asyncio front end: ``async for out in engine.add_request(...)`` streams deltas."""
 
-    def __init__(self, engine: LLMEngine, step_hook: StepHook | None = None) -> None:
-        self.loop = EngineLoop(engine, step_hook=step_hook)
+    def __init__(self, engine: LLMEngine, step_hook: StepHook | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+        self.loop = EngineLoop(engine, step_hook=step_hook, on_failure=on_failure)
 
     @classmethod
     def from_engine_dir(cls, engine_dir: str, **overrides: Any) -> AsyncLLMEngine:
