@@ -295,6 +295,19 @@ def test_bad_messages_and_bodies(client, openai_frontend):
     assert "not valid JSON" in json.loads(http_error.value.read())["error"]["message"]
 
 
+def post_json(frontend, path: str, body: dict | bytes) -> tuple[int, dict]:
+    """POST ``body`` (a dict, sent as JSON with any lone surrogate escaped as ``\\udc00``, or
+    the raw bytes) to the frontend; returns the status and the parsed answer."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(frontend.url + path, data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def _raw_post(frontend, body: dict, timeout: float = 300):
     host, port = frontend.url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)

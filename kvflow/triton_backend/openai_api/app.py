@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import urllib.request
 from collections import Counter
@@ -33,6 +34,7 @@ from kvflow.triton_backend.openai_api.protocol import (
     OpenAIError,
     bad_request,
     error_from_backend,
+    load_body,
     parse_completion_request,
 )
 from kvflow.triton_backend.openai_api.responses import (
@@ -46,6 +48,11 @@ from kvflow.triton_backend.openai_api.responses import (
 MAX_BODY_BYTES = 8 << 20
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"
 DISCONNECT_POLL_S = 0.25
+# How long an idle connection stays open. uvicorn's default, 5 s, is shorter than many client
+# pools keep one (aiohttp 15 s, Go's net/http 90 s, requests until it is closed): a client that
+# reuses a connection the server has just closed gets a reset. 75 s is nginx's default.
+KEEP_ALIVE_S = 75
+
 
 @dataclass(frozen=True)
 class FrontendConfig:
@@ -215,10 +222,7 @@ async def _read_json(request: Any) -> Any:
         body += part
         if len(body) > MAX_BODY_BYTES:
             raise bad_request(f"the request body is over {MAX_BODY_BYTES} bytes")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    return load_body(bytes(body))
 
 
 async def _until_disconnect(request: Any, work: Any) -> Any:
@@ -362,8 +366,10 @@ def run(cfg: FrontendConfig) -> int:
     """Serve until SIGINT/SIGTERM (streams still open get 5 s to finish)."""
     import uvicorn
 
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
-                access_log=False, timeout_graceful_shutdown=5)
+                access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
     return 0
 
 

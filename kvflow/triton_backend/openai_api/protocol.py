@@ -7,14 +7,19 @@ where :class:`~kvflow.orchestrator.sampling_params.SamplingParams` checks them, 
 every other front door. The backend's error names its field; :func:`error_from_backend` turns
 it into OpenAI's error shape, the field named as the client sent it.
 
-What this module checks itself is only what the backend never sees: the body's shape, the
-model name, ``n``, ``stream_options`` and the OpenAI fields kvflow does not serve.
-Pure Python + NumPy.
+What this module checks itself is what the backend never sees, or would see only in its own
+terms: the body's shape and nesting, the JSON type of every field (OpenAI's API is typed; the
+backend converts numeric strings, for the clients of Triton's vLLM backend), text that is not
+Unicode, the model name, ``n``, ``priority``, ``stream_options``, the OpenAI fields kvflow
+ignores or does not serve, and the backend's size and nesting limits on what is packed for it,
+so that every error names the client's field. Pure Python + NumPy.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
 import time
 import uuid
@@ -27,9 +32,20 @@ from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, OVERLOADED_PREFIX
 from kvflow.orchestrator.sampling_params import (
     GUIDED_FIELDS,
     SamplingParams,
+    check_text,
     list_unknown,
     short_repr,
 )
+from kvflow.triton_backend.params import (
+    MAX_MESSAGES_JSON_BYTES,
+    MAX_MESSAGES_JSON_DEPTH,
+    MAX_PRIORITY,
+    MAX_SAMPLING_JSON_BYTES,
+    MAX_SAMPLING_JSON_DEPTH,
+    _json_depth,
+)
+
+log = logging.getLogger("kvflow.openai")
 
 MAX_N = 64  # choices per prompt: the sequences of its one engine request
 MAX_PROMPTS = 256  # prompts in one /v1/completions batch
@@ -46,14 +62,36 @@ COMMON_FIELDS = ("model", "max_tokens", "n", "stream", "stream_options", "logpro
                  "response_format", *SAMPLING_FIELDS, *TENSOR_FIELDS)
 COMPLETION_FIELDS = ("prompt", "echo", *COMMON_FIELDS)
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", *COMMON_FIELDS)
-# OpenAI fields kvflow does not serve: accepted only when absent, null or their default.
+# Fields packed for the backend: their text must be Unicode (UTF-8 cannot carry a lone
+# surrogate).
+PACKED_FIELDS = ("prompt", "messages", "response_format", *SAMPLING_FIELDS, *TENSOR_FIELDS)
+# OpenAI fields that change nothing kvflow serves and that clients send anyway: accepted
+# whatever their value, and ignored with a warning in the log (as vLLM does).
+IGNORED_FIELDS = ("metadata", "store", "reasoning_effort", "prompt_cache_key",
+                  "safety_identifier", "verbosity", "service_tier")
+# OpenAI fields kvflow does not serve, which would change the output: accepted only when
+# absent, null or a value that asks for nothing.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
-    "store": (None, False),
-    "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, False, True),
 }
+# The JSON type of each typed field; "10" is not an integer (OpenAI refuses it too).
+FIELD_TYPES: dict[str, str] = {
+    **dict.fromkeys(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"), "a number"),
+    **dict.fromkeys(("max_tokens", "max_completion_tokens", "n", "top_k", "seed", "min_tokens",
+                     "timeout_ms", "priority", "top_logprobs"), "an integer"),
+    **dict.fromkeys(("echo", "stream", "ignore_eos", "skip_special_tokens",
+                     "guided_json_object"), "a boolean"),
+    **dict.fromkeys(("model", "user", "cache_salt", "guided_regex", "guided_grammar"),
+                    "a string"),
+    "guided_choice": "a list", "stop_token_ids": "a list",
+}
+# The request body nests no deeper than the backend's sampling_parameters may: no body can
+# exhaust the JSON parser, and no sampling field can nest past the backend's limit (each sits
+# as deep in the body as in sampling_parameters, or deeper).
+MAX_BODY_JSON_DEPTH = MAX_SAMPLING_JSON_DEPTH
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # Completions default to 16 tokens (as OpenAI); chat to as many as the context holds.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -64,6 +102,9 @@ class OpenAIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  type_: str | None = None, code: str | None = None) -> None:
+        # NOTE: the body must encode as UTF-8: a lone surrogate of the client's is escaped.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8") if param else param
         super().__init__(message)
         self.status = status
         self.message = message
@@ -122,16 +163,123 @@ def _bytes_tensor(text: str) -> np.ndarray:
     return np.array([text.encode("utf-8")], dtype=np.object_)
 
 
+def load_body(data: bytes) -> Any:
+    """The request body's JSON, its nesting bounded before it is parsed (a 400 names the
+    top-level field that nests too deep)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    depth = _body_depth(text)
+    if depth > MAX_BODY_JSON_DEPTH:
+        field = _deepest_field(text, MAX_BODY_JSON_DEPTH)
+        raise bad_request(f"the request body nests {depth} levels deep"
+                          f"{f', in {field}' if field else ''}; the limit is "
+                          f"{MAX_BODY_JSON_DEPTH}", field)
+    try:
+        return json.loads(text)
+    except ValueError as e:  # JSONDecodeError, or an integer past Python's 4300 digits
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+# A JSON string, or an unterminated one and the rest of the text: a match never fails once
+# begun, so the scan is linear on any text. (params.py's pattern needs the closing quote; in an
+# unterminated string it is tried again from every escaped quote: quadratic, over a minute for
+# 80 KB of them. Its _json_depth is reused for the JSON this module writes, which is valid.)
+_STRING = r'"[^"\\]*(?:\\[\s\S][^"\\]*)*(?:"|\\?\Z)'
+_STRINGS = re.compile(_STRING)
+_BRACKETS = re.compile(r"[\[\]{}]")
+_TOKENS = re.compile("(" + _STRING + r")(\s*:)?|[\[\]{}]")
+
+
+def _body_depth(text: str) -> int:
+    """How deeply ``[`` and ``{`` nest in JSON ``text``, strings left out (as params.py's
+    ``_json_depth``, in linear time on any text)."""
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_STRINGS.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _deepest_field(text: str, max_depth: int) -> str | None:
+    """The key of JSON object ``text`` under which it first nests past ``max_depth``."""
+    depth, key = 0, None
+    for token in _TOKENS.finditer(text):
+        if token.group(1):
+            if depth == 1:  # a key, or the value of the last one
+                key = token.group(1) if token.group(2) else None
+            continue
+        depth += 1 if token.group() in "[{" else -1
+        if depth > max_depth:
+            try:
+                return json.loads(key) if key else None
+            except ValueError:
+                return None
+    return None
+
+
 def _check_fields(body: dict[str, Any], known: tuple[str, ...], endpoint: str) -> None:
     for name, allowed in UNSUPPORTED_FIELDS.items():
         if name in body and body[name] not in allowed:
             raise bad_request(f"{name} is not supported by kvflow's {endpoint} (got "
                               f"{short_repr(body[name])})", name)
-    unknown = sorted((k for k in body if k not in known and k not in UNSUPPORTED_FIELDS),
-                     key=str)
+    unknown = sorted((k for k in body if k not in known and k not in UNSUPPORTED_FIELDS
+                      and k not in IGNORED_FIELDS), key=str)
     if unknown:
         raise bad_request(f"unknown field(s) {list_unknown(unknown)}; known: "
                           f"{', '.join(sorted(known))}", unknown[0])
+    ignored = [k for k in IGNORED_FIELDS if k in body]
+    if ignored:
+        log.warning("%s: ignored field(s) %s (kvflow does not use them)", endpoint,
+                    ", ".join(ignored))
+
+
+def _check_types(body: dict[str, Any]) -> None:
+    """Each typed field has its JSON type (a bool is not a number; a number is finite)."""
+    for name, kind in FIELD_TYPES.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if kind == "a boolean":
+            ok = isinstance(value, bool)
+        elif kind == "an integer":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind == "a number":
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if ok and not _finite(value):
+                raise bad_request(f"{name} must be a finite number, got {short_repr(value)}",
+                                  name)
+        else:
+            ok = isinstance(value, str if kind == "a string" else list)
+        if not ok:
+            raise bad_request(f"{name} must be {kind}, got {short_repr(value)}", name)
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past the float range
+        return False
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """A 400 naming the first string of ``value`` (a key or a value) that holds a lone
+    surrogate (JSON's ``"\\udc00"`` decodes to one): it is not text, and UTF-8 cannot carry it.
+    Recursion is bounded: the body nests at most MAX_BODY_JSON_DEPTH levels."""
+    if isinstance(value, str):
+        try:
+            check_text(value, where)
+        except ValueError as e:
+            raise bad_request(str(e), re.match(r"\w*", where).group()) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, f"{where} (a key)")
+            _check_unicode(item, f"{where}.{key if len(key) <= 40 else key[:40] + '...'}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, str | list | dict):  # not numbers (a prompt's token ids)
+                _check_unicode(item, f"{where}[{i}]")
 
 
 def _int_field(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
@@ -155,14 +303,15 @@ def parse_completion_request(body: Any, served_model: str, chat: bool) -> Comple
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, endpoint)
+    _check_types(body)
+    for name in PACKED_FIELDS:
+        _check_unicode(body.get(name), name)
     model = body.get("model")
     if model is not None and model != served_model:
         raise OpenAIError(404, f"The model `{short_repr(model, 60)[1:-1]}` does not exist; this "
                           f"server serves `{served_model}`", "model", code="model_not_found")
     n = _int_field(body, "n", 1, 1, MAX_N)
     stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise bad_request(f"stream must be a boolean, got {short_repr(stream)}", "stream")
     options = body.get("stream_options")
     if options is not None:
         if not stream:
@@ -187,40 +336,51 @@ def parse_completion_request(body: Any, served_model: str, chat: bool) -> Comple
         sampling["logprobs"] = logprobs
     sampling.update(_response_format(body.get("response_format"), sampling, renamed))
 
-    extra: dict[str, np.ndarray] = {}
-    for name in TENSOR_FIELDS:
-        value = body.get(name)
-        if value is None:
-            continue
-        if name == "priority":
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise bad_request(f"priority must be an integer, got {short_repr(value)}",
-                                  "priority")
-            extra[name] = np.array([value], dtype=np.int64)
-        elif isinstance(value, str):
-            extra[name] = _bytes_tensor(value)
-        else:
-            raise bad_request(f"{name} must be a string, got {short_repr(value)}", name)
+    extra: dict[str, np.ndarray] = {
+        name: _bytes_tensor(body[name]) for name in ("user", "cache_salt")
+        if body.get(name) is not None}
+    if body.get("priority") is not None:
+        priority = _int_field(body, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY)
+        extra["priority"] = np.array([priority], dtype=np.int64)
+    # One engine request of n sequences per prompt (they share its KV blocks; sequence j of a
+    # seeded request draws from seed + j).
+    extra["sampling_parameters"] = _sampling_tensor({**sampling, "n": n} if n > 1 else sampling,
+                                                    renamed)
 
     prompts = _chat_prompt(body) if chat else _completion_prompts(body)
-    echo = bool(body.get("echo")) and not chat
+    echo = body.get("echo") is True and not chat
     choices = []
     for p, (prompt_inputs, prompt_text) in enumerate(prompts):
         if echo and not prompt_text:
             raise bad_request("echo needs a text prompt (token-id prompts have no text to "
                               "echo)", "echo")
-        # One engine request of n sequences per prompt (they share its KV blocks; sequence j
-        # of a seeded request draws from seed + j); choice p * n + j is its sequence j.
-        own = {**sampling, "n": n} if n > 1 else dict(sampling)
         inputs = {**prompt_inputs, **extra,
                   "stream": np.array([True]),
-                  "exclude_input_in_output": np.array([True]),
-                  "sampling_parameters": _bytes_tensor(json.dumps(own))}
-        for j in range(n):
+                  "exclude_input_in_output": np.array([True])}
+        for j in range(n):  # choice p * n + j is sequence j of prompt p's request
             choices.append(ChoiceRequest(p * n + j, p, inputs, prompt_text if echo else ""))
     return CompletionRequest(chat, served_model, stream, bool(options.get("include_usage")),
                              bool(options.get("continuous_usage_stats")), logprobs, choices,
                              renamed, n=n)
+
+
+def _sampling_tensor(sampling: dict[str, Any], renamed: dict[str, str]) -> np.ndarray:
+    """``sampling_parameters``, within the backend's limits on its JSON: past them, a 400 that
+    names the client's field (of the fields together too big, the one that takes the most)."""
+    text = json.dumps(sampling, ensure_ascii=False)
+    if len(text) > MAX_SAMPLING_JSON_BYTES or _json_depth(text) > MAX_SAMPLING_JSON_DEPTH:
+        sizes = {renamed.get(k, k): json.dumps(v, ensure_ascii=False)
+                 for k, v in sampling.items()}
+        for name, own in sizes.items():
+            depth = _json_depth(own) + 1  # NOTE: only if MAX_BODY_JSON_DEPTH were raised
+            if depth > MAX_SAMPLING_JSON_DEPTH:
+                raise bad_request(f"{name} nests {depth} levels deep in sampling_parameters; "
+                                  f"the limit is {MAX_SAMPLING_JSON_DEPTH}", name)
+        name = max(sizes, key=lambda k: len(sizes[k]))
+        raise bad_request(f"{name} is {len(sizes[name])} characters as JSON, of the "
+                          f"{len(text)} of all sampling fields together; the limit is "
+                          f"{MAX_SAMPLING_JSON_BYTES}", name)
+    return _bytes_tensor(text)
 
 
 def _response_format(value: Any, sampling: dict[str, Any],
@@ -308,12 +468,21 @@ def _completion_prompts(body: dict[str, Any]) -> list[tuple[dict[str, np.ndarray
 
 
 def _chat_prompt(body: dict[str, Any]) -> list[tuple[dict[str, np.ndarray], str]]:
-    """``messages`` goes to the backend as JSON; the engine's ChatPrompt checks each message."""
+    """``messages`` goes to the backend as JSON, within its limits on that JSON; the engine's
+    ChatPrompt checks each message."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects",
                           "messages")
-    return [({"messages": _bytes_tensor(json.dumps(messages))}, "")]
+    text = json.dumps(messages, ensure_ascii=False)
+    if len(text) > MAX_MESSAGES_JSON_BYTES:
+        raise bad_request(f"messages is {len(text)} characters as JSON; the limit is "
+                          f"{MAX_MESSAGES_JSON_BYTES}", "messages")
+    depth = _json_depth(text)
+    if depth > MAX_MESSAGES_JSON_DEPTH:
+        raise bad_request(f"messages nests {depth} levels deep; the limit is "
+                          f"{MAX_MESSAGES_JSON_DEPTH}", "messages")
+    return [({"messages": _bytes_tensor(text)}, "")]
 
 
 # --- the backend's answers ---------------------------------------------------------------------
