@@ -1,8 +1,10 @@
-"""`kvflow bench serve` end to end against the real server: a report with every field."""
+"""`kvflow bench serve` end to end against the real server: a report with every field, every
+failed request named, and a client that survives connections the server closed while idle."""
 
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -43,6 +45,75 @@ def test_short_bench_serve_writes_a_complete_report(triton_server, default_engin
         report["server_series"][0])
     for name in ("summary.md", "latency_cdf.png", "server_series.png"):
         assert (out / name).stat().st_size > 0, name
+
+
+@pytest.mark.parametrize("shut", [socket.SHUT_RDWR, socket.SHUT_RD],
+                         ids=["send-fails", "status-line-fails"])
+def test_a_stale_keep_alive_connection_is_retried_once_on_a_fresh_one(openai_frontend, shut):
+    """A kept-alive connection that died while idle (the server closed it) fails the next
+    request before any byte of its response: sent again on a fresh socket, it succeeds."""
+    from kvflow.bench.clients import OpenAIClient
+
+    client = OpenAIClient(openai_frontend.url)
+    conn = client.connect()
+    assert list(client.stream(conn, "Red, green,", 2))[-1][0] == 2
+    stale = conn.sock
+    assert stale is not None, "the connection is kept alive between requests"
+    # SHUT_RDWR: the next send fails (BrokenPipeError); SHUT_RD: the send goes out and the
+    # status line finds the socket closed (RemoteDisconnected).
+    stale.shutdown(shut)
+    counts = list(client.stream(conn, "Red, green,", 3))
+    assert counts[-1][0] == 3 and client.stale_retries == 1
+    assert conn.sock is not None and conn.sock is not stale
+    client.close(conn)
+
+
+def test_a_fresh_connection_that_fails_is_not_retried():
+    """Only a reused connection can be stale: a refused connect is the server's answer."""
+    from kvflow.bench.clients import OpenAIClient
+
+    blocker = socket.socket()  # bound, never listening: connections to it are refused
+    blocker.bind(("127.0.0.1", 0))
+    client = OpenAIClient(f"http://127.0.0.1:{blocker.getsockname()[1]}", model="any")
+    with pytest.raises(ConnectionRefusedError):
+        list(client.stream(client.connect(), "Hi", 1))
+    assert client.stale_retries == 0
+    blocker.close()
+
+
+def test_failed_requests_are_reported_by_index_and_kind_and_fail_the_command(
+        openai_frontend, triton_server, default_engines, tmp_path, capsys):
+    """Prompts around the server's 1024-token limit: those over it (with their output) are
+    refused with a 400; each is named in report.json and summary.md, the others are served,
+    and the command exits 1."""
+    from kvflow.bench.serve import build_workload
+    from kvflow.cli import make_parser
+
+    out = tmp_path / "report"
+    args = make_parser().parse_args([
+        "bench", "serve", "--backend", "openai", "--url", openai_frontend.url,
+        "--metrics-url", triton_server.metrics_url,
+        "--engine", str(default_engines["onnxruntime"]), "--num-prompts", "4",
+        "--input-len", "1010", "--range-ratio", "0.02", "--output-len", "2", "--seed", "0",
+        "--max-concurrency", "2", "--out", str(out), "--no-progress"])
+    specs, _ = build_workload(args)
+    too_long = [i for i, s in enumerate(specs) if s.prompt_tokens + s.output_tokens > 1024]
+    assert 0 < len(too_long) < len(specs), "the workload must mix refused and served requests"
+    assert args.func(args) == 1
+    report = json.loads((out / "report.json").read_text())
+    s = report["summary"]
+    assert s["failed"] == len(too_long) and s["completed"] == len(specs) - len(too_long)
+    assert s["failed_by_kind"] == {"HTTP 400": len(too_long)}
+    assert [e["index"] for e in report["errors"]] == too_long
+    assert [not row["ok"] for row in report["requests"]] == [
+        i in too_long for i in range(len(specs))]
+    for e in report["errors"]:
+        assert "1024" in e["error"], e  # the server's message, with the limit
+    summary = (out / "summary.md").read_text()
+    assert f"{len(too_long)} of {len(specs)} requests failed (HTTP 400: {len(too_long)})" in summary
+    assert f"- request {too_long[0]}: HTTP 400: " in summary
+    err = capsys.readouterr().err
+    assert f"kvflow bench serve: {len(too_long)} of {len(specs)} requests failed" in err
 
 
 def test_max_sustained_rate_is_the_last_rate_of_an_unbroken_run_under_the_slo():

@@ -23,7 +23,8 @@ class RequestTiming:
 
     ``token_times_s`` holds when each streamed token arrived (ascending); ``output_tokens`` is
     the number of tokens generated. ``ok=False`` marks a failed request, left out of every
-    latency statistic and of throughput.
+    latency statistic and of throughput; ``error`` says why when the client knows, and
+    ``error_kind`` names the error for counting (``HTTP 400``, ``BrokenPipeError``).
     """
 
     send_s: float
@@ -31,6 +32,8 @@ class RequestTiming:
     prompt_tokens: int
     output_tokens: int
     ok: bool = True
+    error: str | None = None
+    error_kind: str | None = None
 
     @property
     def ttft_s(self) -> float | None:

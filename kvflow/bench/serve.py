@@ -4,7 +4,8 @@ Requests are sent over tritonclient gRPC streaming, or with ``--backend openai``
 API, at their workload arrival times (bounded by ``--max-concurrency``); each request's send
 time and token arrival times are recorded on the client. Meanwhile the server's metrics
 endpoint is scraped for the running batch, the waiting queue and KV usage. The report (JSON,
-markdown, PNG plots) goes to ``--out``.
+markdown, PNG plots) goes to ``--out``; it names every failed request's error, and the command
+exits 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ def default_trace() -> Path:
 
 
 DEFAULT_TRACE = default_trace()
+SHOWN_ERRORS = 10  # failed requests listed in summary.md (report.json lists every one)
 SERIES = ("kvflow_num_requests_running", "kvflow_num_requests_waiting",
           "kvflow_kv_cache_usage_ratio")
 
@@ -242,8 +246,9 @@ def run_load(url: str | LoadClient, specs: list[RequestSpec], texts: list[str],
              desc: str = "requests") -> tuple[list[RequestTiming], float]:
     """Send request ``i`` (prompt ``texts[i]``, greedy, exactly ``specs[i].output_tokens``) at its
     arrival time, at most ``max_concurrency`` in flight, each client connection reused; returns
-    client-side timings and the duration. All arrivals at 0 with a concurrency bound is a
-    closed loop. ``url``: a Triton gRPC ``host:port``, or any :class:`LoadClient`."""
+    client-side timings (in request order; a failed request's with its error) and the
+    duration. All arrivals at 0 with a concurrency bound is a closed loop. ``url``: a Triton
+    gRPC ``host:port``, or any :class:`LoadClient`."""
     client = TritonGrpcClient(url) if isinstance(url, str) else url
     limit = threading.BoundedSemaphore(max_concurrency or len(specs))
     clients: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -255,14 +260,14 @@ def run_load(url: str | LoadClient, specs: list[RequestSpec], texts: list[str],
         bar = tqdm(total=len(specs), desc=desc, unit="req")
 
     def one(i: int, spec: RequestSpec) -> None:
-        try:
-            conn = clients.get_nowait()
-        except queue.Empty:
-            conn = client.connect()
         send = time.perf_counter()
         times: list[float] = []
-        ok, prompt_tokens = True, spec.prompt_tokens
+        prompt_tokens, error, kind, conn = spec.prompt_tokens, None, None, None
         try:
+            try:
+                conn = clients.get_nowait()
+            except queue.Empty:
+                conn = client.connect()
             seen = 0
             for num_output, num_prompt in client.stream(conn, texts[i], spec.output_tokens,
                                                         tenant=spec.tenant):
@@ -270,12 +275,15 @@ def run_load(url: str | LoadClient, specs: list[RequestSpec], texts: list[str],
                 times.extend([now] * (num_output - seen))
                 seen, prompt_tokens = num_output, num_prompt
             clients.put(conn)
-        except Exception:  # noqa: BLE001  a failed request is counted, not fatal
-            ok = False
-            client.close(conn)
+        except Exception as e:  # noqa: BLE001  a failed request is counted, not fatal
+            kind = getattr(e, "kind", type(e).__name__)
+            error = " ".join(str(e).split()) or kind  # one line, for summary.md
+            if conn is not None:
+                client.close(conn)
         finally:
             limit.release()
-        timings[i] = RequestTiming(send, times, prompt_tokens, len(times), ok)
+        timings[i] = RequestTiming(send, times, prompt_tokens, len(times), error is None,
+                                   error, kind)
         if bar is not None:
             bar.update(1)
 
@@ -352,6 +360,8 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
                                      progress=not args.no_progress)
     config = {**info, "url": url, "backend": client.name,
               "max_concurrency": args.max_concurrency, "num_prompts": len(specs), "slo": slo}
+    if isinstance(client, OpenAIClient):
+        config["stale_connection_retries"] = client.stale_retries
     lines = []
     if any(s.tenant for s in specs):
         config["tenants"] = tenant_summary(timings, [s.tenant for s in specs])
@@ -392,13 +402,15 @@ def write_serve_report(out: Path, title: str, config: dict[str, Any],
     slo = config.get("slo", {})
     summary = summarize(timings, duration_s, slo.get("ttft_ms"), slo.get("tpot_ms"))
     out.mkdir(parents=True, exist_ok=True)
+    errors = failures(timings)
+    summary["failed_by_kind"] = dict(Counter(e["kind"] for e in errors).most_common())
     requests = [{"send_s": t.send_s, "ttft_s": t.ttft_s, "tpot_s": t.tpot_s,
                  "e2e_s": t.e2e_s, "prompt_tokens": t.prompt_tokens,
                  "output_tokens": t.output_tokens, "ok": t.ok} for t in timings]
     for key, values in (request_extra or {}).items():
         for row, value in zip(requests, values, strict=True):
             row[key] = value
-    report = {"config": config, "summary": summary, "requests": requests,
+    report = {"config": config, "summary": summary, "requests": requests, "errors": errors,
               "server_series": series}
     report["plots"] = _plots(out, timings, series) + list(extra_plots or [])
     (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
@@ -418,6 +430,12 @@ def write_serve_report(out: Path, title: str, config: dict[str, Any],
         cells = [("-" if stats[s] is None else f"{stats[s]:.1f}")
                  for s in ("mean", "median", "p90", "p95", "p99")]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    if errors:
+        lines += ["", failure_line(errors, len(timings), summary["failed_by_kind"]) + ":", ""]
+        lines += [f"- request {e['index']}: {e['kind']}: {e['error']}"
+                  for e in errors[:SHOWN_ERRORS]]
+        if len(errors) > SHOWN_ERRORS:
+            lines.append(f"- and {len(errors) - SHOWN_ERRORS} more (report.json, `errors`)")
     if "note" in config:
         lines += ["", f"Trace lengths: {config['note']}."]
     lines += list(extra_lines or [])
@@ -426,6 +444,28 @@ def write_serve_report(out: Path, title: str, config: dict[str, Any],
     return report
 
 
+def failures(timings: list[RequestTiming]) -> list[dict[str, Any]]:
+    """Each failed request: its index in the workload, its error's kind and message (both
+    ``unknown`` where the client recorded none, as for the simulator's rejections)."""
+    return [{"index": i, "kind": t.error_kind or "unknown", "error": t.error or "unknown"}
+            for i, t in enumerate(timings) if not t.ok]
+
+
+def failure_line(errors: list[dict[str, Any]], num_requests: int,
+                 by_kind: dict[str, int]) -> str:
+    """``5 of 16 requests failed (BrokenPipeError: 5)``."""
+    kinds = ", ".join(f"{kind}: {count}" for kind, count in by_kind.items())
+    return f"{len(errors)} of {num_requests} requests failed ({kinds})"
+
+
 def main(args: argparse.Namespace) -> int:
-    bench_serve(args)
-    return 0
+    """``kvflow bench serve``: 1 when any request failed (the report says why), else 0."""
+    report = bench_serve(args)
+    errors = report["errors"]
+    if not errors:
+        return 0
+    line = failure_line(errors, len(report["requests"]), report["summary"]["failed_by_kind"])
+    print(f"kvflow bench serve: {line}; first:", file=sys.stderr)
+    for e in errors[:3]:
+        print(f"  request {e['index']}: {e['kind']}: {e['error']}", file=sys.stderr)
+    return 1
