@@ -1,0 +1,173 @@
+"""Issue 29, item 1, through the real servers: one request's bad text is that request's 400 on
+every door and the next request is served; an engine that fails mid-step turns readiness off,
+fails every waiter, and `kvflow serve` exits non-zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+tritonclient = pytest.importorskip("tritonclient.grpc")
+openai = pytest.importorskip("openai")
+
+import numpy as np  # noqa: E402
+
+from kvflow.triton_backend.client import infer_inputs  # noqa: E402
+from tests.test_hardening import post  # noqa: E402
+from tests.test_serving import DEADLINE_S, wait_for  # noqa: E402
+
+# json.dumps writes a lone surrogate as the escape "\udc00": valid JSON, invalid Unicode.
+SURROGATE_MESSAGES = [{"role": "user", "content": "hi \udc00"}]
+
+
+def _bytes(text: str) -> np.ndarray:
+    return np.array([text.encode()], dtype=np.object_)
+
+
+def grpc_request(url: str, **inputs: np.ndarray) -> tuple[str, object]:
+    """One streamed gRPC request: ("text", its text) or ("error", the error)."""
+    done = threading.Event()
+    got: list[tuple[str, object]] = []
+    text: list[str] = []
+
+    def on_response(result, error) -> None:
+        if error is not None:
+            got.append(("error", error))
+            done.set()
+            return
+        if result.as_numpy("text_output") is not None:
+            text.append(result.as_numpy("text_output")[0].decode())
+        if result.get_response().parameters.get("triton_final_response").bool_param:
+            got.append(("text", "".join(text)))
+            done.set()
+
+    client = tritonclient.InferenceServerClient(url)
+    client.start_stream(callback=on_response)
+    try:
+        client.async_stream_infer("kvflow", infer_inputs(
+            {"stream": np.array([True]), **inputs}), enable_empty_final_response=True)
+        assert done.wait(DEADLINE_S), "no final response"
+    finally:
+        client.stop_stream()
+        client.close()
+    return got[0]
+
+
+def test_a_lone_surrogate_is_a_400_over_http_and_the_next_request_is_served(triton_server):
+    status, reply = post(triton_server, {"messages": json.dumps(SURROGATE_MESSAGES),
+                                         "max_tokens": 2})
+    assert status == 400, reply
+    assert "messages[0].content holds a lone surrogate (U+DC00) at character 3" in reply["error"]
+    status, reply = post(triton_server, {"text_input": "Hi", "max_tokens": 2,
+                                         "sampling_parameters": json.dumps({"stop": ["\udc00"]})})
+    assert status == 400 and "stop[0] holds a lone surrogate" in reply["error"], reply
+    status, reply = post(triton_server, {"text_input": "Hi", "max_tokens": 2})
+    assert status == 200 and reply["text_output"], reply
+
+
+def test_a_lone_surrogate_is_invalid_arg_over_grpc(triton_server):
+    kind, error = grpc_request(triton_server.grpc_url,
+                               messages=_bytes(json.dumps(SURROGATE_MESSAGES)),
+                               max_tokens=np.array([2], dtype=np.int64))
+    assert kind == "error" and "lone surrogate" in str(error)
+    kind, text = grpc_request(triton_server.grpc_url, text_input=_bytes("Hi"),
+                              max_tokens=np.array([2], dtype=np.int64))
+    assert kind == "text" and text
+
+
+def test_a_lone_surrogate_is_a_400_over_the_openai_api(openai_frontend):
+    # Plain HTTP: the openai SDK cannot even encode such a string.
+    body = json.dumps({"max_tokens": 2, "messages": SURROGATE_MESSAGES}).encode()
+    request = urllib.request.Request(openai_frontend.url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=DEADLINE_S)
+    assert info.value.code == 400
+    error = json.loads(info.value.read())["error"]
+    assert "lone surrogate" in error["message"] and error["param"] == "messages", error
+    client = openai.OpenAI(base_url=openai_frontend.url + "/v1", api_key="unused",
+                           max_retries=0, timeout=DEADLINE_S)
+    reply = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content is not None
+
+
+def test_oversized_text_is_refused_by_its_length_before_it_is_tokenized(triton_server):
+    """A prompt, or chat messages, longer than max_model_len tokens could hold (no token of
+    SmolLM2's covers more than 81 characters, doubled for safety: this server's bound is 1024 x
+    162) is refused before the tokenizer or the chat template sees it; the server keeps
+    serving."""
+    status, reply = post(triton_server, {"text_input": "x" * 700_000, "max_tokens": 2})
+    assert status == 400, reply
+    assert "prompt is 700000 characters: more than max_model_len (1024 tokens)" in reply["error"]
+    assert "the limit is 165888" in reply["error"]
+    messages = [{"role": "user", "content": "y" * 3900}] * 1024
+    status, reply = post(triton_server, {"messages": json.dumps(messages), "max_tokens": 2})
+    assert status == 400 and "messages is 3993600 characters" in reply["error"], reply
+    status, reply = post(triton_server, {"text_input": "Hi", "max_tokens": 2})
+    assert status == 200 and reply["text_output"], reply
+
+
+def _status(url: str) -> int | None:
+    """The HTTP status of GET ``url``; None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def test_a_failing_engine_turns_readiness_off_fails_waiters_and_exits_1(tiny_engines, tmp_path):
+    """`kvflow serve` on an engine whose loop fails at its fourth step (fault injection,
+    KVFLOW_FAIL_AFTER_STEPS): concurrent streams all get an error, Triton's model readiness
+    and the OpenAI /health stop being 200, and `kvflow serve` exits 1 naming the failure."""
+    from kvflow import envs
+    from kvflow.triton_backend.server import free_port
+
+    http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, envs.FAIL_AFTER_STEPS: "3"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvflow.cli", "serve", "--engine",
+             str(tiny_engines["llama-gqa4", "onnxruntime"]), "--http-port", str(http),
+             "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port",
+             str(api)], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_for(lambda: _status(f"http://127.0.0.1:{api}/health") == 200 or
+                 proc.poll() is not None, what="kvflow serve ready")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        results: list[tuple[str, object]] = []
+
+        def one(i: int) -> None:
+            results.append(grpc_request(f"127.0.0.1:{grpc}", text_input=_bytes(f"count {i}"),
+                                        max_tokens=np.array([30], dtype=np.int64)))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE_S)
+        assert not any(t.is_alive() for t in threads), "a request hung on a failed engine"
+        assert len(results) == 3, results
+        assert all(kind == "error" and "injected failure" in str(e) for kind, e in results), \
+            results
+        wait_for(lambda: _status(f"http://127.0.0.1:{http}/v2/models/kvflow/ready") != 200,
+                 what="Triton's readiness to fail")
+        wait_for(lambda: _status(f"http://127.0.0.1:{api}/health") != 200,
+                 what="the OpenAI /health to fail")
+        assert proc.wait(DEADLINE_S) == 1, log.read_text()[-3000:]
+        assert "the engine failed: RuntimeError('injected failure" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
