@@ -115,6 +115,18 @@ def test_oversized_text_is_refused_by_its_length_before_it_is_tokenized(triton_s
     assert status == 200 and reply["text_output"], reply
 
 
+def test_unterminated_json_strings_and_long_salts_are_400s(triton_server):
+    """The nesting scan is linear on any text: 200k escaped quotes in an unterminated string
+    (which once took minutes of the backend's CPU) are a parse error naming the field."""
+    status, reply = post(triton_server, {"text_input": "Hi", "max_tokens": 2,
+                                         "sampling_parameters": '"' + '\\"' * 100_000})
+    assert status == 400 and "sampling_parameters is not valid JSON" in reply["error"], reply
+    status, reply = post(triton_server, {"text_input": "Hi", "max_tokens": 2,
+                                         "cache_salt": "s" * 5000})
+    assert status == 400, reply
+    assert "cache_salt is 5000 characters; the limit is 1024" in reply["error"]
+
+
 def _status(url: str) -> int | None:
     """The HTTP status of GET ``url``; None when nothing answers."""
     try:

@@ -58,6 +58,7 @@ MAX_SAMPLING_JSON_DEPTH = 32
 MAX_MESSAGES_JSON_BYTES = 4 << 20
 MAX_MESSAGES_JSON_DEPTH = 8
 MAX_USER_CHARS = 256
+MAX_CACHE_SALT_CHARS = 1024
 # Request parameters Triton itself sets on a request (KServe's reserved names).
 TRITON_REQUEST_PARAMETERS = ("priority", "timeout", "sequence_id", "sequence_start",
                              "sequence_end", "headers", "triton_enable_empty_final_response")
@@ -143,8 +144,9 @@ def _bool_text(name: str, text: str) -> bool:
     raise ValueError(name)
 
 
-def _json_depth(text: str) -> int:
-    """How deeply ``[`` and ``{`` nest in JSON ``text``, strings left out."""
+def json_depth(text: str) -> int:
+    """How deeply ``[`` and ``{`` nest in JSON ``text``, strings left out; linear in the
+    text's length, valid JSON or not."""
     depth = deepest = 0
     for bracket in _BRACKETS.findall(_JSON_STRINGS.sub("", text)):
         depth += 1 if bracket in "[{" else -1
@@ -152,7 +154,12 @@ def _json_depth(text: str) -> int:
     return deepest
 
 
-_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+# A JSON string, or an unterminated one and the rest of the text. NOTE: a match never fails
+# once begun, so the scan is linear on any text: a pattern that needs the closing quote is
+# tried again from every escaped quote of an unterminated string (quadratic: minutes for the
+# 256 KiB a request may send).
+JSON_STRING = r'"[^"\\]*(?:\\[\s\S][^"\\]*)*(?:"|\\?\Z)'
+_JSON_STRINGS = re.compile(JSON_STRING)
 _BRACKETS = re.compile(r"[\[\]{}]")
 
 
@@ -166,7 +173,7 @@ def _bounded_json(name: str, text: str, max_bytes: int, max_depth: int) -> Any:
     """Parse JSON ``text`` of input ``name``, its size and nesting bounded before parsing."""
     if len(text) > max_bytes:
         raise BadRequestError(f"{name} is {len(text)} characters; the limit is {max_bytes}")
-    depth = _json_depth(text)
+    depth = json_depth(text)
     if depth > max_depth:
         raise BadRequestError(f"{name} nests {depth} levels deep; the limit is {max_depth}")
     try:
@@ -259,10 +266,11 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
     salt = (_text("cache_salt", _scalar("cache_salt", inputs["cache_salt"]))
             if "cache_salt" in inputs else None)
     user = _text("user", _scalar("user", inputs["user"])) if "user" in inputs else None
-    for name, value in (("user", user), ("sampling_parameters.tenant", tenant)):
-        if value is not None and len(value) > MAX_USER_CHARS:
-            raise BadRequestError(f"{name} is {len(value)} characters; the limit is "
-                                  f"{MAX_USER_CHARS}")
+    for name, value, limit in (("user", user, MAX_USER_CHARS),
+                               ("sampling_parameters.tenant", tenant, MAX_USER_CHARS),
+                               ("cache_salt", salt, MAX_CACHE_SALT_CHARS)):
+        if value is not None and len(value) > limit:
+            raise BadRequestError(f"{name} is {len(value)} characters; the limit is {limit}")
     if user and tenant and user != tenant:
         raise BadRequestError("user and sampling_parameters.tenant name different tenants "
                               f"({short_repr(user, 40)} vs {short_repr(tenant, 40)}); give one")

@@ -37,12 +37,13 @@ from kvflow.orchestrator.sampling_params import (
     short_repr,
 )
 from kvflow.triton_backend.params import (
+    JSON_STRING,
     MAX_MESSAGES_JSON_BYTES,
     MAX_MESSAGES_JSON_DEPTH,
     MAX_PRIORITY,
     MAX_SAMPLING_JSON_BYTES,
     MAX_SAMPLING_JSON_DEPTH,
-    _json_depth,
+    json_depth,
 )
 
 log = logging.getLogger("kvflow.openai")
@@ -170,7 +171,7 @@ def load_body(data: bytes) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
-    depth = _body_depth(text)
+    depth = json_depth(text)
     if depth > MAX_BODY_JSON_DEPTH:
         field = _deepest_field(text, MAX_BODY_JSON_DEPTH)
         raise bad_request(f"the request body nests {depth} levels deep"
@@ -182,24 +183,7 @@ def load_body(data: bytes) -> Any:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
 
 
-# A JSON string, or an unterminated one and the rest of the text: a match never fails once
-# begun, so the scan is linear on any text. (params.py's pattern needs the closing quote; in an
-# unterminated string it is tried again from every escaped quote: quadratic, over a minute for
-# 80 KB of them. Its _json_depth is reused for the JSON this module writes, which is valid.)
-_STRING = r'"[^"\\]*(?:\\[\s\S][^"\\]*)*(?:"|\\?\Z)'
-_STRINGS = re.compile(_STRING)
-_BRACKETS = re.compile(r"[\[\]{}]")
-_TOKENS = re.compile("(" + _STRING + r")(\s*:)?|[\[\]{}]")
-
-
-def _body_depth(text: str) -> int:
-    """How deeply ``[`` and ``{`` nest in JSON ``text``, strings left out (as params.py's
-    ``_json_depth``, in linear time on any text)."""
-    depth = deepest = 0
-    for bracket in _BRACKETS.findall(_STRINGS.sub("", text)):
-        depth += 1 if bracket in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
+_TOKENS = re.compile("(" + JSON_STRING + r")(\s*:)?|[\[\]{}]")
 
 
 def _deepest_field(text: str, max_depth: int) -> str | None:
@@ -368,11 +352,11 @@ def _sampling_tensor(sampling: dict[str, Any], renamed: dict[str, str]) -> np.nd
     """``sampling_parameters``, within the backend's limits on its JSON: past them, a 400 that
     names the client's field (of the fields together too big, the one that takes the most)."""
     text = json.dumps(sampling, ensure_ascii=False)
-    if len(text) > MAX_SAMPLING_JSON_BYTES or _json_depth(text) > MAX_SAMPLING_JSON_DEPTH:
+    if len(text) > MAX_SAMPLING_JSON_BYTES or json_depth(text) > MAX_SAMPLING_JSON_DEPTH:
         sizes = {renamed.get(k, k): json.dumps(v, ensure_ascii=False)
                  for k, v in sampling.items()}
         for name, own in sizes.items():
-            depth = _json_depth(own) + 1  # NOTE: only if MAX_BODY_JSON_DEPTH were raised
+            depth = json_depth(own) + 1  # NOTE: only if MAX_BODY_JSON_DEPTH were raised
             if depth > MAX_SAMPLING_JSON_DEPTH:
                 raise bad_request(f"{name} nests {depth} levels deep in sampling_parameters; "
                                   f"the limit is {MAX_SAMPLING_JSON_DEPTH}", name)
@@ -478,7 +462,7 @@ def _chat_prompt(body: dict[str, Any]) -> list[tuple[dict[str, np.ndarray], str]
     if len(text) > MAX_MESSAGES_JSON_BYTES:
         raise bad_request(f"messages is {len(text)} characters as JSON; the limit is "
                           f"{MAX_MESSAGES_JSON_BYTES}", "messages")
-    depth = _json_depth(text)
+    depth = json_depth(text)
     if depth > MAX_MESSAGES_JSON_DEPTH:
         raise bad_request(f"messages nests {depth} levels deep; the limit is "
                           f"{MAX_MESSAGES_JSON_DEPTH}", "messages")
