@@ -183,3 +183,56 @@ def test_a_failing_engine_turns_readiness_off_fails_waiters_and_exits_1(tiny_eng
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
+
+
+def test_one_request_may_not_create_more_sequences_than_the_limit(openai_frontend):
+    from kvflow.triton_backend.openai_api.protocol import MAX_SEQUENCES
+
+    client = openai.OpenAI(base_url=openai_frontend.url + "/v1", api_key="unused",
+                           max_retries=0, timeout=DEADLINE_S)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="smollm2-135m-instruct", prompt=["hi"] * 17, n=64,
+                                  max_tokens=2)
+    assert info.value.body["param"] == "n"
+    assert (f"prompt holds 17 prompts and n is 64: 1088 sequences; the limit is "
+            f"{MAX_SEQUENCES} (prompts x n)") in info.value.body["message"]
+
+
+def test_a_batch_runs_a_window_of_its_prompts_so_a_later_request_is_not_behind_it_all(
+        openai_frontend):
+    """8 prompts x n=16 = 128 sequences: at most 64 sequences' worth (4 prompts) are Triton
+    requests in flight at any time (the frontend's own gauge, polled while it runs), every
+    choice is still served, and a request sent meanwhile is served too."""
+    import re
+    import time
+
+    client = openai.OpenAI(base_url=openai_frontend.url + "/v1", api_key="unused",
+                           max_retries=0, timeout=DEADLINE_S)
+    result: list[object] = []
+
+    def batch() -> None:
+        result.append(client.completions.create(
+            model="smollm2-135m-instruct", prompt=[f"Story {i}:" for i in range(8)], n=16,
+            max_tokens=24, temperature=1.0, seed=1, extra_body={"ignore_eos": True}))
+
+    def in_flight() -> int:
+        text = urllib.request.urlopen(openai_frontend.url + "/metrics",
+                                      timeout=DEADLINE_S).read().decode()
+        return sum(int(v) for v in re.findall(
+            r"^kvflow_openai_requests_in_flight\{[^}]*\} (\d+)$", text, re.M))
+
+    thread = threading.Thread(target=batch)
+    thread.start()
+    seen = []
+    while thread.is_alive() and len(seen) < 2000:
+        seen.append(in_flight())
+        if len(seen) == 3:  # the batch is under way: another request is served beside it
+            other = client.completions.create(model="smollm2-135m-instruct", prompt="Hi",
+                                              max_tokens=2)
+            assert other.usage.completion_tokens == 2
+        time.sleep(0.05)
+    thread.join(DEADLINE_S)
+    assert result, "the batch failed"
+    reply = result[0]
+    assert len(reply.choices) == 128 and reply.usage.completion_tokens == 128 * 24
+    assert max(seen) >= 4 - 1 and max(seen) <= 4 + 1, seen  # + the other request

@@ -164,10 +164,14 @@ def create_app(cfg: FrontendConfig) -> Any:
         pool: TritonPool = state["pool"]
         avoid: frozenset[int] = frozenset()
         while True:  # again on another server while one cannot be reached (nothing sent yet)
-            # One Triton request per prompt; its n sequences are the prompt's n choices.
+            # One Triton request per prompt; its n sequences are the prompt's n choices. A
+            # batch runs a window of its prompts at a time: the next request waits behind
+            # that window, not behind the whole batch.
+            window = (asyncio.Semaphore(parsed.prompts_in_flight)
+                      if len(parsed.choices) > parsed.n else None)
             generators = [g for c in parsed.choices if c.index % parsed.n == 0
                           for g in pool.generate_n(c, f"{parsed.id}-{c.prompt_index}",
-                                                   parsed.n, avoid)]
+                                                   parsed.n, avoid, window)]
             states = [ChoiceState(c.index) for c in parsed.choices]
             try:
                 if parsed.stream:

@@ -78,17 +78,31 @@ class TritonPool:
         return False
 
     def generate_n(self, choice: ChoiceRequest, request_id: str, n: int,
-                   avoid: frozenset[int] = frozenset()) -> list[AsyncIterator[dict[str, Any]]]:
+                   avoid: frozenset[int] = frozenset(),
+                   window: asyncio.Semaphore | None = None
+                   ) -> list[AsyncIterator[dict[str, Any]]]:
         """The ``n`` sequences of one Triton request (``choice``'s inputs ask for ``n``), as
         one stream of outputs each; closing one early cancels the request."""
-        return _Fanout(self.generate(choice, request_id, avoid), n).views()
+        return _Fanout(self.generate(choice, request_id, avoid, window), n).views()
 
     async def generate(self, choice: ChoiceRequest, request_id: str,
-                       avoid: frozenset[int] = frozenset()
+                       avoid: frozenset[int] = frozenset(),
+                       window: asyncio.Semaphore | None = None
                        ) -> AsyncIterator[list[dict[str, Any]]]:
         """Yield the outputs of each response of one Triton request, one dict per sequence,
         until every sequence has finished, from a server not in ``avoid``. Closing the
-        generator early cancels the request."""
+        generator early cancels the request. With ``window`` (shared by the requests of one
+        HTTP request), the request is sent only once it holds one of the window's places."""
+        if window is None:
+            async for outputs in self._generate(choice, request_id, avoid):
+                yield outputs
+            return
+        async with window:
+            async for outputs in self._generate(choice, request_id, avoid):
+                yield outputs
+
+    async def _generate(self, choice: ChoiceRequest, request_id: str,
+                        avoid: frozenset[int]) -> AsyncIterator[list[dict[str, Any]]]:
         inputs = infer_inputs(choice.inputs)
         done = asyncio.Event()
 

@@ -50,6 +50,11 @@ log = logging.getLogger("kvflow.openai")
 
 MAX_N = 64  # choices per prompt: the sequences of its one engine request
 MAX_PROMPTS = 256  # prompts in one /v1/completions batch
+# Sequences (prompts x n) one request may create, and may have in flight at once: a batch
+# runs at most this many sequences' worth of its prompts at a time (at least one prompt), so
+# that a request sent after it waits behind one window of it, not behind all of it.
+MAX_SEQUENCES = 1024
+MAX_SEQUENCES_IN_FLIGHT = 64
 RETRY_AFTER_S = 1
 
 # Body fields passed to the backend under the same name (SamplingParams validates them).
@@ -158,6 +163,12 @@ class CompletionRequest:
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = self.created or int(time.time())
+
+    @property
+    def prompts_in_flight(self) -> int:
+        """How many of its prompts' engine requests may run at once (MAX_SEQUENCES_IN_FLIGHT
+        sequences' worth, at least one)."""
+        return max(1, MAX_SEQUENCES_IN_FLIGHT // self.n)
 
 
 def _bytes_tensor(text: str) -> np.ndarray:
@@ -332,6 +343,10 @@ def parse_completion_request(body: Any, served_model: str, chat: bool) -> Comple
                                                     renamed)
 
     prompts = _chat_prompt(body) if chat else _completion_prompts(body)
+    if len(prompts) * n > MAX_SEQUENCES:
+        raise bad_request(f"prompt holds {len(prompts)} prompts and n is {n}: "
+                          f"{len(prompts) * n} sequences; the limit is {MAX_SEQUENCES} "
+                          "(prompts x n)", "n")
     echo = body.get("echo") is True and not chat
     choices = []
     for p, (prompt_inputs, prompt_text) in enumerate(prompts):
