@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 import numpy as np  # noqa: E402
 
 from kvflow.triton_backend.client import infer_inputs  # noqa: E402
-from tests.test_hardening import post  # noqa: E402
+from tests.test_hardening import keyed_server, post  # noqa: E402, F401  (keyed_server: a fixture)
 from tests.test_serving import DEADLINE_S, wait_for  # noqa: E402
 
 # json.dumps writes a lone surrogate as the escape "\udc00": valid JSON, invalid Unicode.
@@ -236,3 +236,26 @@ def test_a_batch_runs_a_window_of_its_prompts_so_a_later_request_is_not_behind_i
     reply = result[0]
     assert len(reply.choices) == 128 and reply.usage.completion_tokens == 128 * 24
     assert max(seen) >= 4 - 1 and max(seen) <= 4 + 1, seen  # + the other request
+
+
+def test_a_frontend_whose_key_triton_refuses_says_so_and_does_not_retry(
+        keyed_server, tmp_path):  # noqa: F811
+    """tritonserver refuses a wrong key over gRPC with UNAVAILABLE (its code, not kvflow's),
+    which reads as a server that is down. The frontend tells it apart: a 502 naming the key,
+    not a 503 to retry; and the server is not passed over afterwards."""
+    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.triton_backend.server import free_port
+
+    cfg = FrontendConfig((keyed_server.grpc_url,), port=free_port(), api_key="not-the-key")
+    with FrontendProcess(cfg, log_path=tmp_path / "frontend.log",) as frontend:
+        body = json.dumps({"prompt": "Hi", "max_tokens": 2, "model": "m"}).encode()
+        request = urllib.request.Request(
+            frontend.url + "/v1/completions", data=body,
+            headers={"Content-Type": "application/json",
+                     "Authorization": "Bearer not-the-key"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=DEADLINE_S)
+        error = json.loads(info.value.read())["error"]
+        assert info.value.code == 502, error
+        assert error["code"] == "backend_auth_failed"
+        assert "refused this frontend's API key" in error["message"]

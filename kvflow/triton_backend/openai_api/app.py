@@ -105,6 +105,10 @@ def create_app(cfg: FrontendConfig) -> Any:
         if state["model"] is None:
             try:
                 state["model"] = await state["pool"].served_model_name()
+            except BackendError as e:
+                if not e.refused_key:
+                    raise
+                raise OpenAIError(502, str(e), code="backend_auth_failed") from None
             except Exception as e:  # noqa: BLE001  not up yet
                 raise OpenAIError(503, f"no tritonserver is ready yet ({e})",
                                   code="backend_not_ready") from None
@@ -215,6 +219,8 @@ def create_app(cfg: FrontendConfig) -> Any:
 
 
 def _backend_error(error: BackendError, parsed: CompletionRequest) -> OpenAIError:
+    if error.refused_key:  # the frontend's configuration: nothing a client can fix or retry
+        return OpenAIError(502, str(error), code="backend_auth_failed")
     if error.transport:  # no server answered: the client may retry, here or elsewhere
         return OpenAIError(503, str(error), code="backend_unavailable")
     return error_from_backend(str(error), parsed)

@@ -23,13 +23,18 @@ class BackendError(Exception):
     """A Triton request failed. ``transport``: the server could not be reached or dropped the
     stream (the message is gRPC's); otherwise the message is the backend's error."""
 
-    def __init__(self, message: str, transport: bool = False, server: int | None = None) -> None:
+    def __init__(self, message: str, transport: bool = False, server: int | None = None,
+                 refused_key: bool = False) -> None:
         super().__init__(message)
         self.transport = transport
+        self.refused_key = refused_key  # the server refused this frontend's API key
         self.server = server  # the index of the server that failed
 
 
 DOWN_S = 5.0  # a server whose stream failed is passed over this long (unless all are)
+# How tritonserver refuses a missing or wrong key over gRPC: with UNAVAILABLE, which clients
+# take for a server that is down and retry. It is this frontend's configuration: never retried.
+RESTRICTED = "This protocol is restricted"
 
 
 class TritonPool:
@@ -63,7 +68,8 @@ class TritonPool:
                 config = await client.get_model_config(MODEL_NAME, headers=self.headers,
                                                        as_json=True)
             except Exception as e:  # noqa: BLE001  try the next one
-                error = e
+                error = (self._refused_key(self.clients.index(client), str(e))
+                         if RESTRICTED in str(e) else e)
                 continue
             parameters = config.get("config", {}).get("parameters", {})
             return parameters.get("served_model_name", {}).get("string_value") or MODEL_NAME
@@ -118,8 +124,10 @@ class TritonPool:
             responses = self.clients[server].stream_infer(requests(), headers=self.headers)
             async for result, error in responses:
                 if error is not None:
-                    raise BackendError(str(error.message() if hasattr(error, "message")
-                                           else error))
+                    message = str(error.message() if hasattr(error, "message") else error)
+                    if RESTRICTED in message:
+                        raise self._refused_key(server, message)
+                    raise BackendError(message)
                 columns: dict[str, list[Any]] = {}
                 for name, kind in _OUTPUTS:
                     array = result.as_numpy(name)
@@ -136,6 +144,8 @@ class TritonPool:
             raise BackendError(f"tritonserver {self.urls[server]} closed the stream before the "
                                "request finished", transport=True, server=server)
         except Exception as e:
+            if RESTRICTED in str(e):
+                raise self._refused_key(server, str(e)) from e
             if isinstance(e, BackendError):
                 if e.transport:
                     self.down_until[server] = time.monotonic() + DOWN_S
@@ -148,6 +158,11 @@ class TritonPool:
             if not finished and responses is not None:
                 responses.cancel()  # the client left (or failed): Triton aborts the request
             self.in_flight[server] -= 1
+
+    def _refused_key(self, server: int, message: str) -> BackendError:
+        return BackendError(f"tritonserver {self.urls[server]} refused this frontend's API key "
+                            f"({message}): the frontend's --api-key must be the server's",
+                            server=server, refused_key=True)
 
     async def close(self) -> None:
         for client in self.clients:
