@@ -142,10 +142,12 @@ class EngineLoop:
         """On a worker thread: the prompt's ids and grammars, or the error, to the loop."""
         result: PreparedPrompt | Exception
         try:
-            if sub.is_cancelled is not None and sub.is_cancelled():
-                result = _Cancelled()
-            else:
-                result = self.engine.inputs.prepare(sub.prompt, sub.params)
+            cancelled = sub.is_cancelled is not None and sub.is_cancelled()
+        except Exception:  # noqa: BLE001  a gone client counts as cancelled
+            cancelled = True
+        try:
+            result = (_Cancelled() if cancelled
+                      else self.engine.inputs.prepare(sub.prompt, sub.params))
         except Exception as e:  # noqa: BLE001  the request's failure, answered on the loop
             result = e
         self._inbox.put(("add", (sub, result)))
