@@ -221,6 +221,14 @@ class EngineLoop:
             except Exception as e:  # handed back to the caller's thread
                 done.put((False, e))
 
+    def _handle_all(self, batch: list[tuple[str, Any]]) -> bool:
+        """Handle what the loop took from its inbox, in order; True at a stop."""
+        for kind, payload in batch:
+            if kind == "stop":
+                return True
+            self._handle(kind, payload)
+        return False
+
     def _abort(self, request_id: str) -> None:
         with self._lock:
             sub = self._pending.pop(request_id, None)
@@ -269,13 +277,10 @@ class EngineLoop:
                         batch.append(self._inbox.get_nowait())
                 except queue.Empty:
                     pass
-                for kind, payload in batch:
-                    if kind == "stop":
-                        return
-                    self._handle(kind, payload)
+                if self._handle_all(batch):
+                    return
                 # NOTE: hold no reference to a handled request (its callback owns the client's
                 # stream) while idle: release what this iteration took from the inbox.
-                kind = payload = None
                 had_batch = bool(batch)
                 batch.clear()
                 t0 = time.perf_counter()

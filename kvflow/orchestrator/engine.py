@@ -309,15 +309,16 @@ class LLMEngine:
                                                   strict=True)}
         self.scheduler.update_from_output(sched, tokens, stop_strings, grammar_done)
         # One output per request (a group's sequences together), in the order they sampled.
-        new: dict[str, dict[int, tuple[int, str]]] = {}
+        new: dict[str, dict[int, tuple[int | None, str]]] = {}
         leaders: dict[str, Request] = {}
         for row, (request, token) in enumerate(zip(sampled.requests, sampled.token_ids,
                                                    strict=True)):
             state = self.states[request.request_id]
             delta = deltas[row]
-            if state.logprobs is not None and sampled.output is not None:
+            logprob = sampled.output.logprobs[row] if sampled.output is not None else None
+            if state.logprobs is not None and sampled.output is not None and logprob is not None:
                 entry = dict(sampled.output.top_logprobs[row] or [])
-                entry[token] = sampled.output.logprobs[row]
+                entry[token] = logprob
                 state.logprobs.append(entry)
             if request.is_finished:
                 delta += state.flush()

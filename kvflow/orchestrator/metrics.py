@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvflow.orchestrator.outputs import REJECT_CAUSES, TIMEOUT_PHASES, RequestOutput
 
@@ -250,7 +250,9 @@ class EngineMetrics:
         counters = engine.counters
         totals: dict[str, float] = {}
         for key, field, value in _COUNTER_KEYS:
-            total = serving_time_s if field == "serving_time_s" else getattr(counters, field)
+            # A counter's field: a number, or a Counter by label (``value``).
+            total: Any = (serving_time_s if field == "serving_time_s"
+                          else getattr(counters, field))
             totals[key] = total if value is None else total.get(value, 0)
         return gauges, totals
 

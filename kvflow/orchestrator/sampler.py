@@ -118,8 +118,8 @@ class Sampler:
         for t in eos:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"eos_token_ids must be in [0, {vocab_size}), got {t}")
-        self.vocab_size = int(vocab_size)
-        self.eos_token_ids = eos
+        self.vocab_size: int = int(vocab_size)
+        self.eos_token_ids: tuple[int, ...] = eos
 
     # ------------------------------------------------------------------ public
 
@@ -204,7 +204,7 @@ class Sampler:
             )
         if not np.issubdtype(logits.dtype, np.floating):
             raise TypeError(f"logits must be a float array, got dtype {logits.dtype}")
-        return logits[:, : self.vocab_size]  # a view: padding columns drop out for free
+        return logits[:, :self.vocab_size]  # type: ignore[index]  # a view: padding drops out
 
     def _row_ban(self, row: SamplingRow) -> np.ndarray | None:
         """The ids a row may not sample this step: a grammar decides when a constrained row
@@ -310,7 +310,7 @@ class Sampler:
     def _apply_bans(work: np.ndarray, bans: list[np.ndarray | None]) -> None:
         rows_with_bans = [j for j, b in enumerate(bans) if b is not None]
         if rows_with_bans:
-            r_idx, t_idx = _flatten(rows_with_bans, [bans[j] for j in rows_with_bans],
+            r_idx, t_idx = _flatten(rows_with_bans, [b for b in bans if b is not None],
                                     work.shape[1])
             work[r_idx, t_idx] = -np.inf
 

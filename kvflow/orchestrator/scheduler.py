@@ -581,7 +581,7 @@ class ContinuousScheduler(Scheduler):
             if request is None:
                 break
             long = cap is not None and self._is_long_prefill(request)
-            if long and num_long >= cap:
+            if long and cap is not None and num_long >= cap:
                 skip.add(request)  # a shorter prompt may go first
                 continue
             num_new = self._try_admit(request, budget, out)

@@ -9,9 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 from kvflow.orchestrator.sampling_params import check_text, list_unknown
 
@@ -114,7 +117,7 @@ class EngineTokenizer:
         if template is None and jinja_path.is_file():
             template = jinja_path.read_text()
         self.chat_template: str | None = template if isinstance(template, str) else None
-        self._compiled = None
+        self._compiled: Template | None = None  # compiled at the first chat
         # The same tokenizer, but special-token text is plain text: for message content.
         self._text_only = Tokenizer.from_str(self.tokenizer.to_str())
         self._text_only.encode_special_tokens = True

@@ -135,6 +135,8 @@ def _value_info(known: dict, name: str) -> onnx.ValueInfoProto:
 class OnnxRuntimeRunner(PoolRunner):
     """Executes the engine's ONNX graph with ONNX Runtime over a host KV pool."""
 
+    pool: HostKVPool
+
     name = "onnxruntime"
 
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,

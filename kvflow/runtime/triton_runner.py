@@ -87,6 +87,8 @@ class TritonRunner(PoolRunner):
     static buffers eagerly, which is how CI checks them.
     """
 
+    pool: DeviceKVPool
+
     name = "triton"
 
     def __init__(self, engine_dir: str | Path | None, engine: EngineConfig, num_blocks: int,
