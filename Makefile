@@ -36,13 +36,22 @@ $(TRT_STUBS)/.patched: $(VENV)/.installed .ci/patch_tensorrt_stubs.py
 	$(PY) .ci/patch_tensorrt_stubs.py $(TRT_STUBS)
 	touch $@
 
-install: $(VENV)/.installed
+# The LD_PRELOAD library `kvflow serve` starts tritonserver with: keys off its command line,
+# its /dev/shm regions private (kvflow/triton_backend/preload.c). Without a C compiler this
+# warns; kvflow serve then tries again on first use, and refuses --api-key until it succeeds.
+$(VENV)/.preload: $(VENV)/.installed kvflow/triton_backend/preload.c
+	-$(PY) -m kvflow.triton_backend.preload
+	touch $@
+
+install: $(VENV)/.installed $(VENV)/.preload
 
 lint: install
 	$(VENV)/bin/ruff check kvflow tests benchmarks model_repository
 
+# The TensorRT glue against its stubs, and the core (pure Python: no stubs needed).
 typecheck: install $(TRT_STUBS)/.patched
 	MYPYPATH=$(TRT_STUBS) $(VENV)/bin/mypy $(TENSORRT_CODE)
+	$(VENV)/bin/mypy kvflow/kv_manager kvflow/orchestrator kvflow/runtime
 
 # Debian's Prometheus: tests/test_observability.py scrapes a real server with it
 # (deploy/prometheus.yml). Needs root, as CI has.

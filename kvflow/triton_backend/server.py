@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvflow import envs
 from kvflow.orchestrator.config import options_to_parameters
+from kvflow.triton_backend import preload
 
 MODEL_NAME = "kvflow"
 # Triton's endpoints that kvflow never uses, restricted with a random per-server key.
@@ -65,7 +67,8 @@ class ServerConfig:
     # config and statistics (HTTP and gRPC); None: no authentication (fine on loopback).
     api_key: str | None = None
     # The key of the endpoints kvflow never uses (shared memory, repository, trace, logging):
-    # random, never printed, so they are closed to every client.
+    # random, never printed, so they are closed to every client. Like the API key, it reaches
+    # tritonserver through a pipe, never its command line (kvflow/triton_backend/preload.py).
     admin_key: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
 
     @classmethod
@@ -123,6 +126,7 @@ def _environment_paths() -> list[str]:
 def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], dict[str, str]]:
     """Lay out backends and the model repository; returns the command line and environment."""
     env = dict(os.environ)
+    env.pop(envs.API_KEY, None)  # the key reaches tritonserver as an argument, never inherited
     backends = workspace / "backends"
     if cfg.tritonserver:
         binary = Path(cfg.tritonserver)
@@ -323,8 +327,24 @@ class TritonServer:
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop())
             stdout = self._log_file
         # Own process group: Ctrl-C in a terminal reaches us, and we stop the server in order.
-        self.proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        options: dict[str, Any] = {"env": env, "stdout": stdout, "stderr": subprocess.STDOUT,
+                                   "start_new_session": True}
+        secrets_ = [key for key in (self.cfg.admin_key, self.cfg.api_key) if key]
+        try:
+            self.proc = preload.popen(cmd, secrets_, **options)
+        except preload.PreloadError as e:
+            if self.cfg.api_key:
+                self.stop()
+                raise ServeError(
+                    "--api-key needs the library that keeps keys off tritonserver's command "
+                    f"line, and it could not be built ({e}); install a C compiler (e.g. "
+                    "apt-get install gcc) and run `make install`") from None
+            print("[kvflow serve] WARNING: the library that keeps keys off tritonserver's "
+                  f"command line could not be built ({e}). Every local user can read the "
+                  "admin key (ps) and open the backend's /dev/shm regions (mode 0644), and "
+                  "with either read other clients' requests. Install a C compiler (e.g. "
+                  "apt-get install gcc) and run `make install`.", file=sys.stderr, flush=True)
+            self.proc = subprocess.Popen(cmd, **options)
         try:
             wait_ready(self.cfg.host, self.cfg.http_port, self.proc, self.cfg.ready_timeout_s)
         except BaseException:
@@ -481,6 +501,10 @@ models)
 """, flush=True)
     for warning in exposure_warnings(cfg):
         print(f"[kvflow serve] WARNING: {warning}", file=sys.stderr, flush=True)
+    if cfg.api_key and any(cfg.api_key in arg for arg in sys.argv[1:]):
+        print("[kvflow serve] WARNING: --api-key on this command line is readable by every "
+              f"local user (ps); pass it in {envs.API_KEY} instead.", file=sys.stderr,
+              flush=True)
     failure = None
     try:
         while not stop_requested and server.proc is not None and server.proc.poll() is None:
