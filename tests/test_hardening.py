@@ -387,44 +387,103 @@ def test_overload_is_told_apart_from_bad_input(small_server, small_frontend):
              what="the held requests cancelled and their blocks freed")
 
 
-def test_shutdowns_after_preemption_leave_nothing_behind(tiny_engines):
-    """13. After a preemption workload, SIGTERM once hung in Triton's exit timeout and left a
-    /dev/shm region (mode 0644, holding request text) behind: six shutdowns, each clean (two
-    servers at a time, as shutdowns beside other servers are the case that matters)."""
+def test_shutdowns_after_preemption_leave_nothing_behind(tiny_engines, tmp_path):
+    """13. SIGTERM waited out Triton's exit timeout ("Exit timeout expired", exit code 1) in
+    half the shutdowns (issue 29, item 5): a client's open gRPC stream keeps the request it
+    carried, and with it the model, and a gRPC request still running holds the model until it
+    ends. Six shutdowns, two servers at a time (shutdowns beside other servers are the case that
+    matters): after a preemption workload with a client's gRPC stream left open, or with gRPC
+    requests running and HTTP ones queued behind them. Each unloads the model (exit code 0, no
+    exit timeout in its log), cancels the gRPC requests, closes every client's connection, and
+    leaves no process or /dev/shm region behind."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
     from kvflow.triton_backend.server import ServerConfig, TritonServer
 
     engine = tiny_engines["llama-gqa4", "onnxruntime"]
+    greedy = {"ignore_eos": True, "temperature": 0.0}
 
-    def trial(k: int) -> None:
-        mode = ("recompute", "swap")[k % 2]
-        cfg = ServerConfig.on_free_ports(engine, {"num_kv_blocks": 12, "max_num_seqs": 4,
-                                                  "preemption_mode": mode,
-                                                  "debug_checks": True}, ready_timeout_s=300)
-        server = TritonServer(cfg).start()
+    def after_preemption(server, client, finished: list) -> list[threading.Thread]:
+        threads = [threading.Thread(target=post, args=(server, {
+            "text_input": f"s{i} " * 3, "sampling_parameters": sampling(
+                max_tokens=12, **greedy)})) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert metric(scrape(server), "kvflow_num_preemptions_total") > 0
+        # A client that keeps its stream open after its request has finished.
+        client.async_stream_infer("kvflow", build_inputs("open", {"max_tokens": 2, **greedy}))
+        wait_for(lambda: "length" in finished, what="the streamed request's final response")
+        return []
+
+    def running(server, client, finished: list) -> list[threading.Thread]:
+        for i in range(16):
+            client.async_stream_infer("kvflow", build_inputs(f"g{i}", {"max_tokens": 200,
+                                                                        **greedy}))
+        wait_for(lambda: metric(scrape(server), "kvflow_num_requests_running") == 2,
+                 what="two gRPC requests running")
+
+        def post_http(i: int) -> None:  # queued behind the gRPC requests
+            try:
+                status, _ = post(server, {"text_input": f"h{i}", "sampling_parameters":
+                                          sampling(max_tokens=20, **greedy)})
+                finished.append(f"http {status}")
+            except ConnectionError:  # http.client.RemoteDisconnected among them
+                finished.append("http closed")
+
+        threads = [threading.Thread(target=post_http, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+
+        def all_arrived() -> bool:
+            now = scrape(server)
+            return sum(metric(now, name) for name in (
+                "kvflow_num_requests_running", "kvflow_num_requests_waiting",
+                "kvflow_request_success_total")) == 18
+
+        wait_for(all_arrived, what="the two HTTP requests in the engine")
+        return threads
+
+    def trial(k: int) -> tuple[int | None, int]:
+        load = (after_preemption, running)[k % 2]
+        options = {"max_num_seqs": 4, "preemption_mode": ("recompute", "swap")[k // 2 % 2],
+                   "debug_checks": True}
+        if load is after_preemption:
+            options["num_kv_blocks"] = 12
+        else:
+            options["max_num_seqs"] = 2
+        log = tmp_path / f"trial{k}.log"
+        server = TritonServer(ServerConfig.on_free_ports(engine, options, ready_timeout_s=300),
+                              log_path=log).start()
         regions = set(server.shm_regions)  # this server's own (others may run beside it)
         assert regions and all(r.exists() for r in regions)
+        client = tritonclient.InferenceServerClient(server.grpc_url)
+        finished: list = []  # each streamed response's finish reason ("" while it runs)
+        client.start_stream(callback=lambda result, error: finished.append(
+            error or result.as_numpy("finish_reason")[0].decode()))
+        threads = []
         try:
-            threads = [threading.Thread(target=post, args=(server, {
-                "text_input": f"s{i} " * 3, "sampling_parameters": sampling(
-                    max_tokens=12, ignore_eos=True, temperature=0.0)})) for i in range(6)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert metric(scrape(server), "kvflow_num_preemptions_total") > 0
+            threads = load(server, client, finished)
         finally:
             pgid = server.proc.pid
             code = server.stop()
-        assert code == 0, f"trial {k} ({mode}): tritonserver exited {code}"
+            client.stop_stream(cancel_requests=True)
+            client.close()
+            for t in threads:
+                t.join()
+        if load is running:  # cancelled, not waited for
+            assert finished.count("length") < 16, f"trial {k}: every request ran to the end"
+            assert finished.count("http closed") == 2, f"trial {k}: {finished}"
         with pytest.raises(ProcessLookupError):
             os.killpg(pgid, 0)
         assert not any(r.exists() for r in regions), f"trial {k} left shared memory"
+        return code, log.read_text().count("Exit timeout expired")
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(trial, range(6)))  # re-raises the first failure
+        results = list(pool.map(trial, range(6)))  # re-raises the first failure
+    assert results == [(0, 0)] * 6, f"(exit code, exit timeouts) per shutdown: {results}"
 
 
 def test_the_server_keeps_serving_after_all_of_this(triton_server):

@@ -24,6 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 from kvflow import envs
 from kvflow.orchestrator.config import options_to_parameters
 from kvflow.triton_backend import preload
+from kvflow.triton_backend.connections import disconnect_clients
 
 MODEL_NAME = "kvflow"
 # Triton's endpoints that kvflow never uses, restricted with a random per-server key.
@@ -276,17 +278,25 @@ def shm_regions_of(pgid: int) -> set[Path]:
     return regions
 
 
-def stop_process_group(proc: subprocess.Popen, timeout_s: float) -> int:
-    """SIGTERM the process group led by ``proc``, wait up to ``timeout_s`` for ``proc``, then
-    SIGKILL the group; returns ``proc``'s exit code."""
+def stop_process_group(proc: subprocess.Popen, timeout_s: float,
+                       while_waiting: Callable[[], None] | None = None) -> int:
+    """SIGTERM the process group led by ``proc``, wait up to ``timeout_s`` for ``proc`` (calling
+    ``while_waiting`` at once, then every half second), then SIGKILL the group; returns
+    ``proc``'s exit code."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        return proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait(10)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if while_waiting is not None:
+            while_waiting()
+        try:
+            return proc.wait(max(0.0, min(0.5, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                break
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait(10)
 
 
 class TritonServer:
@@ -301,6 +311,7 @@ class TritonServer:
         # The Python backend's shared-memory regions (they hold request text): removed at stop
         # if the backend did not remove them itself (it cannot when it is killed).
         self._shm_regions: set[Path] = set()
+        self._cannot_disconnect = False
 
     @property
     def shm_regions(self) -> frozenset[Path]:
@@ -354,16 +365,19 @@ class TritonServer:
         return self
 
     def stop(self, timeout_s: float = 40.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL the whole process group; remove the workspace.
+        """SIGTERM, close the clients' connections, wait, then SIGKILL the whole process
+        group; remove the workspace.
 
-        Returns tritonserver's exit code: 0 after a clean unload; 1 when the Python backend did
-        not finish unloading within ``exit_timeout_s`` (a known, intermittent tritonserver 2.51
-        behaviour at shutdown, see docs/design.md). Either way no process is left behind.
+        Returns tritonserver's exit code: 0 after a clean unload; 1 when the model did not
+        unload within ``exit_timeout_s``. Closing the connections ends gRPC streams and cancels
+        their running requests, which would hold the model past that; an HTTP request still
+        generating still does (docs/design.md, "Shutdown"). Either way no process is left
+        behind.
         """
         code = None
         if self.proc is not None and self.proc.poll() is None:
             self._shm_regions |= shm_regions_of(self.proc.pid)
-            code = stop_process_group(self.proc, timeout_s)
+            code = stop_process_group(self.proc, timeout_s, self._disconnect_clients)
         elif self.proc is not None:
             code = self.proc.returncode
         if self.proc is not None:
@@ -394,6 +408,19 @@ class TritonServer:
             return None
         marker = Path(self._workspace.name) / "models" / MODEL_NAME / "engine_failed.txt"
         return marker.read_text().strip() if marker.exists() else None
+
+    def _disconnect_clients(self) -> None:
+        """Called every half second while tritonserver stops, so that a client that reconnects
+        meanwhile is closed too."""
+        if self.proc is None or self._cannot_disconnect:
+            return
+        try:
+            disconnect_clients(self.proc.pid, (self.cfg.http_port, self.cfg.grpc_port))
+        except OSError as e:
+            self._cannot_disconnect = True
+            print(f"[kvflow serve] cannot close tritonserver's client connections ({e}): an "
+                  "open gRPC stream or a running request will hold the model until "
+                  "--exit-timeout-secs", file=sys.stderr, flush=True)
 
     def write_trace(self) -> int:
         """Ask the backend to write its step timeline now: SIGUSR1 to each stub whose watch is
