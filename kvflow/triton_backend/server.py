@@ -507,6 +507,10 @@ def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
     host = url_host(cfg.host)
     key_header = f' -H "{API_KEY_HEADER}: $KVFLOW_API_KEY"' if cfg.api_key else ""
     key_flag = " --api-key $KVFLOW_API_KEY" if cfg.api_key else ""
+    # NOTE: this interpreter's own script (.venv/bin/kvflow), so that the printed command works
+    # from a shell where the venv is not activated.
+    script = Path(sys.executable).parent / "kvflow"
+    kvflow = str(script) if script.is_file() else "kvflow"
     print(f"""[kvflow serve] ready: model '{MODEL_NAME}'
   HTTP    http://{cfg.host}:{cfg.http_port}   gRPC {cfg.host}:{cfg.grpc_port}   \
 metrics http://{cfg.host}:{cfg.metrics_port}/metrics
@@ -515,7 +519,7 @@ metrics http://{cfg.host}:{cfg.metrics_port}/metrics
   curl -N -X POST http://{host}:{cfg.http_port}/v2/models/{MODEL_NAME}/generate_stream\\
       {key_header} -d '{{"text_input": "The capital of France is", "stream": true}}'
 
-  kvflow generate --url {host}:{cfg.grpc_port}{key_flag} --chat \\
+  {kvflow} generate --url {host}:{cfg.grpc_port}{key_flag} --chat \\
        --prompt "Tell me about paged attention"
 """, flush=True)
     if frontend is not None:
