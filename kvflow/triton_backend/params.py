@@ -169,13 +169,19 @@ def unknown_keys_error(field: str, unknown: list[str], known: list[str]) -> BadR
                            f"known: {', '.join(known)}")
 
 
-def _bounded_json(name: str, text: str, max_bytes: int, max_depth: int) -> Any:
-    """Parse JSON ``text`` of input ``name``, its size and nesting bounded before parsing."""
+def check_json_bounds(name: str, text: str, max_bytes: int, max_depth: int) -> None:
+    """BadRequestError if JSON ``text`` of input ``name`` is longer than ``max_bytes``
+    characters or nests deeper than ``max_depth`` (checked before it is parsed)."""
     if len(text) > max_bytes:
         raise BadRequestError(f"{name} is {len(text)} characters; the limit is {max_bytes}")
     depth = json_depth(text)
     if depth > max_depth:
         raise BadRequestError(f"{name} nests {depth} levels deep; the limit is {max_depth}")
+
+
+def _bounded_json(name: str, text: str, max_bytes: int, max_depth: int) -> Any:
+    """Parse JSON ``text`` of input ``name``, its size and nesting bounded before parsing."""
+    check_json_bounds(name, text, max_bytes, max_depth)
     try:
         return json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as e:

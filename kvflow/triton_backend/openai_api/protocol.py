@@ -43,6 +43,8 @@ from kvflow.triton_backend.params import (
     MAX_PRIORITY,
     MAX_SAMPLING_JSON_BYTES,
     MAX_SAMPLING_JSON_DEPTH,
+    BadRequestError,
+    check_json_bounds,
     json_depth,
 )
 
@@ -281,8 +283,7 @@ def _int_field(body: dict[str, Any], name: str, default: int, low: int, high: in
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name} must be an integer, got {short_repr(value)}", name)
+    assert isinstance(value, int)  # its type was checked with the others (_check_types)
     if not low <= value <= high:
         raise bad_request(f"{name} must be in [{low}, {high}], got {value}", name)
     return value
@@ -367,14 +368,11 @@ def _sampling_tensor(sampling: dict[str, Any], renamed: dict[str, str]) -> np.nd
     """``sampling_parameters``, within the backend's limits on its JSON: past them, a 400 that
     names the client's field (of the fields together too big, the one that takes the most)."""
     text = json.dumps(sampling, ensure_ascii=False)
-    if len(text) > MAX_SAMPLING_JSON_BYTES or json_depth(text) > MAX_SAMPLING_JSON_DEPTH:
+    # NOTE: never deeper than the backend allows: each field nests in sampling_parameters no
+    # deeper than in the body, which load_body bounds to MAX_BODY_JSON_DEPTH.
+    if len(text) > MAX_SAMPLING_JSON_BYTES:
         sizes = {renamed.get(k, k): json.dumps(v, ensure_ascii=False)
                  for k, v in sampling.items()}
-        for name, own in sizes.items():
-            depth = json_depth(own) + 1  # NOTE: only if MAX_BODY_JSON_DEPTH were raised
-            if depth > MAX_SAMPLING_JSON_DEPTH:
-                raise bad_request(f"{name} nests {depth} levels deep in sampling_parameters; "
-                                  f"the limit is {MAX_SAMPLING_JSON_DEPTH}", name)
         name = max(sizes, key=lambda k: len(sizes[k]))
         raise bad_request(f"{name} is {len(sizes[name])} characters as JSON, of the "
                           f"{len(text)} of all sampling fields together; the limit is "
@@ -474,13 +472,10 @@ def _chat_prompt(body: dict[str, Any]) -> list[tuple[dict[str, np.ndarray], str]
         raise bad_request("messages must be a non-empty list of {role, content} objects",
                           "messages")
     text = json.dumps(messages, ensure_ascii=False)
-    if len(text) > MAX_MESSAGES_JSON_BYTES:
-        raise bad_request(f"messages is {len(text)} characters as JSON; the limit is "
-                          f"{MAX_MESSAGES_JSON_BYTES}", "messages")
-    depth = json_depth(text)
-    if depth > MAX_MESSAGES_JSON_DEPTH:
-        raise bad_request(f"messages nests {depth} levels deep; the limit is "
-                          f"{MAX_MESSAGES_JSON_DEPTH}", "messages")
+    try:  # the backend's own bounds, named for the client here
+        check_json_bounds("messages", text, MAX_MESSAGES_JSON_BYTES, MAX_MESSAGES_JSON_DEPTH)
+    except BadRequestError as e:
+        raise bad_request(str(e), "messages") from None
     return [({"messages": _bytes_tensor(text)}, "")]
 
 
