@@ -401,13 +401,17 @@ class TritonServer:
             self._workspace = None
         return code
 
+    def _model_file(self, name: str) -> Path | None:
+        """A file the backend writes beside its model (None before start or after stop)."""
+        if self._workspace is None:
+            return None
+        return Path(self._workspace.name) / "models" / MODEL_NAME / name
+
     def engine_failure(self) -> str | None:
         """What the backend wrote when its engine failed (it then stops tritonserver), or
         None."""
-        if self._workspace is None:
-            return None
-        marker = Path(self._workspace.name) / "models" / MODEL_NAME / "engine_failed.txt"
-        return marker.read_text().strip() if marker.exists() else None
+        marker = self._model_file("engine_failed.txt")
+        return marker.read_text().strip() if marker is not None and marker.exists() else None
 
     def _disconnect_clients(self) -> None:
         """Called every half second while tritonserver stops, so that a client that reconnects
@@ -428,9 +432,9 @@ class TritonServer:
         the model is still loading). Needs ``trace_steps``."""
         if not self.cfg.engine_args.get("trace_steps"):
             raise ServeError("the server has no step timeline (start it with --trace-steps)")
-        if self._workspace is None:
+        marker = self._model_file("trace_signal.pids")
+        if marker is None:
             return 0
-        marker = Path(self._workspace.name) / "models" / MODEL_NAME / "trace_signal.pids"
         pids = [int(line) for line in marker.read_text().split()] if marker.exists() else []
         signalled = 0
         for pid in pids:
