@@ -305,6 +305,12 @@ def test_queue_overflow_is_rejected_at_once(triton_server):
     assert rejections, errors[:3]
     client.stop_stream(cancel_requests=True)
     client.close()
+    # NOTE: the series are published by the backend's metrics thread, after the responses:
+    # wait until they show the rejections the client saw (an idle view alone may be the one
+    # from before the flood), then read them.
+    wait_for(lambda: metric(scrape(triton_server), "kvflow_request_rejected_total")
+             - metric(before, "kvflow_request_rejected_total") >= len(rejections),
+             what="the rejections counted in kvflow_request_rejected_total")
     generated = settled_generation_tokens(triton_server, before)
     rejected = (metric(scrape(triton_server), "kvflow_request_rejected_total")
                 - metric(before, "kvflow_request_rejected_total"))
