@@ -51,7 +51,7 @@ lint: install
 # The TensorRT glue against its stubs, and the core (pure Python: no stubs needed).
 typecheck: install $(TRT_STUBS)/.patched
 	MYPYPATH=$(TRT_STUBS) $(VENV)/bin/mypy $(TENSORRT_CODE)
-	$(VENV)/bin/mypy kvflow/kv_manager kvflow/orchestrator kvflow/runtime
+	$(VENV)/bin/mypy kvflow/kv_manager kvflow/orchestrator kvflow/observability kvflow/text kvflow/runtime
 
 # Debian's Prometheus: tests/test_observability.py scrapes a real server with it
 # (deploy/prometheus.yml). Needs root, as CI has.

@@ -32,7 +32,7 @@ from kvflow.bench.clients import OpenAIClient  # noqa: E402
 from kvflow.bench.report import pyplot, save_figure  # noqa: E402
 from kvflow.bench.serve import make_prompts, run_load  # noqa: E402
 from kvflow.bench.workloads import RequestSpec, shared_prefix_workload  # noqa: E402
-from kvflow.dynamo.cluster import Cluster  # noqa: E402
+from kvflow.dynamo.launcher import Cluster  # noqa: E402
 
 
 class CountingClient(OpenAIClient):

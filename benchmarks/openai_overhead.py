@@ -22,7 +22,7 @@ from kvflow.bench.metrics import summarize
 from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.bench.serve import make_prompts, run_load
 from kvflow.bench.workloads import random_workload
-from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
+from kvflow.openai_api import FrontendConfig, FrontendProcess
 from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
 
 

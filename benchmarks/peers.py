@@ -59,7 +59,7 @@ WARMUP_TOKENS = 2
 
 def _kvflow_generate(engine_dir: str, options: dict[str, Any]) -> Any:
     from kvflow.orchestrator.llm import LLM
-    from kvflow.orchestrator.sampling_params import SamplingParams
+    from kvflow.orchestrator.sampling.params import SamplingParams
 
     llm = LLM(engine_dir, **{"enable_prefix_caching": False, **options})
 
@@ -179,7 +179,7 @@ def make_offline_prompts(engine_dir: str, n: int, num_tokens: int) -> list[list[
     """``n`` real-text prompts of exactly ``num_tokens`` token ids (as ``kvflow bench serve``
     makes them)."""
     from kvflow.bench.workloads import make_prompt_ids
-    from kvflow.orchestrator.tokenizer import EngineTokenizer
+    from kvflow.text.tokenizer import EngineTokenizer
 
     tok = EngineTokenizer(engine_dir)
 
@@ -247,7 +247,7 @@ def run_served(args: argparse.Namespace, engines: dict[str, str], build: LlamaCp
     from kvflow.bench.metrics import summarize
     from kvflow.bench.serve import make_prompts, run_load
     from kvflow.bench.workloads import random_workload
-    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.openai_api import FrontendConfig, FrontendProcess
     from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
 
     n, conc = args.served_requests, args.served_concurrency
@@ -446,7 +446,7 @@ def parse_engines(specs: list[str] | None) -> dict[str, str]:
 
 
 def parse_kvflow_options(specs: list[str] | None) -> dict[str, Any]:
-    from kvflow.orchestrator.config import parse_option
+    from kvflow.orchestrator.options import parse_option
 
     options = {}
     for spec in specs or []:

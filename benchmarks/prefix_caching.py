@@ -17,8 +17,8 @@ from pathlib import Path
 from kvflow.bench.report import write_report
 from kvflow.bench.serve import run_load
 from kvflow.bench.workloads import RequestSpec
-from kvflow.orchestrator.tokenizer import EngineTokenizer
-from kvflow.triton_backend.client import StreamingClient
+from kvflow.client import StreamingClient
+from kvflow.text.tokenizer import EngineTokenizer
 from kvflow.triton_backend.server import ServerConfig, TritonServer
 
 PARAGRAPH = (

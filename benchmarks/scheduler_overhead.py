@@ -20,11 +20,11 @@ import numpy as np
 
 from kvflow.bench.report import write_report
 from kvflow.build.engine_config import EngineConfig
-from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.engine import LLMEngine
-from kvflow.orchestrator.sampling_params import SamplingParams
-from kvflow.orchestrator.tokenizer import EngineTokenizer
+from kvflow.orchestrator.options import EngineOptions
+from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.runtime.base import ModelRunner, StepInput
+from kvflow.text.tokenizer import EngineTokenizer
 
 
 class InstantRunner(ModelRunner):

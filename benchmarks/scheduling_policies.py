@@ -131,7 +131,7 @@ def run_sim(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     from dataclasses import replace
 
     from kvflow.bench.compare import mode_scheduler_options
-    from kvflow.orchestrator.config import EngineOptions
+    from kvflow.orchestrator.options import EngineOptions
     from kvflow.sim.cost_model import HARDWARE, MODELS, RooflineCostModel
     from kvflow.sim.simulator import simulate
 

@@ -27,7 +27,7 @@ from llguidance.numpy import apply_token_bitmask_inplace
 
 from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.build.engine_config import EngineConfig
-from kvflow.orchestrator.structured import (
+from kvflow.orchestrator.sampling.structured import (
     Grammar,
     GrammarCompiler,
     StructuredOutput,

@@ -31,7 +31,7 @@ from scheduler_overhead import decoding_engine  # noqa: E402
 from kvflow.bench.report import pyplot, save_figure, write_report  # noqa: E402
 from kvflow.orchestrator.engine import LLMEngine  # noqa: E402
 from kvflow.orchestrator.llm import create_engine  # noqa: E402
-from kvflow.orchestrator.sampling_params import SamplingParams  # noqa: E402
+from kvflow.orchestrator.sampling.params import SamplingParams  # noqa: E402
 
 
 def timed_trace(engine: LLMEngine) -> list[float]:

@@ -17,7 +17,7 @@ from kvflow import LLM, SamplingParams
 from kvflow.bench.report import write_report
 from kvflow.bench.serve import run_load
 from kvflow.bench.workloads import RequestSpec
-from kvflow.triton_backend.client import stream_generate
+from kvflow.client import stream_generate
 from kvflow.triton_backend.server import ServerConfig, TritonServer
 
 TOPICS = ["rivers", "castles", "bicycles", "volcanoes", "owls", "libraries", "glaciers", "tea"]

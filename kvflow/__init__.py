@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from kvflow.orchestrator.sampling_params import SamplingParams
+        from kvflow.orchestrator.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'kvflow' has no attribute {name!r}")

@@ -62,7 +62,7 @@ def run_build_engine(args: argparse.Namespace) -> int:
 
 
 def _flag_type(name: str):
-    from kvflow.orchestrator.config import parse_option
+    from kvflow.orchestrator.options import parse_option
 
     def parse(text: str):
         try:
@@ -74,11 +74,11 @@ def _flag_type(name: str):
 
 
 def add_engine_option_args(p: argparse.ArgumentParser) -> None:
-    """One flag per :class:`~kvflow.orchestrator.config.EngineOptions` field, generated from
+    """One flag per :class:`~kvflow.orchestrator.options.EngineOptions` field, generated from
     it: ``--max-num-seqs N``; a boolean that is on by default, ``enable_X``, becomes
     ``--no-X``; a field with a switch of its own (``--enforce-eager``) gets that. Flags not
     given are absent from the namespace, so the engine folder's limits apply."""
-    from kvflow.orchestrator.config import option_fields, option_kind
+    from kvflow.orchestrator.options import option_fields, option_kind
 
     g = p.add_argument_group("engine options (any kvflow.LLM option)")
     for f in option_fields():
@@ -101,7 +101,7 @@ def add_engine_option_args(p: argparse.ArgumentParser) -> None:
 
 def engine_overrides(args: argparse.Namespace) -> dict:
     """The engine options given on the command line."""
-    from kvflow.orchestrator.config import EngineOptions
+    from kvflow.orchestrator.options import EngineOptions
 
     given = vars(args)
     return {name: given[name] for name in EngineOptions.names() if name in given}
@@ -122,13 +122,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_openai(args: argparse.Namespace) -> int:
-    from kvflow.triton_backend.openai_api.app import main as openai_main
+    from kvflow.openai_api.app import main as openai_main
 
     return openai_main(args)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from kvflow.triton_backend.client import main as generate_main
+    from kvflow.client import main as generate_main
 
     return generate_main(args)
 
@@ -167,7 +167,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_engine_option_args(p)
     p.set_defaults(func=run_serve)
 
-    from kvflow.triton_backend.openai_api.app import add_args as add_openai_args
+    from kvflow.openai_api.app import add_args as add_openai_args
 
     p = sub.add_parser("openai", help="the OpenAI-compatible API in front of running "
                                       "tritonservers (kvflow serve starts one itself)")
@@ -216,7 +216,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_compare_args(p)
     p.set_defaults(func=compare_main)
 
-    from kvflow.dynamo.cluster import add_cluster_args, add_worker_args
+    from kvflow.dynamo.launcher import add_cluster_args, add_worker_args
 
     p = sub.add_parser("dynamo-worker", help="run an engine as an NVIDIA Dynamo worker (behind "
                                             "python -m dynamo.frontend)")
@@ -251,13 +251,13 @@ def run_dynamo_worker(args: argparse.Namespace) -> int:
 
 
 def run_cluster_up(args: argparse.Namespace) -> int:
-    from kvflow.dynamo.cluster import cluster_up
+    from kvflow.dynamo.launcher import cluster_up
 
     return cluster_up(args)
 
 
 def run_trace_summarize(args: argparse.Namespace) -> int:
-    from kvflow.orchestrator.trace import summarize
+    from kvflow.observability.trace import summarize
 
     print(summarize(args.file, args.top))
     return 0

@@ -176,7 +176,7 @@ def triton_server(default_engines, tmp_path_factory):
 @pytest.fixture(scope="session")
 def openai_frontend(triton_server, tmp_path_factory):
     """The real OpenAI frontend (``kvflow openai``) in front of the session's tritonserver."""
-    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.openai_api import FrontendConfig, FrontendProcess
     from kvflow.triton_backend.server import free_port
 
     log = tmp_path_factory.mktemp("openai") / "frontend.log"

@@ -10,9 +10,9 @@ import pytest
 from kvflow.bench.workloads import RequestSpec, random_workload, sessions_workload
 from kvflow.cli import make_parser
 from kvflow.kv_manager.block_pool import BlockPool
-from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.engine import LLMEngine
-from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.orchestrator.options import EngineOptions
+from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.sim.cluster import ClusterSpec, Link, simulate_cluster
 from kvflow.sim.cost_model import FixedCostModel
 from kvflow.sim.goodput import find_goodput, slo_attainment

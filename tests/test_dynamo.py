@@ -194,7 +194,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(default_engines, tmp_path_factory):
-    from kvflow.dynamo.cluster import Cluster
+    from kvflow.dynamo.launcher import Cluster
 
     if _dynamo_missing():
         pytest.skip(_dynamo_missing() or "")

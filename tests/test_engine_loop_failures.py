@@ -13,7 +13,7 @@ from kvflow import SamplingParams
 from kvflow.orchestrator.async_engine import EngineLoop
 from kvflow.orchestrator.input_processor import InputProcessor
 from kvflow.orchestrator.outputs import RequestOutput
-from kvflow.orchestrator.tokenizer import ChatPrompt
+from kvflow.text.tokenizer import ChatPrompt
 
 WAIT_S = 120  # generous: a busy machine; no test compares a duration
 

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import pytest
 
-from kvflow.orchestrator.config import (
+from kvflow.orchestrator.options import (
     EngineOptions,
     format_option,
     option_fields,
@@ -18,7 +18,7 @@ from kvflow.orchestrator.config import (
     options_to_parameters,
     parse_option,
 )
-from kvflow.orchestrator.scheduler import SCHEDULERS
+from kvflow.orchestrator.scheduler.core import SCHEDULERS
 
 # A value for each option other than its default, valid on the tiny engines (limits 256/256/16).
 NON_DEFAULT = {

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.metrics import METRICS, MetricsRegistry, all_series, series_key
-from kvflow.orchestrator.trace import load, summarize
+from kvflow.observability.metrics import METRICS, MetricsRegistry, all_series, series_key
+from kvflow.observability.trace import load, summarize
 from tests.test_hardening import post
 from tests.test_serving import scrape, wait_for
 
@@ -150,7 +150,7 @@ def test_llm_step_timeline_agrees_with_the_request_metrics(tiny_engines, tmp_pat
 
 def test_simulated_timeline_is_bounded_and_series_carry_the_catalogue(tmp_path):
     from kvflow.bench.workloads import RequestSpec
-    from kvflow.orchestrator.config import EngineOptions
+    from kvflow.orchestrator.options import EngineOptions
     from kvflow.sim.cost_model import LINEAR_FEATURES, LinearCostModel
     from kvflow.sim.simulator import simulate
 
@@ -188,8 +188,8 @@ def test_simulated_timeline_is_bounded_and_series_carry_the_catalogue(tmp_path):
 
 
 def sim_engine(tmp_path, **options):
-    from kvflow.orchestrator.config import EngineOptions
     from kvflow.orchestrator.engine import LLMEngine
+    from kvflow.orchestrator.options import EngineOptions
     from kvflow.sim.cost_model import LINEAR_FEATURES, LinearCostModel
     from kvflow.sim.simulator import SIM_EOS, SimClock, SimRunner, sim_engine_config
 
@@ -265,8 +265,8 @@ MAX_TOKENS = [64, 12, 20, 8, 16, 10]
 def test_served_series_follow_from_a_fixed_workload(triton_server, default_engines):
     """Six requests (the first decoding while the others prefill), one refused by admission
     and one by the front door: every new series moves as the workload says."""
-    from kvflow.orchestrator.tokenizer import EngineTokenizer, tokenize_prompt
-    from kvflow.triton_backend.client import stream_generate
+    from kvflow.client import stream_generate
+    from kvflow.text.tokenizer import EngineTokenizer, tokenize_prompt
 
     tok = EngineTokenizer(default_engines["onnxruntime"])
     prompt_tokens = [len(tokenize_prompt(tok, p)) for p in PROMPTS]

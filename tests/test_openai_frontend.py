@@ -15,7 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from kvflow.triton_backend.openai_api.protocol import (  # noqa: E402
+from kvflow.openai_api.protocol import (  # noqa: E402
     OpenAIError,
     error_from_backend,
     parse_completion_request,
@@ -41,7 +41,7 @@ def client(openai_frontend):
 
 @pytest.fixture(scope="module")
 def tokenizer(default_engines):
-    from kvflow.orchestrator.tokenizer import EngineTokenizer
+    from kvflow.text.tokenizer import EngineTokenizer
 
     return EngineTokenizer(default_engines["onnxruntime"])
 
@@ -97,7 +97,7 @@ def test_backend_errors_keep_their_cause_and_the_clients_field_name():
 
 
 def test_the_backend_takes_exactly_one_prompt_and_checks_every_message():
-    from kvflow.orchestrator.tokenizer import ChatPrompt
+    from kvflow.text.tokenizer import ChatPrompt
     from kvflow.triton_backend.params import BadRequestError, parse_request
 
     def parse(**inputs):
@@ -392,7 +392,7 @@ def test_health_and_metrics_pass_through(openai_frontend, client):
 def test_the_frontend_is_a_stateless_pool_of_servers(triton_server, tmp_path):
     """Two URLs (here the same server twice) and a name of its own: each request goes to one
     server; nothing else changes."""
-    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.openai_api import FrontendConfig, FrontendProcess
     from kvflow.triton_backend.server import free_port
 
     cfg = FrontendConfig((triton_server.grpc_url, triton_server.grpc_url), port=free_port(),
@@ -434,7 +434,7 @@ def test_bench_serve_drives_the_openai_api(openai_frontend, triton_server, defau
 
 
 def test_a_server_that_is_down_is_passed_over_and_alone_is_a_503(triton_server, tmp_path):
-    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.openai_api import FrontendConfig, FrontendProcess
     from kvflow.triton_backend.server import free_port
 
     blocker = socket.socket()  # bound, never listening: connections to it are refused

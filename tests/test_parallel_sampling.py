@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kvflow import LLM, SamplingParams
 from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.engine import LLMEngine
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.request import RequestStatus
 from kvflow.sim.cost_model import FixedCostModel
 from kvflow.sim.simulator import SIM_EOS, SIM_VOCAB, SimClock, SimRunner, sim_engine_config

@@ -12,7 +12,7 @@ import pytest
 from kvflow import LLM, SamplingParams
 from kvflow.orchestrator import engine as engine_module
 from kvflow.orchestrator.request import RequestStatus
-from kvflow.orchestrator.tokenizer import ChatPrompt, tokenize_prompt
+from kvflow.text.tokenizer import ChatPrompt, tokenize_prompt
 from tests.test_scheduler import make_request, make_scheduler_for_test
 
 

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvflow.orchestrator.sampler import (
+from kvflow.orchestrator.sampling.params import SamplingParams, SamplingParamsTypeError
+from kvflow.orchestrator.sampling.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRow,
     make_generator,
 )
-from kvflow.orchestrator.sampling_params import SamplingParams, SamplingParamsTypeError
 
 EOS = 0
 

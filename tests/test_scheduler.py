@@ -7,11 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.config import EngineOptions
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.request import Request, RequestStatus
-from kvflow.orchestrator.sampling_params import SamplingParams
-from kvflow.orchestrator.scheduler import make_scheduler
-from kvflow.orchestrator.scheduler_output import SchedulerOutput
+from kvflow.orchestrator.sampling.params import SamplingParams
+from kvflow.orchestrator.scheduler.core import make_scheduler
+from kvflow.orchestrator.scheduler.output import SchedulerOutput
 
 EOS = 2
 TOKEN = 7

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.orchestrator.config import EngineOptions, parse_tenant_weights
-from kvflow.orchestrator.policies import FairShare, jain_index
+from kvflow.orchestrator.options import EngineOptions, parse_tenant_weights
 from kvflow.orchestrator.request import RequestStatus
-from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.orchestrator.sampling.params import SamplingParams
+from kvflow.orchestrator.scheduler.policies import FairShare, jain_index
 from tests.test_scheduler import (
     FakeClock,
     chunks,

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 
 import numpy as np  # noqa: E402
 
-from kvflow.triton_backend.client import infer_inputs  # noqa: E402
+from kvflow.client import infer_inputs  # noqa: E402
 from tests.test_hardening import keyed_server, post  # noqa: E402, F401  (keyed_server: a fixture)
 from tests.test_serving import DEADLINE_S, wait_for  # noqa: E402
 
@@ -186,7 +186,7 @@ def test_a_failing_engine_turns_readiness_off_fails_waiters_and_exits_1(tiny_eng
 
 
 def test_one_request_may_not_create_more_sequences_than_the_limit(openai_frontend):
-    from kvflow.triton_backend.openai_api.protocol import MAX_SEQUENCES
+    from kvflow.openai_api.protocol import MAX_SEQUENCES
 
     client = openai.OpenAI(base_url=openai_frontend.url + "/v1", api_key="unused",
                            max_retries=0, timeout=DEADLINE_S)
@@ -243,7 +243,7 @@ def test_a_frontend_whose_key_triton_refuses_says_so_and_does_not_retry(
     """tritonserver refuses a wrong key over gRPC with UNAVAILABLE (its code, not kvflow's),
     which reads as a server that is down. The frontend tells it apart: a 502 naming the key,
     not a 503 to retry; and the server is not passed over afterwards."""
-    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.openai_api import FrontendConfig, FrontendProcess
     from kvflow.triton_backend.server import free_port
 
     cfg = FrontendConfig((keyed_server.grpc_url,), port=free_port(), api_key="not-the-key")

@@ -16,7 +16,7 @@ import pytest
 tritonclient = pytest.importorskip("tritonclient.grpc")
 
 from kvflow import LLM, SamplingParams  # noqa: E402
-from kvflow.triton_backend.client import build_inputs, stream_generate  # noqa: E402
+from kvflow.client import build_inputs, stream_generate  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
 # How long a wait on the server may take before the test gives up. A deadline only, never an

@@ -11,7 +11,7 @@ import pytest
 from kvflow.bench.serve import default_trace
 from kvflow.bench.workloads import random_workload
 from kvflow.cli import make_parser
-from kvflow.orchestrator.config import EngineOptions
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.sim.cost_model import LINEAR_FEATURES, LinearCostModel, StepShape
 
 SERVE_REPORT_KEYS = {"config", "summary", "requests", "server_series", "plots"}
@@ -256,7 +256,7 @@ def test_validate_runs_the_real_server_and_the_simulator_on_the_same_requests(
     assert engine_alone["summary"]["completed"] == 8
     assert set(result["errors_vs_engine_alone"]) >= {"mean TTFT", "mean TPOT"}
     # The two step timelines, side by side: the same requests, each ended once.
-    from kvflow.orchestrator.trace import load
+    from kvflow.observability.trace import load
 
     for part, source, expected in (("real", "engine", 9), ("sim", "simulator", 8)):
         doc = load(tmp_path / part / "steps.json")  # real: the warm-up request too

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow.bench.workloads import RequestSpec, random_workload
-from kvflow.orchestrator.config import EngineOptions
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.sim.cost_model import (
     HARDWARE,
     MODELS,
@@ -72,7 +72,7 @@ def test_simulator_and_real_engine_make_identical_decisions(tiny_engines):
     """The same requests, one step = one fixed second: the real engine (tiny model, real runner)
     and the simulator schedule the same batches, step by step."""
     from kvflow.orchestrator.engine import LLMEngine
-    from kvflow.orchestrator.sampling_params import SamplingParams
+    from kvflow.orchestrator.sampling.params import SamplingParams
     from kvflow.runtime import create_runner
     from kvflow.sim.simulator import SimClock
 

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvflow.build.engine_config import EngineConfig
-from kvflow.orchestrator.structured import (
+from kvflow.orchestrator.sampling.structured import (
     MAX_ERROR_CHARS,
     MAX_SPEC_BYTES,
     Grammar,

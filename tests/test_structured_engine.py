@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.orchestrator.structured_output import StructuredOutput
+from kvflow.orchestrator.sampling.structured_output import StructuredOutput
 
 # Nested objects, an enum, an array, required fields; short, so that 50 outputs stay cheap.
 PERSON = {

@@ -68,7 +68,7 @@ class TritonGrpcClient:
         self.url = url  # gRPC host:port
 
     def connect(self) -> Any:
-        from kvflow.triton_backend.client import StreamingClient
+        from kvflow.client import StreamingClient
 
         return StreamingClient(self.url)
 

@@ -144,7 +144,7 @@ def _workload_at(args: argparse.Namespace, rate: float) -> tuple[list[RequestSpe
 def run_mode(mode: str, args: argparse.Namespace, workloads: dict[float, list[RequestSpec]],
              texts: list[str], slo: dict[str, float], out: Path) -> list[dict[str, Any]]:
     """Serve the engine in ``mode`` and replay every rate's workload against it."""
-    from kvflow.triton_backend.client import stream_generate
+    from kvflow.client import stream_generate
     from kvflow.triton_backend.server import ServerConfig, TritonServer
 
     cfg = ServerConfig.on_free_ports(args.engine, mode_engine_args(mode, args))
@@ -189,7 +189,7 @@ def hf_static_generate(model: str, engine_dir: str, texts: list[str],
     import torch
 
     from kvflow.model.hf_reference import load_hf_reference
-    from kvflow.orchestrator.tokenizer import EngineTokenizer
+    from kvflow.text.tokenizer import EngineTokenizer
 
     tok = EngineTokenizer(engine_dir)
     hf = load_hf_reference(model)

@@ -160,7 +160,7 @@ def windowed_fairness(timings: Sequence[RequestTiming], tenants: Sequence[str | 
     the tenants with demand is averaged over the windows. Returns that mean and each
     tenant's mean ratio.
     """
-    from kvflow.orchestrator.policies import jain_index
+    from kvflow.orchestrator.scheduler.policies import jain_index
 
     arrive: dict[str, list[tuple[float, float]]] = {}
     serve: dict[str, list[tuple[float, float]]] = {}

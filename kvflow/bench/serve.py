@@ -185,7 +185,7 @@ def build_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[st
 
 def make_prompts(specs: list[RequestSpec], engine_dir: str, seed: int) -> list[str]:
     """Real-text prompts of exactly each request's token count (shared groups share a prefix)."""
-    from kvflow.orchestrator.tokenizer import EngineTokenizer
+    from kvflow.text.tokenizer import EngineTokenizer
 
     tok = EngineTokenizer(engine_dir)
 

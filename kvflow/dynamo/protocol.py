@@ -17,7 +17,7 @@ from typing import Any
 
 from kvflow.build.engine_config import EngineConfig
 from kvflow.orchestrator.outputs import RequestOutput
-from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.orchestrator.sampling.params import SamplingParams
 
 # sampling_options key -> SamplingParams field. Dynamo sends absent options as null.
 SAMPLING_OPTIONS = {

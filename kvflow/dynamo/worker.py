@@ -152,7 +152,7 @@ class KvflowDynamoEngine(DynamoLLMEngine):
     async def from_args(cls, argv: list[str] | None = None
                         ) -> tuple[KvflowDynamoEngine, WorkerConfig]:
         from kvflow.cli import add_engine_option_args
-        from kvflow.dynamo.cluster import add_worker_args
+        from kvflow.dynamo.launcher import add_worker_args
 
         p = argparse.ArgumentParser(prog="kvflow dynamo-worker")
         add_worker_args(p)
@@ -175,9 +175,9 @@ class KvflowDynamoEngine(DynamoLLMEngine):
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self, worker_id: int) -> DynamoEngineConfig:
+        from kvflow.observability.metrics import EngineMetrics, MetricsRegistry
         from kvflow.orchestrator.async_engine import AsyncLLMEngine
         from kvflow.orchestrator.llm import create_engine
-        from kvflow.orchestrator.metrics import EngineMetrics, MetricsRegistry
 
         self._worker_id = worker_id
         engine = self.engine = await asyncio.to_thread(create_engine, str(self.engine_dir),

@@ -21,8 +21,8 @@ from kvflow import envs
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.input_processor import PreparedPrompt
 from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, RequestOutput
-from kvflow.orchestrator.sampling_params import SamplingParams
-from kvflow.orchestrator.tokenizer import Prompt
+from kvflow.orchestrator.sampling.params import SamplingParams
+from kvflow.text.tokenizer import Prompt
 
 OutputCallback = Callable[[RequestOutput], None]
 # Called on the loop thread after every step with the step's outputs (and with [] after a

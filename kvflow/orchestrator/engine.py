@@ -19,9 +19,9 @@ from typing import NamedTuple
 import numpy as np
 
 from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.config import EngineOptions
-from kvflow.orchestrator.detokenizer import IncrementalDetokenizer
+from kvflow.observability.trace import Entry, Finish, StepRecord, StepTracer
 from kvflow.orchestrator.input_processor import InputProcessor, PreparedPrompt
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import (
     ENGINE_ERROR_PREFIX,
     CompletionOutput,
@@ -30,15 +30,15 @@ from kvflow.orchestrator.outputs import (
     StepStats,
 )
 from kvflow.orchestrator.request import Request, RequestMetrics, RequestStatus, SequenceGroup
-from kvflow.orchestrator.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from kvflow.orchestrator.sampling_params import MAX_SEED, SamplingParams
-from kvflow.orchestrator.scheduler import make_scheduler
-from kvflow.orchestrator.scheduler_output import TRANSFER_KINDS, Clock, SchedulerOutput
-from kvflow.orchestrator.structured import Grammar, allocate_bitmask, fill_bitmasks
-from kvflow.orchestrator.tokenizer import EngineTokenizer, Prompt
-from kvflow.orchestrator.trace import Entry, Finish, StepRecord, StepTracer
+from kvflow.orchestrator.sampling.params import MAX_SEED, SamplingParams
+from kvflow.orchestrator.sampling.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from kvflow.orchestrator.sampling.structured import Grammar, allocate_bitmask, fill_bitmasks
+from kvflow.orchestrator.scheduler.core import make_scheduler
+from kvflow.orchestrator.scheduler.output import TRANSFER_KINDS, Clock, SchedulerOutput
 from kvflow.runtime.base import ModelRunner
 from kvflow.runtime.step_builder import SeqChunk, build_step, build_step_shape
+from kvflow.text.detokenizer import IncrementalDetokenizer
+from kvflow.text.tokenizer import EngineTokenizer, Prompt
 
 
 class _RequestState:

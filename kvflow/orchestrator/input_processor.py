@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX
-from kvflow.orchestrator.sampling_params import SamplingParams
-from kvflow.orchestrator.structured import Grammar, GrammarCompiler
-from kvflow.orchestrator.tokenizer import ChatPrompt, EngineTokenizer, Prompt, tokenize_prompt
+from kvflow.orchestrator.sampling.params import SamplingParams
+from kvflow.orchestrator.sampling.structured import Grammar, GrammarCompiler
+from kvflow.text.tokenizer import ChatPrompt, EngineTokenizer, Prompt, tokenize_prompt
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from typing import Any
 
 from kvflow.build.engine_config import EngineConfig
 from kvflow.kv_manager import KVCacheSpec
-from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.engine import LLMEngine
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import RequestOutput
-from kvflow.orchestrator.sampling_params import SamplingParams
-from kvflow.orchestrator.tokenizer import ChatPrompt, EngineTokenizer, Prompt
+from kvflow.orchestrator.sampling.params import SamplingParams
+from kvflow.text.tokenizer import ChatPrompt, EngineTokenizer, Prompt
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -88,7 +88,7 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
 class LLM:
     """Offline batched generation: ``LLM(engine_dir, **overrides).generate(prompts, params)``.
 
-    ``overrides``: any :class:`~kvflow.orchestrator.config.EngineOptions` field; an unknown one
+    ``overrides``: any :class:`~kvflow.orchestrator.options.EngineOptions` field; an unknown one
     is refused with the list of known ones.
     """
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.orchestrator.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -110,9 +110,9 @@ def _engine_run(runner: Any, engine_dir: str | Path, num_requests: int, seed: in
     from kvflow.bench.workloads import poisson_arrivals
     from kvflow.orchestrator.engine import LLMEngine
     from kvflow.orchestrator.llm import plan_engine
-    from kvflow.orchestrator.sampling_params import SamplingParams
-    from kvflow.orchestrator.tokenizer import EngineTokenizer
+    from kvflow.orchestrator.sampling.params import SamplingParams
     from kvflow.sim.simulator import run_in_real_time
+    from kvflow.text.tokenizer import EngineTokenizer
 
     limits = runner.engine.limits
     max_len = min(1024, limits.max_model_len)
@@ -232,10 +232,10 @@ def served_slowdown(engine_dir: str | Path, cost: LinearCostModel, rate: float,
     the request mix, so calibrate on the kind of traffic you will simulate."""
     from kvflow.bench.serve import make_prompts, run_load
     from kvflow.bench.workloads import load_azure_trace, random_workload, retime
+    from kvflow.client import stream_generate
     from kvflow.orchestrator.llm import plan_engine
-    from kvflow.orchestrator.tokenizer import EngineTokenizer
     from kvflow.sim.simulator import simulate
-    from kvflow.triton_backend.client import stream_generate
+    from kvflow.text.tokenizer import EngineTokenizer
     from kvflow.triton_backend.server import ServerConfig, TritonServer
 
     if workload == "trace":

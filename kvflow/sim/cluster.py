@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from kvflow.bench.metrics import RequestTiming
 from kvflow.bench.workloads import RequestSpec
 from kvflow.kv_manager.block_pool import BlockPool
-from kvflow.orchestrator.config import EngineOptions
 from kvflow.orchestrator.engine import LLMEngine
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import RequestOutput
-from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.sim.cost_model import CostModel
 from kvflow.sim.router import make_router
 from kvflow.sim.simulator import (

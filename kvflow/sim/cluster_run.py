@@ -24,7 +24,7 @@ from kvflow.bench.compare import MODE_LABELS, mode_scheduler_options
 from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.bench.serve import parse_slo, write_serve_report
 from kvflow.bench.workloads import RequestSpec
-from kvflow.orchestrator.config import EngineOptions
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.sim.cluster import LINKS, ClusterResult, ClusterSpec, Link, simulate_cluster
 from kvflow.sim.cost_model import MODELS, CostModel
 from kvflow.sim.goodput import find_goodput, slo_attainment

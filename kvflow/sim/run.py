@@ -31,7 +31,7 @@ from kvflow.bench.serve import (
     write_serve_report,
 )
 from kvflow.bench.workloads import RequestSpec, load_azure_trace, sessions_workload
-from kvflow.orchestrator.config import EngineOptions
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.sim.cluster_run import add_cluster_args, cluster_main, is_cluster_run
 from kvflow.sim.cost_model import HARDWARE, MODELS, CostModel, LinearCostModel, RooflineCostModel
 from kvflow.sim.simulator import SIM_TOKEN, SimResult, simulate

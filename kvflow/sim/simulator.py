@@ -20,11 +20,11 @@ from kvflow.bench.metrics import RequestTiming
 from kvflow.bench.workloads import RequestSpec
 from kvflow.build.engine_config import BuildLimits, EngineConfig
 from kvflow.model.config import ModelConfig
-from kvflow.orchestrator.config import EngineOptions
+from kvflow.observability.metrics import EngineMetrics, MetricsRegistry
 from kvflow.orchestrator.engine import LLMEngine
-from kvflow.orchestrator.metrics import EngineMetrics, MetricsRegistry
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import RequestOutput, StepStats
-from kvflow.orchestrator.sampling_params import SamplingParams
+from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.runtime.base import ModelRunner, StepInput
 from kvflow.sim.cost_model import CostModel, StepShape
 

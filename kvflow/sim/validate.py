@@ -29,7 +29,7 @@ from kvflow.bench.serve import (
     write_serve_report,
 )
 from kvflow.bench.workloads import RequestSpec
-from kvflow.orchestrator.trace import summarize
+from kvflow.observability.trace import summarize
 from kvflow.sim.calibrate import COST_MODEL_FILE
 from kvflow.sim.cost_model import LinearCostModel
 from kvflow.sim.simulator import run_in_real_time, simulate, timing_of
@@ -71,7 +71,7 @@ def replay_offline(engine_dir: str, options: dict[str, Any], specs: list[Request
     """The same requests through the engine alone (no Triton, no client), in real time:
     what separates the cost model's error from the serving path's."""
     from kvflow.orchestrator.llm import create_engine
-    from kvflow.orchestrator.sampling_params import SamplingParams
+    from kvflow.orchestrator.sampling.params import SamplingParams
 
     engine = create_engine(engine_dir, **options)
     try:
@@ -92,9 +92,9 @@ def replay_offline(engine_dir: str, options: dict[str, Any], specs: list[Request
 
 
 def validate_main(args: argparse.Namespace) -> int:
+    from kvflow.client import stream_generate
     from kvflow.orchestrator.llm import plan_engine
-    from kvflow.orchestrator.tokenizer import EngineTokenizer
-    from kvflow.triton_backend.client import stream_generate
+    from kvflow.text.tokenizer import EngineTokenizer
     from kvflow.triton_backend.server import ServerConfig, TritonServer
 
     cost_path = Path(args.cost or Path(args.engine) / COST_MODEL_FILE)
@@ -182,7 +182,7 @@ def plot_timelines(path: Path, traces: list[tuple[str, Path]]) -> str:
     """The step timelines one above the other: each step a bar as long as it lasted,
     coloured by kind, and the running requests under them."""
     from kvflow.bench.report import pyplot, save_figure
-    from kvflow.orchestrator.trace import load
+    from kvflow.observability.trace import load
 
     plt = pyplot()
     fig, axes = plt.subplots(len(traces), 1, figsize=(13, 2.4 * len(traces)), sharex=True,

@@ -13,13 +13,13 @@ import queue
 import threading
 from typing import Any
 
+from kvflow.observability.metrics import METRICS, EngineMetrics, MetricsUpdate, series_key
 from kvflow.orchestrator.async_engine import EngineLoop
-from kvflow.orchestrator.metrics import METRICS, EngineMetrics, MetricsUpdate, series_key
 from kvflow.orchestrator.outputs import RequestOutput
 
 
 class TritonMetrics:
-    """The catalogue's families (:data:`kvflow.orchestrator.metrics.METRICS`), and the code that
+    """The catalogue's families (:data:`kvflow.observability.metrics.METRICS`), and the code that
     feeds them after each step."""
 
     def __init__(self, pb_utils: Any, model_name: str) -> None:

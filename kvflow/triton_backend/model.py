@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.observability.trace import SignalWatch
 from kvflow.orchestrator.async_engine import EngineLoop
-from kvflow.orchestrator.config import options_from_parameters
+from kvflow.orchestrator.options import options_from_parameters
 from kvflow.orchestrator.outputs import CompletionOutput, RequestOutput
-from kvflow.orchestrator.trace import SignalWatch
 from kvflow.triton_backend.metrics import TritonMetrics
 from kvflow.triton_backend.params import (
     INPUT_NAMES,

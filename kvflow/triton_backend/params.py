@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.orchestrator.sampling_params import (
+from kvflow.orchestrator.sampling.params import (
     GUIDED_FIELDS,
     SamplingParams,
     list_unknown,
     short_repr,
 )
-from kvflow.orchestrator.tokenizer import ChatPrompt, Prompt
+from kvflow.text.tokenizer import ChatPrompt, Prompt
 
 # Triton's vLLM backend clients send every sampling parameter as a JSON string ("0.7"); these
 # are the keys whose strings are converted, and to what.

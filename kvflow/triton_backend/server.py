@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow import envs
-from kvflow.orchestrator.config import options_to_parameters
+from kvflow.orchestrator.options import options_to_parameters
 from kvflow.triton_backend import preload
 from kvflow.triton_backend.connections import disconnect_clients
 
@@ -88,7 +88,7 @@ class ServerConfig:
         from kvflow.orchestrator.llm import plan_engine
 
         if self.engine_args.get("trace_steps"):  # the backend's working directory is not ours
-            from kvflow.orchestrator.trace import check_trace_path
+            from kvflow.observability.trace import check_trace_path
 
             try:
                 self.engine_args["trace_steps"] = str(check_trace_path(
@@ -472,7 +472,7 @@ def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
                   served_model_name: str | None = None) -> int:
     """``kvflow serve``: start tritonserver and (unless ``openai_port`` is None) the OpenAI
     frontend, print how to query them, forward signals, shut down cleanly."""
-    from kvflow.triton_backend.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.openai_api import FrontendConfig, FrontendProcess
 
     frontend = None
     if openai_port is not None:

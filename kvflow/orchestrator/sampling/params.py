@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvflow.orchestrator.structured_output import FIELD_NAMES, StructuredOutput
+from kvflow.orchestrator.sampling.structured_output import FIELD_NAMES, StructuredOutput
 
 # vLLM's request fields for structured outputs; from_dict turns them into ``structured``.
 GUIDED_FIELDS = tuple(FIELD_NAMES.values())

@@ -8,7 +8,7 @@
 - ``process``: the frontend as a child process.
 """
 
-from kvflow.triton_backend.openai_api.app import FrontendConfig
-from kvflow.triton_backend.openai_api.process import FrontendProcess
+from kvflow.openai_api.app import FrontendConfig
+from kvflow.openai_api.process import FrontendProcess
 
 __all__ = ["FrontendConfig", "FrontendProcess"]

@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.triton_backend.openai_api.pool import BackendError, TritonPool
-from kvflow.triton_backend.openai_api.protocol import (
+from kvflow.openai_api.pool import BackendError, TritonPool
+from kvflow.openai_api.protocol import (
     CompletionRequest,
     OpenAIError,
     bad_request,
@@ -37,7 +37,7 @@ from kvflow.triton_backend.openai_api.protocol import (
     load_body,
     parse_completion_request,
 )
-from kvflow.triton_backend.openai_api.responses import (
+from kvflow.openai_api.responses import (
     ChoiceState,
     choice_chunk,
     chunk,

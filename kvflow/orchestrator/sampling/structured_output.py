@@ -2,7 +2,7 @@
 
 :class:`StructuredOutput` is vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` / ``guided_json_object``, validated and made canonical when the request is
-built. Compiling and enforcing it is :mod:`kvflow.orchestrator.structured`'s (llguidance).
+built. Compiling and enforcing it is :mod:`kvflow.orchestrator.sampling.structured`'s (llguidance).
 """
 
 from __future__ import annotations

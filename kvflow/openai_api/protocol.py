@@ -3,7 +3,7 @@
 A ``/v1/completions`` or ``/v1/chat/completions`` body becomes one Triton request per choice
 (``n`` choices of each prompt). Sampling fields keep their names (kvflow speaks vLLM's
 vocabulary, which is OpenAI's plus extras) and go to the backend in ``sampling_parameters``,
-where :class:`~kvflow.orchestrator.sampling_params.SamplingParams` checks them, as it does for
+where :class:`~kvflow.orchestrator.sampling.params.SamplingParams` checks them, as it does for
 every other front door. The backend's error names its field; :func:`error_from_backend` turns
 it into OpenAI's error shape, the field named as the client sent it.
 
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, OVERLOADED_PREFIX
-from kvflow.orchestrator.sampling_params import (
+from kvflow.orchestrator.sampling.params import (
     GUIDED_FIELDS,
     SamplingParams,
     check_text,

@@ -7,8 +7,8 @@ Order of operations per row (vLLM's):
    the output only);
 3. ``min_tokens``: until that many tokens exist, EOS (unless ``ignore_eos``) and
    ``stop_token_ids`` are masked to -inf; a structured output's row instead has every token its
-   grammar does not allow masked (:func:`~kvflow.orchestrator.structured.apply_bitmask`, one
-   pass over the constrained rows);
+   grammar does not allow masked (:func:`~kvflow.orchestrator.sampling.structured.apply_bitmask`,
+   one pass over the constrained rows);
 4. greedy rows take the argmax (ties go to the lowest token id);
 5. other rows: divide by the temperature, keep top_k, then top_p (of the top-k renormalised
    distribution), then min_p, and invert the CDF of the softmax at ONE uniform draw from the
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvflow.orchestrator.sampling_params import MAX_SEED, SamplingParams
-from kvflow.orchestrator.structured import apply_bitmask
+from kvflow.orchestrator.sampling.params import MAX_SEED, SamplingParams
+from kvflow.orchestrator.sampling.structured import apply_bitmask
 
 # Width of the blocks the dense inverse CDF sums first; a row's cumulative sum is then only
 # taken inside one block. Any width gives the same distribution.

@@ -33,7 +33,7 @@ import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
-from kvflow.orchestrator.structured_output import (  # noqa: F401  (re-exported)
+from kvflow.orchestrator.sampling.structured_output import (  # noqa: F401  (re-exported)
     FIELD_NAMES,
     MAX_ERROR_CHARS,
     MAX_SPEC_BYTES,

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.triton_backend.openai_api.protocol import ChoiceRequest, CompletionRequest
+from kvflow.openai_api.protocol import ChoiceRequest, CompletionRequest
 
 # The engine's reasons as the API reports them. "timeout" (past timeout_ms) is kept as it is,
 # as vLLM's server keeps its own: a client must not take a cut answer for a finished one.

@@ -25,7 +25,7 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 def _policy_names() -> tuple[str, ...]:
-    from kvflow.orchestrator.scheduler import SCHEDULERS  # the registry imports this module
+    from kvflow.orchestrator.scheduler.core import SCHEDULERS  # the registry imports this module
 
     return tuple(SCHEDULERS)
 

@@ -4,12 +4,12 @@ One base class holds the queues, admission checks (SLO admission included), dead
 preemption and bookkeeping; each batching policy is a small subclass with its own
 ``_schedule()``:
 
-* :class:`ContinuousScheduler` (every queue policy of :mod:`kvflow.orchestrator.policies`:
+* :class:`ContinuousScheduler` (every queue policy of :mod:`kvflow.orchestrator.scheduler.policies`:
   ``fcfs``, ``priority``, ``cache_aware``, ``sjf``, ``fair``): in-flight batching with a
   token budget, chunked prefill, preemption by recompute or swap, and priority preemption.
 * :class:`StaticBatchScheduler` (``static``): the baseline; a batch runs to completion.
 
-The scheduler hands the engine a :class:`~kvflow.orchestrator.scheduler_output.SchedulerOutput`
+The scheduler hands the engine a :class:`~kvflow.orchestrator.scheduler.output.SchedulerOutput`
 and gets the sampled tokens back through :meth:`Scheduler.update_from_output` (vLLM v1's
 handshake).
 
@@ -27,16 +27,16 @@ from collections import deque
 from collections.abc import Collection, Mapping
 
 from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.config import EngineOptions
+from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import OVERLOADED_PREFIX
-from kvflow.orchestrator.policies import QUEUE_POLICIES, QueuePolicy
 from kvflow.orchestrator.request import Request, RequestStatus, SequenceGroup
-from kvflow.orchestrator.scheduler_output import (
+from kvflow.orchestrator.scheduler.output import (
     Clock,
     Rejection,
     ScheduledRequest,
     SchedulerOutput,
 )
+from kvflow.orchestrator.scheduler.policies import QUEUE_POLICIES, QueuePolicy
 
 
 class Scheduler:
@@ -508,7 +508,7 @@ class Scheduler:
 
 class ContinuousScheduler(Scheduler):
     """In-flight batching under a token budget, with chunked prefill and preemption; the
-    admission order is the queue policy's (:mod:`kvflow.orchestrator.policies`: ``fcfs``,
+    admission order is the queue policy's (:mod:`kvflow.orchestrator.scheduler.policies`: ``fcfs``,
     ``priority``, ``cache_aware``, ``sjf``, ``fair``)."""
 
     def _schedule(self, out: SchedulerOutput) -> None:
@@ -607,9 +607,9 @@ class ContinuousScheduler(Scheduler):
 
     def _preempt_for(self, request: Request, out: SchedulerOutput) -> int:
         """Priority preemption: preempt running requests that ``request`` outranks (the
-        policy's :meth:`~kvflow.orchestrator.policies.QueuePolicy.outranks`: strictly lower
-        priority, both aged), in the policy's victim order, until ``request`` is admitted;
-        only when preempting all those eligible would free the seats, the budget and the KV
+        policy's :meth:`~kvflow.orchestrator.scheduler.policies.QueuePolicy.outranks`:
+        strictly lower priority, both aged), in the policy's victim order, until ``request`` is
+        admitted; only when preempting all those eligible would free the seats, the budget and the KV
         blocks it needs (so that none is preempted in vain). A group is preempted whole, and
         is eligible only while each of its running sequences has been preempted fewer than
         ``max_preemptions_per_request`` times. Returns the tokens ``request`` runs (0: not

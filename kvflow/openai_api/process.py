@@ -8,7 +8,7 @@ import subprocess
 import sys
 from typing import Any
 
-from kvflow.triton_backend.openai_api.app import FrontendConfig
+from kvflow.openai_api.app import FrontendConfig
 from kvflow.triton_backend.server import (
     ServeError,
     stop_process_group,

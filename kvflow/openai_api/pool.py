@@ -9,8 +9,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvflow.triton_backend.client import infer_inputs
-from kvflow.triton_backend.openai_api.protocol import ChoiceRequest
+from kvflow.client import infer_inputs
+from kvflow.openai_api.protocol import ChoiceRequest
 from kvflow.triton_backend.server import GRPC_API_KEY_HEADER, MODEL_NAME
 
 _OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),

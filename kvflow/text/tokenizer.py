@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 if TYPE_CHECKING:
     from jinja2 import Template
 
-from kvflow.orchestrator.sampling_params import check_text, list_unknown
+from kvflow.orchestrator.sampling.params import check_text, list_unknown
 
 
 class ChatTemplateError(ValueError):

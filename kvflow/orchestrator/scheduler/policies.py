@@ -1,6 +1,6 @@
 """Queue policies: which waiting request the continuous scheduler admits next. Pure Python.
 
-The scheduler core (:class:`~kvflow.orchestrator.scheduler.ContinuousScheduler`) decides how
+The scheduler core (:class:`~kvflow.orchestrator.scheduler.core.ContinuousScheduler`) decides how
 much runs and what is preempted; a policy decides only the order of admission. Each is one
 small class over :class:`QueuePolicy`, registered by name in :data:`QUEUE_POLICIES`:
 
@@ -24,11 +24,11 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.config import EngineOptions, parse_tenant_weights
+from kvflow.orchestrator.options import EngineOptions, parse_tenant_weights
 from kvflow.orchestrator.request import Request
 
 if TYPE_CHECKING:
-    from kvflow.orchestrator.scheduler_output import Clock, ScheduledRequest
+    from kvflow.orchestrator.scheduler.output import Clock, ScheduledRequest
 
 DEFAULT_TENANT = ""  # whom a request without a tenant is accounted to
 
