@@ -609,8 +609,8 @@ class ContinuousScheduler(Scheduler):
         """Priority preemption: preempt running requests that ``request`` outranks (the
         policy's :meth:`~kvflow.orchestrator.scheduler.policies.QueuePolicy.outranks`:
         strictly lower priority, both aged), in the policy's victim order, until ``request`` is
-        admitted; only when preempting all those eligible would free the seats, the budget and the KV
-        blocks it needs (so that none is preempted in vain). A group is preempted whole, and
+        admitted; only when preempting all those eligible would free the seats, the budget and
+        the KV blocks it needs (so that none is preempted in vain). A group is preempted whole, and
         is eligible only while each of its running sequences has been preempted fewer than
         ``max_preemptions_per_request`` times. Returns the tokens ``request`` runs (0: not
         admitted, nothing preempted)."""
