@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from kvflow import envs
+from kvflow.orchestrator.options import add_engine_option_args, engine_overrides
 
 
 def _int(text: str) -> int:
@@ -59,52 +60,6 @@ def run_build_engine(args: argparse.Namespace) -> int:
                  max_batch_size=args.max_batch_size, block_size=args.block_size,
                  quantize=args.quantize, group_size=args.group_size)
     return 0
-
-
-def _flag_type(name: str):
-    from kvflow.orchestrator.options import parse_option
-
-    def parse(text: str):
-        try:
-            return parse_option(name, text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return parse
-
-
-def add_engine_option_args(p: argparse.ArgumentParser) -> None:
-    """One flag per :class:`~kvflow.orchestrator.options.EngineOptions` field, generated from
-    it: ``--max-num-seqs N``; a boolean that is on by default, ``enable_X``, becomes
-    ``--no-X``; a field with a switch of its own (``--enforce-eager``) gets that. Flags not
-    given are absent from the namespace, so the engine folder's limits apply."""
-    from kvflow.orchestrator.options import option_fields, option_kind
-
-    g = p.add_argument_group("engine options (any kvflow.LLM option)")
-    for f in option_fields():
-        meta, kind = f.metadata, option_kind(f.name)[0]
-        common = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"]}
-        if meta["flag"]:
-            g.add_argument(meta["flag"], action="store_const", const=meta["flag_value"],
-                           **{**common, "help": meta["flag_help"]})
-        elif kind is bool and f.default is True:
-            g.add_argument("--no-" + f.name.removeprefix("enable_").replace("_", "-"),
-                           action="store_false", **{**common, "help": "turn off: " + meta["help"]})
-        elif kind is bool:
-            g.add_argument("--" + f.name.replace("_", "-"), action="store_true", **common)
-        else:
-            choices = meta["choices"]() if meta["choices"] else None
-            g.add_argument("--" + f.name.replace("_", "-"), type=_flag_type(f.name),
-                           choices=choices, metavar="{" + ",".join(choices) + "}" if choices
-                           else kind.__name__.upper(), **common)
-
-
-def engine_overrides(args: argparse.Namespace) -> dict:
-    """The engine options given on the command line."""
-    from kvflow.orchestrator.options import EngineOptions
-
-    given = vars(args)
-    return {name: given[name] for name in EngineOptions.names() if name in given}
 
 
 def run_serve(args: argparse.Namespace) -> int:

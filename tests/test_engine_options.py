@@ -52,7 +52,7 @@ def test_every_option_has_help_and_a_test_value():
 
 
 def test_the_cli_flags_are_generated_and_round_trip_every_option():
-    from kvflow.cli import engine_overrides
+    from kvflow.orchestrator.options import engine_overrides
 
     argv = ["serve"]
     for name, value in NON_DEFAULT.items():

@@ -106,8 +106,9 @@ def test_gpu_check_script_runs_every_part_in_a_dry_run(tmp_path):
 def test_enforce_eager_reaches_the_engine_plan(tiny_engines):
     """``--enforce-eager`` becomes the engine option ``cuda_graphs=False``; unset, the runner
     decides (graphs on a CUDA device)."""
-    from kvflow.cli import engine_overrides, make_parser
+    from kvflow.cli import make_parser
     from kvflow.orchestrator.llm import plan_engine
+    from kvflow.orchestrator.options import engine_overrides
 
     engine = tiny_engines["llama-gqa4", "torch"]
     parser = make_parser()

@@ -12,6 +12,7 @@ import pytest
 from kvflow import LLM, SamplingParams
 from kvflow.orchestrator import engine as engine_module
 from kvflow.orchestrator.request import RequestStatus
+from kvflow.orchestrator.scheduler.output import RunnerOutput
 from kvflow.text.tokenizer import ChatPrompt, tokenize_prompt
 from tests.test_scheduler import make_request, make_scheduler_for_test
 
@@ -20,7 +21,7 @@ def step_with(sched, tokens, stop_strings=None):
     out = sched.schedule()
     sampled = {s.request.request_id: tokens[s.request.request_id]
                for s in out.scheduled if s.sample}
-    finished = sched.update_from_output(out, sampled, stop_strings)
+    finished = sched.update_from_output(out, RunnerOutput(sampled, stop_strings or {}))
     sched.check_integrity()
     return finished
 

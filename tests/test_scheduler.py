@@ -11,7 +11,7 @@ from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.request import Request, RequestStatus
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.orchestrator.scheduler.core import make_scheduler
-from kvflow.orchestrator.scheduler.output import SchedulerOutput
+from kvflow.orchestrator.scheduler.output import RunnerOutput, SchedulerOutput
 
 EOS = 2
 TOKEN = 7
@@ -45,7 +45,7 @@ def run_step(sched, token=TOKEN, tokens=None) -> SchedulerOutput:
     out = sched.schedule()
     sampled = {s.request.request_id: (tokens or {}).get(s.request.request_id, token)
                for s in out.scheduled if s.sample}
-    sched.update_from_output(out, sampled)
+    sched.update_from_output(out, RunnerOutput(sampled))
     sched.check_integrity()
     return out
 

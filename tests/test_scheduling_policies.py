@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvflow.bench.metrics import jain_index
 from kvflow.orchestrator.options import EngineOptions, parse_tenant_weights
 from kvflow.orchestrator.request import RequestStatus
 from kvflow.orchestrator.sampling.params import SamplingParams
-from kvflow.orchestrator.scheduler.policies import FairShare, jain_index
+from kvflow.orchestrator.scheduler.output import RunnerOutput
+from kvflow.orchestrator.scheduler.policies import FairShare
 from tests.test_scheduler import (
     FakeClock,
     chunks,
@@ -336,7 +338,7 @@ def group_step(sched, token=7, tokens=None):
         if g is not None and g.parked and r is g.leader and not r.output_token_ids:
             sampled.update({m.request_id: tokens.get(m.request_id, token)
                             for m in g.parked if not m.output_token_ids})
-    sched.update_from_output(out, sampled)
+    sched.update_from_output(out, RunnerOutput(sampled))
     sched.check_integrity()
     return out
 

@@ -160,7 +160,6 @@ def windowed_fairness(timings: Sequence[RequestTiming], tenants: Sequence[str | 
     the tenants with demand is averaged over the windows. Returns that mean and each
     tenant's mean ratio.
     """
-    from kvflow.orchestrator.scheduler.policies import jain_index
 
     arrive: dict[str, list[tuple[float, float]]] = {}
     serve: dict[str, list[tuple[float, float]]] = {}
@@ -227,3 +226,11 @@ def tenant_summary(timings: Sequence[RequestTiming], tenants: Sequence[str | Non
         "not_served_fraction": (sum(1 for t in timings if not t.ok) / len(timings)
                                 if timings else 0.0),
     }
+
+
+def jain_index(values: Sequence[float]) -> float:
+    """Jain's fairness index of ``values`` (e.g. the tenants' service rates): 1 when all are
+    equal, 1/n when one has everything."""
+    total = sum(values)
+    squares = sum(v * v for v in values)
+    return total * total / (len(values) * squares) if squares > 0 else 1.0

@@ -151,8 +151,8 @@ class KvflowDynamoEngine(DynamoLLMEngine):
     @classmethod
     async def from_args(cls, argv: list[str] | None = None
                         ) -> tuple[KvflowDynamoEngine, WorkerConfig]:
-        from kvflow.cli import add_engine_option_args
         from kvflow.dynamo.launcher import add_worker_args
+        from kvflow.orchestrator.options import add_engine_option_args
 
         p = argparse.ArgumentParser(prog="kvflow dynamo-worker")
         add_worker_args(p)
@@ -162,7 +162,7 @@ class KvflowDynamoEngine(DynamoLLMEngine):
     @classmethod
     def from_parsed(cls, args: argparse.Namespace) -> tuple[KvflowDynamoEngine, WorkerConfig]:
         """The engine (not started) and Dynamo's worker config, from parsed flags."""
-        from kvflow.cli import engine_overrides
+        from kvflow.orchestrator.options import engine_overrides
 
         engine = cls(args, engine_overrides(args))
         config = WorkerConfig(

@@ -34,7 +34,12 @@ from kvflow.orchestrator.sampling.params import MAX_SEED, SamplingParams
 from kvflow.orchestrator.sampling.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from kvflow.orchestrator.sampling.structured import Grammar, allocate_bitmask, fill_bitmasks
 from kvflow.orchestrator.scheduler.core import make_scheduler
-from kvflow.orchestrator.scheduler.output import TRANSFER_KINDS, Clock, SchedulerOutput
+from kvflow.orchestrator.scheduler.output import (
+    TRANSFER_KINDS,
+    Clock,
+    RunnerOutput,
+    SchedulerOutput,
+)
 from kvflow.runtime.base import ModelRunner
 from kvflow.runtime.step_builder import SeqChunk, build_step, build_step_shape
 from kvflow.text.detokenizer import IncrementalDetokenizer
@@ -307,7 +312,8 @@ class LLMEngine:
                 grammar_done.add(request.request_id)
         tokens = {r.request_id: t for r, t in zip(sampled.requests, sampled.token_ids,
                                                   strict=True)}
-        self.scheduler.update_from_output(sched, tokens, stop_strings, grammar_done)
+        self.scheduler.update_from_output(
+            sched, RunnerOutput(tokens, stop_strings, grammar_done))
         # One output per request (a group's sequences together), in the order they sampled.
         new: dict[str, dict[int, tuple[int | None, str]]] = {}
         leaders: dict[str, Request] = {}

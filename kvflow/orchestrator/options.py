@@ -3,7 +3,7 @@
 :class:`EngineOptions` holds the scheduler's limits and policy, the KV pool sizes and the runner.
 Everything else is generated from its fields:
 
-* the ``kvflow serve`` flags (:func:`kvflow.cli.add_engine_option_args`), help text included;
+* the ``kvflow serve`` flags (:func:`add_engine_option_args`), help text included;
 * the Triton model parameters that ``kvflow serve`` writes into ``config.pbtxt`` and the backend
   reads back (:func:`options_to_parameters`, :func:`options_from_parameters`);
 * the validation of ``LLM(engine_dir, **overrides)`` (:meth:`EngineOptions.with_overrides`).
@@ -14,32 +14,18 @@ name (the schedulers, the runners, the preemption modes), so they cannot drift.
 
 from __future__ import annotations
 
+import argparse
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
 from kvflow import envs
+from kvflow.runtime.base import QUANTIZED_MATMUL_MODES, RUNNERS
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-
-
-def _policy_names() -> tuple[str, ...]:
-    from kvflow.orchestrator.scheduler.core import SCHEDULERS  # the registry imports this module
-
-    return tuple(SCHEDULERS)
-
-
-def _runner_names() -> tuple[str, ...]:
-    from kvflow.runtime import RUNNERS  # light: names only, no runtime is imported
-
-    return RUNNERS
-
-
-def _quantized_matmul_modes() -> tuple[str, ...]:
-    from kvflow.runtime import QUANTIZED_MATMUL_MODES  # light, as above
-
-    return QUANTIZED_MATMUL_MODES
+# The scheduling policies by name; kvflow.orchestrator.scheduler.core registers a class for each.
+POLICIES = ("fcfs", "priority", "cache_aware", "sjf", "fair", "static")
 
 
 def _option(default: Any = MISSING, help: str = "", *,  # noqa: A002  (argparse's word)
@@ -84,7 +70,7 @@ class EngineOptions:
                                   "aging and preemption), cache_aware (longest cached prefix "
                                   "first), sjf (shortest job first), fair (per-tenant fair "
                                   "share: a virtual token counter) or static (static "
-                                  "batching, the baseline)", choices=_policy_names)
+                                  "batching, the baseline)", choices=lambda: POLICIES)
     priority_aging_s: float = _option(10.0, "priority: a waiting request gains one priority "
                                             "level per this many seconds waited")
     priority_preemption: bool = _option(True, "priority: a waiting request of strictly "
@@ -135,7 +121,7 @@ class EngineOptions:
                                               "kv_cache_bytes)")
     swap_space_bytes: int = _option(256 << 20, "host swap pool for preemption by swap (0: none)")
     runner: str | None = _option(None, "runner (default: the engine's backend)",
-                                 choices=_runner_names)
+                                 choices=lambda: RUNNERS)
     cuda_graphs: bool | None = _option(None, "the triton runner's decode CUDA graphs (default: "
                                              "on a CUDA GPU)", flag="--enforce-eager",
                                        flag_value=False, flag_help="the triton runner launches "
@@ -148,7 +134,7 @@ class EngineOptions:
                                     "of at most 16 tokens, where reading 4-bit weights wins; "
                                     "fp32 for larger steps, where fp32 GEMM does: faster on "
                                     "big batches, both weight copies in memory)",
-                                    choices=_quantized_matmul_modes)
+                                    choices=lambda: QUANTIZED_MATMUL_MODES)
     trace_steps: str | None = _option(None, "write a step timeline to this file: Chrome "
                                             "Trace Event JSON that Perfetto opens, the last "
                                             "trace_max_steps steps, written at shutdown "
@@ -313,3 +299,43 @@ def options_from_parameters(parameters: Mapping[str, str],
     return {name: parse_option(name, text) for name, text in parameters.items()
             if name not in reserved}
 
+
+# --- the command line: one flag per option -----------------------------------------------
+def _flag_type(name: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return parse_option(name, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def add_engine_option_args(p: argparse.ArgumentParser) -> None:
+    """One flag per :class:`~kvflow.orchestrator.options.EngineOptions` field, generated from
+    it: ``--max-num-seqs N``; a boolean that is on by default, ``enable_X``, becomes
+    ``--no-X``; a field with a switch of its own (``--enforce-eager``) gets that. Flags not
+    given are absent from the namespace, so the engine folder's limits apply."""
+    g = p.add_argument_group("engine options (any kvflow.LLM option)")
+    for f in option_fields():
+        meta, kind = f.metadata, option_kind(f.name)[0]
+        common = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"]}
+        if meta["flag"]:
+            g.add_argument(meta["flag"], action="store_const", const=meta["flag_value"],
+                           **{**common, "help": meta["flag_help"]})
+        elif kind is bool and f.default is True:
+            g.add_argument("--no-" + f.name.removeprefix("enable_").replace("_", "-"),
+                           action="store_false", **{**common, "help": "turn off: " + meta["help"]})
+        elif kind is bool:
+            g.add_argument("--" + f.name.replace("_", "-"), action="store_true", **common)
+        else:
+            choices = meta["choices"]() if meta["choices"] else None
+            g.add_argument("--" + f.name.replace("_", "-"), type=_flag_type(f.name),
+                           choices=choices, metavar="{" + ",".join(choices) + "}" if choices
+                           else kind.__name__.upper(), **common)
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line."""
+    given = vars(args)
+    return {name: given[name] for name in EngineOptions.names() if name in given}

@@ -5,11 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvflow.build.engine_config import EngineConfig
-from kvflow.runtime.base import ModelRunner, StepInput
-
-RUNNERS = ("onnxruntime", "torch", "triton", "tensorrt")
-# How the onnxruntime runner multiplies by a quantized engine's weights (EngineOptions).
-QUANTIZED_MATMUL_MODES = ("auto", "int8", "fp32")
+from kvflow.runtime.base import QUANTIZED_MATMUL_MODES, RUNNERS, ModelRunner, StepInput
 
 __all__ = ["QUANTIZED_MATMUL_MODES", "RUNNERS", "ModelRunner", "StepInput", "create_runner"]
 

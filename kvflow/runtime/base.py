@@ -16,6 +16,10 @@ import numpy as np
 
 from kvflow.build.engine_config import EngineConfig
 
+RUNNERS = ("onnxruntime", "torch", "triton", "tensorrt")
+# How the onnxruntime runner multiplies by a quantized engine's weights (EngineOptions).
+QUANTIZED_MATMUL_MODES = ("auto", "int8", "fp32")
+
 
 @dataclass
 class StepInput:

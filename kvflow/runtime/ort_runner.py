@@ -22,8 +22,7 @@ from onnx import helper
 from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins.paged_attention_native import paged_attention_native
 from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
-from kvflow.runtime import QUANTIZED_MATMUL_MODES
-from kvflow.runtime.base import PoolRunner, StepInput
+from kvflow.runtime.base import QUANTIZED_MATMUL_MODES, PoolRunner, StepInput
 from kvflow.runtime.kv_cache import HostKVPool
 
 ONNX_FILE = "model.onnx"

@@ -24,15 +24,15 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Collection, Mapping
 
 from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.options import EngineOptions
+from kvflow.orchestrator.options import POLICIES, EngineOptions
 from kvflow.orchestrator.outputs import OVERLOADED_PREFIX
 from kvflow.orchestrator.request import Request, RequestStatus, SequenceGroup
 from kvflow.orchestrator.scheduler.output import (
     Clock,
     Rejection,
+    RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -261,19 +261,15 @@ class Scheduler:
             self._deadlines = [e for e in heap if not (e[2].group or e[2]).is_finished]
             heapq.heapify(self._deadlines)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
-                           stop_strings: Mapping[str, str] | None = None,
-                           grammar_done: Collection[str] = ()) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput,
+                           result: RunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish what stopped.
 
-        ``sampled`` maps request ids to the token sampled for them this step (requests whose
-        chunk did not reach the end of the sequence sample nothing); ``stop_strings`` maps
-        those whose new text completed a stop string to it; ``grammar_done`` holds those whose
-        structured output is complete. Each request's
-        :meth:`Request.check_stop` decides; this is where a running request finishes. Returns
-        the requests that finished.
+        ``result`` holds the token sampled for each request that reached its sequence's end,
+        the stop strings their new text completed and the structured outputs that are
+        complete. Each request's :meth:`Request.check_stop` decides; this is where a running
+        request finishes. Returns the requests that finished.
         """
-        stop_strings = stop_strings or {}
         now = self.clock()
         finished: list[Request] = []
         caching = self.kv.enable_caching
@@ -290,15 +286,14 @@ class Scheduler:
                     and request.num_computed_tokens >= request.num_prompt_tokens):
                 # Before the leader's own token: it may finish, and its blocks go with it.
                 for member in self._fork(group):
-                    self._append(member, sampled, stop_strings, grammar_done, now, finished)
-            self._append(request, sampled, stop_strings, grammar_done, now, finished)
+                    self._append(member, result, now, finished)
+            self._append(request, result, now, finished)
         return finished
 
-    def _append(self, request: Request, sampled: Mapping[str, int],
-                stop_strings: Mapping[str, str], grammar_done: Collection[str], now: float,
+    def _append(self, request: Request, result: RunnerOutput, now: float,
                 finished: list[Request]) -> None:
         """Append the request's sampled token, if it has one, and finish it if it stopped."""
-        token = sampled.get(request.request_id)
+        token = result.sampled_token_ids.get(request.request_id)
         if token is None:
             return
         request.append_output_token(token)
@@ -307,8 +302,8 @@ class Scheduler:
             m.first_token_time = now
         m.last_token_time = now
         m.token_times.append(now)
-        status = request.check_stop(stop_strings.get(request.request_id),
-                                    request.request_id in grammar_done)
+        status = request.check_stop(result.stop_strings.get(request.request_id),
+                                    request.request_id in result.grammar_done)
         if status is not None:
             self.finish_request(request, status)
             finished.append(request)
@@ -718,6 +713,8 @@ SCHEDULERS: dict[str, type[Scheduler]] = {
     **{name: ContinuousScheduler for name in QUEUE_POLICIES},
     "static": StaticBatchScheduler,
 }
+# NOTE: the options name the policies (for validation and the CLI); each has a class here.
+assert set(SCHEDULERS) == set(POLICIES), (sorted(SCHEDULERS), POLICIES)
 
 
 def make_scheduler(config: EngineOptions, kv: KVCacheManager,

@@ -2,7 +2,9 @@
 
 :class:`SchedulerOutput` is the one handoff from scheduler to runner (vLLM v1's): the
 :class:`ScheduledRequest` chunks of the step, the preempted requests, the timed-out ones and
-the ordered block transfers. :class:`Rejection` is admission's answer to a request it refuses.
+the ordered block transfers. :class:`RunnerOutput` is the one handoff back (vLLM's
+``ModelRunnerOutput``): the tokens the step sampled, and what postprocessing found in them.
+:class:`Rejection` is admission's answer to a request it refuses.
 """
 
 from __future__ import annotations
@@ -101,6 +103,22 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    """One step's result, handed back to :meth:`Scheduler.update_from_output`.
+
+    Attributes:
+        sampled_token_ids: request id -> the token sampled for it this step (a request whose
+            chunk did not reach the end of its sequence sampled nothing).
+        stop_strings: request id -> the stop string its new text completed.
+        grammar_done: the requests whose structured output is complete.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    stop_strings: dict[str, str] = field(default_factory=dict)
+    grammar_done: set[str] = field(default_factory=set)
 
 
 class Rejection(NamedTuple):

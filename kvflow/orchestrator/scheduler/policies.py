@@ -216,10 +216,3 @@ class FairShare(QueuePolicy):
 QUEUE_POLICIES: dict[str, type[QueuePolicy]] = {
     p.name: p for p in (QueuePolicy, PriorityPolicy, CacheAware, ShortestJobFirst, FairShare)}
 
-
-def jain_index(values: Sequence[float]) -> float:
-    """Jain's fairness index of ``values`` (e.g. the tenants' service rates): 1 when all are
-    equal, 1/n when one has everything."""
-    total = sum(values)
-    squares = sum(v * v for v in values)
-    return total * total / (len(values) * squares) if squares > 0 else 1.0
