@@ -316,7 +316,7 @@ def hf_baseline(label: str, cfg: Any) -> None:
 def check_tensorrt() -> None:
     """Build a TensorRT engine of the default model's shape (random weights, bf16), then run
     the same steps through it and through the Triton runner: logits compared, decode timed."""
-    from kvflow.build.engine import tensorrt_available
+    from kvflow.build.builder import tensorrt_available
 
     reason = tensorrt_available()
     if reason:
@@ -326,7 +326,7 @@ def check_tensorrt() -> None:
 
     import numpy as np
 
-    from kvflow.build.engine import write_graph_artifacts
+    from kvflow.build.builder import write_graph_artifacts
     from kvflow.build.engine_config import BuildLimits, EngineConfig
     from kvflow.kv_manager import KVCacheManager
     from kvflow.model.llama import LlamaForCausalLM

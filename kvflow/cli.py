@@ -53,7 +53,7 @@ def add_build_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_build_engine(args: argparse.Namespace) -> int:
-    from kvflow.build.engine import build_engine
+    from kvflow.build.builder import build_engine
 
     build_engine(args.model, args.output, backend=args.backend, dtype=args.dtype,
                  max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,

@@ -91,7 +91,7 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
 @pytest.fixture(scope="session")
 def tiny_engines(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Path]:
     """(model name, backend) -> engine folder, for both CPU backends."""
-    from kvflow.build.engine import build_engine
+    from kvflow.build.builder import build_engine
 
     root = tmp_path_factory.mktemp("engines")
     out = {}
@@ -109,7 +109,7 @@ def tiny_engines(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Path]:
 def default_engines(tmp_path_factory) -> dict[str, Path]:
     """backend -> engine folder of the default model (SmolLM2-135M-Instruct), both CPU backends."""
     pytest.importorskip("torch")
-    from kvflow.build.engine import build_engine
+    from kvflow.build.builder import build_engine
     from kvflow.model.loader import default_model_path, load_checkpoint
 
     try:

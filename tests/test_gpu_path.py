@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 import onnx  # noqa: E402
 
-from kvflow.build.engine import tensorrt_available  # noqa: E402
+from kvflow.build.builder import tensorrt_available  # noqa: E402
 from kvflow.build.engine_config import BuildLimits  # noqa: E402
 from kvflow.build.export import export_onnx  # noqa: E402
 from kvflow.model.config import ModelConfig  # noqa: E402
@@ -60,7 +60,7 @@ def test_tensorrt_engine_matches_onnx_runtime(tiny_models, tmp_path):  # pragma:
     import numpy as np
 
     from kvflow import LLM, SamplingParams
-    from kvflow.build.engine import build_engine
+    from kvflow.build.builder import build_engine
 
     folder = tiny_models["llama-gqa4"][0]
     engines = {}

@@ -57,7 +57,7 @@ def quantized_tiny(tiny_models, tmp_path_factory):
     """(name, scheme) -> (engine folder, HF model holding the dequantized weights)."""
     import torch
 
-    from kvflow.build.engine import _quantized_weights, build_engine
+    from kvflow.build.builder import _quantized_weights, build_engine
     from kvflow.model.loader import load_checkpoint
 
     root = tmp_path_factory.mktemp("quantized")
@@ -127,7 +127,7 @@ def test_default_engine_keeps_the_gguf_4bit_weights(default_engines):
 
 
 def test_quantize_needs_the_onnxruntime_backend(tiny_models, tmp_path):
-    from kvflow.build.engine import build_engine
+    from kvflow.build.builder import build_engine
     from kvflow.build.engine_config import EngineConfigError
 
     folder, _ = tiny_models["llama-gqa4"]

@@ -92,7 +92,7 @@ def calibration_engine(tiny_models, tmp_path_factory):
     """A tiny random-weight engine with room for the whole calibration grid (prefills of 512,
     decode batches of 32): the calibration's code paths at a fraction of the default model's
     time. The real model's figures are a measurement (docs/simulator.md), not a test."""
-    from kvflow.build.engine import build_engine
+    from kvflow.build.builder import build_engine
 
     path = tmp_path_factory.mktemp("calibration-engine") / "engine"
     build_engine(str(tiny_models["llama-gqa4"][0]), path, backend="onnxruntime",

@@ -45,7 +45,7 @@ def _median_s(fn, repeats: int) -> float:
 
 
 def _ensure_engine(model: str, root: Path, backend: str, max_len: int) -> Path:
-    from kvflow.build.engine import build_engine
+    from kvflow.build.builder import build_engine
     from kvflow.build.engine_config import ENGINE_CONFIG_FILE
 
     path = root / backend

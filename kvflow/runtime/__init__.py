@@ -34,7 +34,7 @@ def create_runner(name: str | None, engine_dir: str | Path, num_blocks: int,
         return TritonRunner(engine_dir, engine, num_blocks, num_host_blocks,
                             cuda_graphs=cuda_graphs)
     if name == "tensorrt":
-        from kvflow.build.engine import tensorrt_available
+        from kvflow.build.builder import tensorrt_available
 
         reason = tensorrt_available()
         if reason:
