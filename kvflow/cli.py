@@ -212,7 +212,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
 
 
 def run_trace_summarize(args: argparse.Namespace) -> int:
-    from kvflow.observability.trace import summarize
+    from kvflow.observability.trace_summary import summarize
 
     print(summarize(args.file, args.top))
     return 0

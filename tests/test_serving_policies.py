@@ -17,7 +17,7 @@ from tests.test_serving import DEADLINE_S, metric, scrape, wait_for  # noqa: E40
 def fair_server(default_engines, tmp_path_factory):
     """``fair`` with one sequence at a time, so that the admission order is the finish order.
     Its step timeline is written at shutdown, and holds the timeout."""
-    from kvflow.observability.trace import load
+    from kvflow.observability.trace_summary import load
     from kvflow.triton_backend.server import ServerConfig, TritonServer
 
     trace = tmp_path_factory.mktemp("fair") / "steps.json"

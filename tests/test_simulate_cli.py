@@ -256,7 +256,7 @@ def test_validate_runs_the_real_server_and_the_simulator_on_the_same_requests(
     assert engine_alone["summary"]["completed"] == 8
     assert set(result["errors_vs_engine_alone"]) >= {"mean TTFT", "mean TPOT"}
     # The two step timelines, side by side: the same requests, each ended once.
-    from kvflow.observability.trace import load
+    from kvflow.observability.trace_summary import load
 
     for part, source, expected in (("real", "engine", 9), ("sim", "simulator", 8)):
         doc = load(tmp_path / part / "steps.json")  # real: the warm-up request too

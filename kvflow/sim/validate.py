@@ -29,7 +29,7 @@ from kvflow.bench.serve import (
     write_serve_report,
 )
 from kvflow.bench.workloads import RequestSpec
-from kvflow.observability.trace import summarize
+from kvflow.observability.trace_summary import summarize
 from kvflow.sim.calibrate import COST_MODEL_FILE
 from kvflow.sim.cost_model import LinearCostModel
 from kvflow.sim.simulator import run_in_real_time, simulate, timing_of
@@ -182,7 +182,7 @@ def plot_timelines(path: Path, traces: list[tuple[str, Path]]) -> str:
     """The step timelines one above the other: each step a bar as long as it lasted,
     coloured by kind, and the running requests under them."""
     from kvflow.bench.report import pyplot, save_figure
-    from kvflow.observability.trace import load
+    from kvflow.observability.trace_summary import load
 
     plt = pyplot()
     fig, axes = plt.subplots(len(traces), 1, figsize=(13, 2.4 * len(traces)), sharex=True,

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.observability.trace import SignalWatch
 from kvflow.orchestrator.async_engine import EngineLoop
 from kvflow.orchestrator.options import options_from_parameters
 from kvflow.orchestrator.outputs import CompletionOutput, RequestOutput
@@ -32,6 +31,7 @@ from kvflow.triton_backend.params import (
     ParsedRequest,
     parse_request,
 )
+from kvflow.triton_backend.signals import SignalWatch
 
 # The backend's own model parameters (a hand-written repository's; `kvflow serve` writes the
 # paths into SERVE_FILE instead, out of clients' sight, and the name the OpenAI frontend serves

@@ -1,0 +1,161 @@
+"""The step ring as Chrome Trace Event JSON, the format Perfetto (ui.perfetto.dev) and
+chrome://tracing open. Pure Python.
+
+:func:`trace_events` draws:
+
+* one track for the engine: each step a slice named by what it carried (``prefill``,
+  ``decode`` or ``mixed``), with its schedule, model, sample and postprocess phases nested in
+  it, and counter tracks for KV usage, the queue and the tokens of each step;
+* one track per request (per sequence of an ``n > 1`` request): ``waiting``, each
+  ``prefill`` (or ``recompute``, after a preemption) chunk, ``decode`` runs, ``preempted``
+  spells and a ``finished`` mark carrying the reason.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the ring imports this renderer: its types are for the checker only
+    from kvflow.observability.trace import Finish, StepRecord
+
+# The slices between a StepRecord's five ``times``, in order.
+PHASES = ("schedule", "model", "sample", "postprocess")
+REQUEST_PHASES = ("waiting", "prefill", "recompute", "decode", "preempted")
+MAX_LISTED = 64  # requests named in one step's args, at most
+ENGINE_PID, REQUESTS_PID = 1, 2
+
+
+def trace_events(steps: list[StepRecord],
+                 pending: list[Finish] | None = None) -> list[dict[str, Any]]:
+    """The Trace Event list of these steps (timestamps in microseconds from the first)."""
+    events: list[dict[str, Any]] = [
+        _meta(ENGINE_PID, None, "process_name", "kvflow engine"),
+        _meta(ENGINE_PID, 1, "thread_name", "steps"),
+        _meta(REQUESTS_PID, None, "process_name", "requests"),
+    ]
+    pending = pending or []
+    ends = [f for rec in steps for f in rec.finished] + pending
+    times = [t for f in ends for t in (f[2], f[3]) if t is not None]
+    times += [e[3] for rec in steps for e in rec.entries if e[3] is not None]
+    if steps:
+        times.append(steps[0].times[0])
+    if not times:
+        return events
+    # Time 0: the earliest moment shown (the first step kept, an arrival, an end before it).
+    origin = min(times)
+
+    def us(t: float) -> float:
+        return round((t - origin) * 1e6, 3)
+
+    tids: dict[str, int] = {}
+    tracks = _RequestTracks(events, us)
+    for rec in steps:
+        t0, *_, t4 = rec.times
+        prefill = sum(n for _, kind, n, _, _ in rec.entries if kind != "decode")
+        decode = sum(1 for _, kind, _, _, _ in rec.entries if kind == "decode")
+        name = "mixed" if prefill and decode else "prefill" if prefill else "decode"
+        listed = [f"{rid} {kind} {n}" for rid, kind, n, _, _ in rec.entries[:MAX_LISTED]]
+        events.append({
+            "ph": "X", "pid": ENGINE_PID, "tid": 1, "name": name, "cat": "step",
+            "ts": us(t0), "dur": us(t4) - us(t0),
+            "args": {"step": rec.index, "prefill_tokens": prefill, "decode_tokens": decode,
+                     "seqs": len(rec.entries), "requests": listed,
+                     "more_requests": max(len(rec.entries) - MAX_LISTED, 0),
+                     "preempted": rec.preempted, **rec.transfers,
+                     "kv_usage": round(rec.kv_usage, 4), "kv_blocks_used": rec.kv_blocks_used,
+                     "running": rec.running, "waiting": rec.waiting,
+                     "finished": [f"{f[0]} {f[1]}" for f in rec.finished]}})
+        for phase, (a, b) in zip(PHASES, zip(rec.times, rec.times[1:], strict=False), strict=True):
+            events.append({"ph": "X", "pid": ENGINE_PID, "tid": 1, "name": phase,
+                           "cat": "phase", "ts": us(a), "dur": us(b) - us(a)})
+        events += [
+            {"ph": "C", "pid": ENGINE_PID, "name": "KV cache", "ts": us(t4),
+             "args": {"usage": round(rec.kv_usage, 4)}},
+            {"ph": "C", "pid": ENGINE_PID, "name": "requests", "ts": us(t4),
+             "args": {"running": rec.running, "waiting": rec.waiting}},
+            {"ph": "C", "pid": ENGINE_PID, "name": "tokens", "ts": us(t0),
+             "args": {"prefill": prefill, "decode": decode}}]
+        for rid in rec.preempted:
+            tracks.preempt(_tid(tids, events, rid), t0)
+        for rid, kind, n, arrival, sampled in rec.entries:
+            tracks.run(_tid(tids, events, rid), rec, kind, n, arrival, sampled)
+        for rid, reason, t, arrival in rec.finished:
+            tracks.finish(_tid(tids, events, rid), reason, t, arrival)
+    for rid, reason, t, arrival in pending:
+        tracks.finish(_tid(tids, events, rid), reason, t, arrival)
+    tracks.close_all(steps[-1].times[-1] if steps else origin)
+    return events
+
+
+def _meta(pid: int, tid: int | None, name: str, value: str) -> dict[str, Any]:
+    event: dict[str, Any] = {"ph": "M", "pid": pid, "name": name, "args": {"name": value}}
+    if tid is not None:
+        event["tid"] = tid
+    return event
+
+
+def _tid(tids: dict[str, int], events: list[dict[str, Any]], rid: str) -> int:
+    tid = tids.get(rid)
+    if tid is None:
+        tid = tids[rid] = len(tids) + 1
+        events.append(_meta(REQUESTS_PID, tid, "thread_name", f"req {rid}"))
+    return tid
+
+
+class _RequestTracks:
+    """Each request's state while the steps are walked, emitting its slices."""
+
+    def __init__(self, events: list[dict[str, Any]], us: Any) -> None:
+        self.events, self.us = events, us
+        self.since: dict[int, tuple[str, float]] = {}  # tid -> (waiting|preempted, since)
+        self.decoding: dict[int, list[float]] = {}  # tid -> [start, end, tokens]
+
+    def _slice(self, tid: int, name: str, a: float, b: float, **args: Any) -> None:
+        event = {"ph": "X", "pid": REQUESTS_PID, "tid": tid, "name": name, "cat": "request",
+                 "ts": self.us(a), "dur": max(self.us(b) - self.us(a), 0.0)}
+        if args:
+            event["args"] = args
+        self.events.append(event)
+
+    def _end_decode(self, tid: int) -> None:
+        run = self.decoding.pop(tid, None)
+        if run is not None:
+            self._slice(tid, "decode", run[0], run[1], tokens=int(run[2]))
+
+    def _end_wait(self, tid: int, t: float) -> None:
+        state = self.since.pop(tid, None)
+        if state is not None:
+            self._slice(tid, state[0], state[1], t)
+
+    def preempt(self, tid: int, t: float) -> None:
+        self._end_decode(tid)
+        self.since[tid] = ("preempted", t)
+
+    def run(self, tid: int, rec: StepRecord, kind: str, n: int, arrival: float | None,
+            sampled: bool) -> None:
+        t0, t4 = rec.times[0], rec.times[-1]
+        if arrival is not None:
+            self.since[tid] = ("waiting", arrival)
+        self._end_wait(tid, t0)
+        if kind == "decode":
+            run = self.decoding.setdefault(tid, [t0, t4, 0])
+            run[1] = t4
+            run[2] += 1
+            return
+        self._end_decode(tid)
+        self._slice(tid, kind, t0, t4, tokens=n, step=rec.index, sampled=sampled)
+
+    def finish(self, tid: int, reason: str, t: float, arrival: float | None) -> None:
+        if arrival is not None and tid not in self.since:
+            self.since[tid] = ("waiting", arrival)
+        self._end_decode(tid)
+        self._end_wait(tid, t)
+        self.events.append({"ph": "i", "s": "t", "pid": REQUESTS_PID, "tid": tid,
+                            "name": "finished", "cat": "request", "ts": self.us(t),
+                            "args": {"reason": reason}})
+
+    def close_all(self, t: float) -> None:
+        for tid in list(self.decoding):
+            self._end_decode(tid)
+        for tid in list(self.since):
+            self._end_wait(tid, t)
