@@ -20,7 +20,12 @@ from typing import Any
 from kvflow import envs
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.input_processor import PreparedPrompt
-from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, RequestOutput
+from kvflow.orchestrator.outputs import (
+    ENGINE_ERROR_PREFIX,
+    ErrorCode,
+    RequestOutput,
+    error_code_of,
+)
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.text.tokenizer import Prompt
 
@@ -108,8 +113,8 @@ class EngineLoop:
                 self._pending[request_id] = sub
                 self._preparers.submit(self._prepare, sub)
                 return
-        callback(RequestOutput.failed(request_id, self._stopped_message(), "engine_error",
-                                      params.n))
+        callback(RequestOutput.failed(request_id, self._stopped_message(),
+                                      ErrorCode.ENGINE_ERROR, params.n))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -164,31 +169,29 @@ class EngineLoop:
             return
         if isinstance(prepared, ValueError):
             self.engine.count_refused(prepared)
-            code = ("engine_error" if str(prepared).startswith(ENGINE_ERROR_PREFIX)
-                    else "bad_request")
-            self._deliver(callback, RequestOutput.failed(request_id, str(prepared), code,
-                                                         params.n))
+            self._deliver(callback, RequestOutput.failed(
+                request_id, str(prepared), error_code_of(prepared), params.n))
             return
         if isinstance(prepared, Exception):  # a tokenizer or template bug: this request's
             log.exception("kvflow: preparing request %s failed", request_id,
                           exc_info=prepared)
             self._deliver(callback, RequestOutput.failed(
                 request_id, f"{ENGINE_ERROR_PREFIX}: preparing the request failed: "
-                f"{prepared!r}", "engine_error", params.n))
+                f"{prepared!r}", ErrorCode.ENGINE_ERROR, params.n))
             return
         try:
             _, rejected = self.engine.add_request(prepared, params, request_id, sub.priority,
                                                   arrival_time=sub.arrival,
                                                   cache_salt=sub.cache_salt, tenant=sub.tenant)
         except ValueError as e:
-            self._deliver(callback, RequestOutput.failed(request_id, str(e), "bad_request",
-                                                         params.n))
+            self._deliver(callback, RequestOutput.failed(request_id, str(e),
+                                                         error_code_of(e), params.n))
             return
         except Exception as e:  # noqa: BLE001  this request's failure, not the loop's
             log.exception("kvflow: admitting request %s failed", request_id)
             self._deliver(callback, RequestOutput.failed(
                 request_id, f"{ENGINE_ERROR_PREFIX}: admitting the request failed: {e!r}",
-                "engine_error", params.n))
+                ErrorCode.ENGINE_ERROR, params.n))
             return
         if rejected is not None:
             self._deliver(callback, rejected)
@@ -329,17 +332,18 @@ class EngineLoop:
             try:
                 out = self.engine.abort_request(request_id)
             except Exception:  # noqa: BLE001  (a broken engine: the waiter still hears)
-                out = RequestOutput.failed(request_id, message, "engine_error")
+                out = RequestOutput.failed(request_id, message, ErrorCode.ENGINE_ERROR)
             if out is not None:
                 if self.error is not None:
-                    out.error, out.error_code = message, "engine_error"
+                    out.error, out.error_code = message, ErrorCode.ENGINE_ERROR
                 self._deliver(callback, out)
         self._callbacks.clear()
         self._cancel_checks.clear()
         for sub in pending:
             sub.done = True
             self._deliver(sub.callback, RequestOutput.failed(sub.request_id, message,
-                                                             "engine_error", sub.params.n))
+                                                             ErrorCode.ENGINE_ERROR,
+                                                             sub.params.n))
         # Calls still in the inbox will never run (their adds were answered above).
         while True:
             try:

@@ -13,8 +13,8 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
@@ -22,59 +22,34 @@ from kvflow.kv_manager import KVCacheManager
 from kvflow.observability.trace import Entry, Finish, StepRecord, StepTracer
 from kvflow.orchestrator.input_processor import InputProcessor, PreparedPrompt
 from kvflow.orchestrator.options import EngineOptions
+from kvflow.orchestrator.output_processor import OutputProcessor, SampledTokens, _state
 from kvflow.orchestrator.outputs import (
-    ENGINE_ERROR_PREFIX,
-    CompletionOutput,
     EngineCounters,
+    ErrorCode,
     RequestOutput,
     StepStats,
+    error_code_of,
 )
-from kvflow.orchestrator.request import Request, RequestMetrics, RequestStatus, SequenceGroup
-from kvflow.orchestrator.sampling.params import MAX_SEED, SamplingParams
-from kvflow.orchestrator.sampling.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from kvflow.orchestrator.sampling.structured import Grammar, allocate_bitmask, fill_bitmasks
-from kvflow.orchestrator.scheduler.core import make_scheduler
-from kvflow.orchestrator.scheduler.output import (
-    TRANSFER_KINDS,
-    Clock,
-    RunnerOutput,
-    SchedulerOutput,
-)
+from kvflow.orchestrator.request import Request, RequestStatus, SequenceGroup
+from kvflow.orchestrator.sampling.params import SamplingParams
+from kvflow.orchestrator.sampling.sampler import Sampler, SamplingRow
+from kvflow.orchestrator.sampling.structured import allocate_bitmask, fill_bitmasks
+from kvflow.orchestrator.scheduler.output import TRANSFER_KINDS, Clock, SchedulerOutput
+from kvflow.orchestrator.scheduler.registry import make_scheduler
 from kvflow.runtime.base import ModelRunner
 from kvflow.runtime.step_builder import SeqChunk, build_step, build_step_shape
-from kvflow.text.detokenizer import IncrementalDetokenizer
 from kvflow.text.tokenizer import EngineTokenizer, Prompt
 
 
-class _RequestState:
-    """Engine-side state of a live request (the scheduler owns the rest)."""
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """When each stage of one step began, and when the step ended (the engine's clock)."""
 
-    __slots__ = ("detok", "generator", "grammar", "text", "logprobs", "emitted_tokens")
-
-    def __init__(self, detok: IncrementalDetokenizer | None, generator: np.random.Generator,
-                 want_logprobs: bool, grammar: Grammar | None = None) -> None:
-        self.detok = detok
-        self.generator = generator
-        self.grammar = grammar  # the structured output's state, advanced token by token
-        self.text = ""
-        self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
-        self.emitted_tokens = 0
-
-    def flush(self) -> str:
-        """At the sequence's end: the text the detokenizer held back for a possible stop
-        string (none once a stop string was found: the text ends there)."""
-        if self.detok is None or self.detok.stopped:
-            return ""
-        return self.detok.finish()
-
-
-class _Sampled(NamedTuple):
-    """The sampling stage's result: the requests that sampled, their tokens, the sampler's
-    output (logprobs), in one order."""
-
-    requests: list[Request]
-    token_ids: list[int]
-    output: SamplerOutput | None
+    start: float
+    scheduled: float  # scheduling done, the runner starts
+    executed: float  # the runner done, sampling starts
+    sampled: float  # sampling done, postprocessing starts
+    end: float
 
 
 class LLMEngine:
@@ -100,20 +75,21 @@ class LLMEngine:
         self.config = options
         self.clock = clock
         self.eos_token_ids = tuple(eos_token_ids)
-        self.kv = KVCacheManager(runner.num_blocks, runner.engine.limits.block_size,
+        self.kv = KVCacheManager(runner.num_blocks, runner.block_size,
                                  enable_caching=options.enable_prefix_caching,
                                  num_host_blocks=runner.num_host_blocks,
-                                 bytes_per_block=runner.engine.kv_bytes_per_block)
+                                 bytes_per_block=runner.kv_bytes_per_block)
         self.scheduler = make_scheduler(options, self.kv, clock)
-        self.sampler = Sampler(runner.engine.model.vocab_size, self.eos_token_ids)
-        self.states: dict[str, _RequestState] = {}
+        self.sampler = Sampler(runner.vocab_size, self.eos_token_ids)
         self.step_stats: deque[StepStats] = deque(maxlen=stats_window)
-        self.counters = EngineCounters()  # written by this engine alone
+        self.counters = EngineCounters()  # written by this engine (and its output processor)
         self._ids = itertools.count()
         # Tokenizing and grammar compiling: thread-safe, so the served loop runs it elsewhere.
-        self.inputs = InputProcessor(tokenizer, runner.engine.model.vocab_size,
+        self.inputs = InputProcessor(tokenizer, runner.vocab_size,
                                      self.eos_token_ids, options.max_model_len,
                                      check_token_ids=runner.reads_token_ids)
+        # Text, logprobs and outputs: the one owner of each live sequence's output state.
+        self.outputs = OutputProcessor(tokenizer, self.counters)
         # The step timeline (trace_steps); None: no step is recorded, tracing costs nothing.
         self.tracer = (StepTracer(options.trace_steps, options.trace_max_steps, trace_source)
                        if options.trace_steps else None)
@@ -162,22 +138,13 @@ class LLMEngine:
         if not self.scheduler.add_request(request):
             assert request.reject_cause is not None  # every rejection names its cause
             self.counters.rejected_by_cause[request.reject_cause] += 1
-            return request, self._output(request, {})
-        for seq in seqs:
-            detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
-                                               params.skip_special_tokens, params.stop)
-            # Sequence j of a seeded request draws from its own stream, seed + j.
-            seed = None if params.seed is None else (params.seed + seq.index) % (MAX_SEED + 1)
-            self.states[seq.request_id] = _RequestState(detok, make_generator(seed),
-                                                        params.logprobs is not None,
-                                                        grammars[seq.index])
+            return request, self.outputs.output(request)
+        self.outputs.add_request(seqs, grammars)
         return request, None
 
-    def count_refused(self, error: ValueError) -> None:
+    def count_refused(self, error: Exception) -> None:
         """Count a request refused while it was prepared: bad input, unless the engine's."""
-        if not str(error).startswith(ENGINE_ERROR_PREFIX):
+        if error_code_of(error) == ErrorCode.BAD_REQUEST:
             self.counters.rejected_by_cause["bad_request"] += 1
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -190,7 +157,7 @@ class LLMEngine:
             for seq in request.group.seqs if request.group is not None else [request]:
                 if seq.status == RequestStatus.FINISHED_ABORTED:
                     self._trace_end(seq, "abort", now)
-        return self._output(request, {})
+        return self.outputs.output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -221,7 +188,7 @@ class LLMEngine:
         sampled = self._sample(sched, logits, greedy)
         t3 = self.clock()
         outputs = self._postprocess(sched, sampled)
-        self._record(sched, outputs, sampled, (t0, t1, t2, t3, self.clock()))
+        self._record(sched, outputs, sampled, StepTimes(t0, t1, t2, t3, self.clock()))
         outputs = timed_out + outputs
         if self.config.debug_checks:
             self.scheduler.check_integrity()
@@ -239,7 +206,7 @@ class LLMEngine:
                 self.runner.swap_out(pairs)
             else:
                 self.runner.swap_in(pairs)
-        self.counters.preemptions += len(sched.preempted)
+        self.counters.preemptions += len(sched.preempted)  # NOTE: the one count of them
         return sched
 
     def _execute(self, sched: SchedulerOutput) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -256,10 +223,10 @@ class LLMEngine:
         return self.runner.execute(step), None
 
     def _sample(self, sched: SchedulerOutput, logits: np.ndarray | None,
-                greedy: np.ndarray | None) -> _Sampled:
+                greedy: np.ndarray | None) -> SampledTokens:
         requests = [s.request for s in sched.scheduled if s.sample]
         if not requests:
-            return _Sampled([], [], None)
+            return SampledTokens([], [])
         # A group's first token: the leader's logits row is every parked member's too (each
         # samples it with its own stream), and the scheduler forks them when it appends.
         first = [r for r in requests if r.group is not None and r.group.parked
@@ -279,64 +246,31 @@ class LLMEngine:
                 greedy = greedy[row_of]
         if logits is None:
             assert greedy is not None
-            return _Sampled(requests, greedy.tolist(), None)
-        states = [self.states[r.request_id] for r in requests]
+            return SampledTokens(requests, greedy.tolist())
+        states = [_state(r) for r in requests]
         rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
                             st.generator) for r, st in zip(requests, states, strict=True)]
-        constrained = [k for k, st in enumerate(states) if st.grammar is not None]
-        if constrained:  # the grammars' next-token masks, for their rows alone
-            bitmask = allocate_bitmask(len(constrained), self.sampler.vocab_size)
-            fill_bitmasks([states[k].grammar for k in constrained],  # type: ignore[misc]
-                          bitmask)
-            for j, k in enumerate(constrained):
+        grammars = [(k, st.grammar) for k, st in enumerate(states) if st.grammar is not None]
+        if grammars:  # the grammars' next-token masks, for their rows alone
+            bitmask = allocate_bitmask(len(grammars), self.sampler.vocab_size)
+            fill_bitmasks([g for _, g in grammars], bitmask)
+            for j, (k, _) in enumerate(grammars):
                 rows[k].bitmask = bitmask[j]
         out = self.sampler.sample(logits, rows)
-        return _Sampled(requests, out.token_ids, out)
+        return SampledTokens(requests, out.token_ids, out)
 
-    def _postprocess(self, sched: SchedulerOutput, sampled: _Sampled) -> list[RequestOutput]:
-        """Detokenize the new tokens (finding stop strings), hand the tokens to the scheduler,
-        which appends them and finishes the requests that stopped, then build the outputs."""
-        deltas: list[str] = []
-        stop_strings: dict[str, str] = {}
-        grammar_done: set[str] = set()
-        for request, token in zip(sampled.requests, sampled.token_ids, strict=True):
-            state = self.states[request.request_id]
-            detok = state.detok
-            deltas.append(detok.step([token]) if detok is not None else "")
-            if detok is not None and detok.stopped:
-                stop_strings[request.request_id] = detok.stop_reason or ""
-            # NOTE: a token the grammar refuses (it cannot be sampled: the mask bans it) would
-            # leave the matcher in error, and is_stopped then ends the sequence.
-            if state.grammar is not None and (not state.grammar.accept(token)
-                                              or state.grammar.is_stopped):
-                grammar_done.add(request.request_id)
-        tokens = {r.request_id: t for r, t in zip(sampled.requests, sampled.token_ids,
-                                                  strict=True)}
-        self.scheduler.update_from_output(
-            sched, RunnerOutput(tokens, stop_strings, grammar_done))
-        # One output per request (a group's sequences together), in the order they sampled.
-        new: dict[str, dict[int, tuple[int | None, str]]] = {}
-        leaders: dict[str, Request] = {}
-        for row, (request, token) in enumerate(zip(sampled.requests, sampled.token_ids,
-                                                   strict=True)):
-            state = self.states[request.request_id]
-            delta = deltas[row]
-            logprob = sampled.output.logprobs[row] if sampled.output is not None else None
-            if state.logprobs is not None and sampled.output is not None and logprob is not None:
-                entry = dict(sampled.output.top_logprobs[row] or [])
-                entry[token] = logprob
-                state.logprobs.append(entry)
-            if request.is_finished:
-                delta += state.flush()
-            state.text += delta
-            new.setdefault(request.parent_id, {})[request.index] = (token, delta)
-            leaders.setdefault(request.parent_id,
-                               request.group.seqs[0] if request.group else request)
-        return [self._output(leaders[pid], news) for pid, news in new.items()]
+    def _postprocess(self, sched: SchedulerOutput,
+                     sampled: SampledTokens) -> list[RequestOutput]:
+        """Detokenize the new tokens (finding stop strings), hand the runner output to the
+        scheduler, which appends the tokens and finishes the requests that stopped, then build
+        the outputs."""
+        result, deltas = self.outputs.check_stops(sampled)
+        self.scheduler.update_from_output(sched, result)
+        return self.outputs.step_outputs(sampled, deltas)
 
-    def _record(self, sched: SchedulerOutput, outputs: list[RequestOutput], sampled: _Sampled,
-                times: tuple[float, float, float, float, float]) -> None:
-        t0, t1, t2, t3, t4 = times
+    def _record(self, sched: SchedulerOutput, outputs: list[RequestOutput],
+                sampled: SampledTokens, times: StepTimes) -> None:
+        t0, t1, t2, t3, t4 = astuple(times)
         num_decode = sched.num_decode_tokens
         num_prefill = sched.num_batched_tokens - num_decode
         c = self.counters
@@ -362,13 +296,13 @@ class LLMEngine:
         if self.tracer is not None:
             self._trace(sched, sampled, times, stats)
 
-    def _trace(self, sched: SchedulerOutput, sampled: _Sampled,
-               times: tuple[float, float, float, float, float], stats: StepStats) -> None:
+    def _trace(self, sched: SchedulerOutput, sampled: SampledTokens, times: StepTimes,
+               stats: StepStats) -> None:
         """The step's record in the timeline: each chunk (with the arrival of a request
         scheduled for the first time), the preemptions and transfers, the sequences that
         ended (a forked member may end on the token it took from its leader's row), and the
         state after it (from the step's ``stats``)."""
-        t0, t4 = times[0], times[-1]
+        t0, t4 = times.start, times.end
         entries: list[Entry] = []
         for s in sched.scheduled:
             r = s.request
@@ -386,7 +320,7 @@ class LLMEngine:
                      for kind in TRANSFER_KINDS}
         assert self.tracer is not None
         self.tracer.record(StepRecord(
-            self.counters.steps, times, entries, [r.request_id for r in sched.preempted],
+            self.counters.steps, astuple(times), entries, [r.request_id for r in sched.preempted],
             transfers, stats.kv_usage, stats.kv_blocks_used, stats.num_running,
             stats.num_waiting, finished))
 
@@ -411,63 +345,10 @@ class LLMEngine:
             self.runner.close()
 
     def _timeout_output(self, request: Request, phase: str, now: float) -> RequestOutput:
-        """The final output of a request the scheduler timed out (its partial text, the text
-        held back for a possible stop string included)."""
+        """The final output of a request the scheduler timed out, counted by its phase."""
         self.counters.timeouts_by_phase[phase] += 1
-        new: dict[int, tuple[int | None, str]] = {}
-        for seq in request.group.seqs if request.group is not None else [request]:
-            state = self.states.get(seq.request_id)
-            if seq.status != RequestStatus.FINISHED_TIMEOUT:
-                continue
-            if self.tracer is not None:
-                self._trace_end(seq, "timeout", now)
-            if state is not None:
-                delta = state.flush()
-                state.text += delta
-                new[seq.index] = (None, delta)
-        return self._output(request, new)
-
-    def _output(self, request: Request,
-                new: dict[int, tuple[int | None, str]]) -> RequestOutput:
-        """The request's output (every sequence of a group), with ``new``: per sequence index,
-        the token and text this step added. The last output of a request drops its state."""
-        seqs = request.group.seqs if request.group is not None else [request]
-        outputs = []
-        for seq in seqs:
-            state = self.states.get(seq.request_id)
-            token, delta = new.get(seq.index, (None, ""))
-            outputs.append(CompletionOutput(
-                index=seq.index, text=state.text if state is not None else "",
-                token_ids=list(seq.output_token_ids), delta_text=delta,
-                delta_token_ids=[] if token is None else [token],
-                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=state.logprobs if state is not None else None))
-        finished = all(seq.is_finished for seq in seqs)
-        if finished:
-            for seq in seqs:
-                self.states.pop(seq.request_id, None)
-            if request.status != RequestStatus.REJECTED:
-                # A group's reason: an abort or a timeout if any sequence had one (so that it
-                # matches kvflow_request_timeout_total), else its first sequence's.
-                reasons = {o.finish_reason for o in outputs}
-                reason = next((r for r in ("abort", "timeout") if r in reasons),
-                              outputs[0].finish_reason or "abort")
-                self.counters.finished_by_reason[reason] += 1
-        return RequestOutput(
-            request_id=request.parent_id, outputs=outputs, finished=finished,
-            num_prompt_tokens=request.num_prompt_tokens, metrics=_request_metrics(seqs),
-            error=request.reject_reason, error_code=request.reject_code,
-            cached_tokens=request.metrics.cached_tokens)
-
-
-def _request_metrics(seqs: list[Request]) -> RequestMetrics:
-    """The request's metrics: a single sequence's own; a group's first sequence's (its token
-    times), finished when the last sequence finished."""
-    first = seqs[0].metrics
-    if len(seqs) == 1:
-        return first
-    ends = [s.metrics.finished_time for s in seqs]
-    m = RequestMetrics(**{**first.__dict__, "token_times": list(first.token_times)})
-    m.finished_time = None if any(t is None for t in ends) else max(ends)  # type: ignore[type-var]
-    m.num_preemptions = max(s.metrics.num_preemptions for s in seqs)
-    return m
+        if self.tracer is not None:
+            for seq in request.group.seqs if request.group is not None else [request]:
+                if seq.status == RequestStatus.FINISHED_TIMEOUT:
+                    self._trace_end(seq, "timeout", now)
+        return self.outputs.timeout_output(request)

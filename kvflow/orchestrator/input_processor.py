@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX
+from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, ErrorCode, RequestError
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.orchestrator.sampling.structured import Grammar, GrammarCompiler
 from kvflow.text.tokenizer import ChatPrompt, EngineTokenizer, Prompt, tokenize_prompt
@@ -65,7 +65,8 @@ class InputProcessor:
         Raises:
             ValueError: the request cannot run (bad text, too long, ids outside the
                 vocabulary, a structured output that does not compile); the message names
-                the field. A message starting with ENGINE_ERROR_PREFIX is the engine's fault.
+                the field. A :class:`RequestError` carries whose fault (``code``); any other
+                ValueError is the request's.
         """
         self._check_length(prompt)
         prompt_ids = tokenize_prompt(self.tokenizer, prompt)
@@ -77,8 +78,9 @@ class InputProcessor:
             try:
                 grammar = self.grammar_compiler().compile(params.structured)
             except RuntimeError as e:  # the engine's fault (its tokenizer), not the request's
-                raise ValueError(f"{ENGINE_ERROR_PREFIX}: structured outputs are unavailable "
-                                 f"on this engine: {e}") from None
+                raise RequestError(f"{ENGINE_ERROR_PREFIX}: structured outputs are "
+                                   f"unavailable on this engine: {e}",
+                                   ErrorCode.ENGINE_ERROR) from None
             grammars = [grammar, *(grammar.fork() for _ in range(params.n - 1))]
         return PreparedPrompt(prompt_ids, grammars)
 

@@ -1,15 +1,43 @@
-"""What the engine hands back: per-request outputs and per-step statistics."""
+"""What the engine hands back: per-request outputs, per-step statistics, and typed errors."""
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvflow.orchestrator.request import RequestMetrics
 
-# How error messages begin, by cause: a front door that sees only the text (Triton passes a
-# decoupled model's error on without its code) tells overload and engine failure from bad input
-# by these. Any other error is the client's.
+
+class ErrorCode(enum.StrEnum):
+    """Whose fault a failed request is, carried as data from where it failed to every front
+    door (never read back from the message): each door maps it to its own status."""
+
+    BAD_REQUEST = "bad_request"  # the client's: the request can never run as asked (400)
+    OVERLOADED = "overloaded"  # the server's load: retry later (503)
+    ENGINE_ERROR = "engine_error"  # the engine's: a bug or a broken runner (500)
+
+
+class RequestError(ValueError):
+    """A request that cannot run; ``code`` says whose fault (a ValueError: bad input by
+    default)."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def error_code_of(error: BaseException) -> ErrorCode:
+    """The code of an error raised while preparing a request: a :class:`RequestError`'s own,
+    any other ValueError the client's, anything else the engine's."""
+    if isinstance(error, RequestError):
+        return error.code
+    return ErrorCode.BAD_REQUEST if isinstance(error, ValueError) else ErrorCode.ENGINE_ERROR
+
+
+# Message wording only (humans read it; no code parses it: the code is ``error_code``).
 OVERLOADED_PREFIX = "server overloaded"
 ENGINE_ERROR_PREFIX = "engine failed"
 # Why admission refused a request (the label of kvflow_request_rejected_total): bad input, a
@@ -19,26 +47,109 @@ REJECT_CAUSES = ("bad_request", "queue_full", "queue_delay")
 TIMEOUT_PHASES = ("waiting", "prefill", "decode")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One output token's log-probability and its likeliest alternatives (most likely first;
+    ties: lower id first). ``token`` and ``top_tokens`` (id -> text) are set where a front door
+    decoded them. :meth:`to_wire` / :meth:`from_wire` are the JSON object of the Triton
+    backend's ``output_logprobs`` entries, its public format."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+    token: str | None = None
+    top_tokens: dict[int, str] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"token_id": self.token_id, "logprob": self.logprob,
+                                 "top_logprobs": {str(t): lp for t, lp in self.top}}
+        if self.token is not None:
+            entry["token"] = self.token
+        if self.top_tokens is not None:
+            entry["top_tokens"] = {str(t): text for t, text in self.top_tokens.items()}
+        return entry
+
+    @classmethod
+    def from_wire(cls, entry: dict[str, Any]) -> TokenLogprobs:
+        top = sorted(((int(t), float(lp)) for t, lp in entry.get("top_logprobs", {}).items()),
+                     key=lambda kv: (-kv[1], kv[0]))
+        texts = entry.get("top_tokens")
+        return cls(int(entry["token_id"]), entry.get("logprob"), tuple(top),
+                   entry.get("token"),
+                   None if texts is None else {int(t): s for t, s in texts.items()})
+
+
 class CompletionOutput:
     """One sequence of a request (vLLM's ``CompletionOutput``): ``index`` in ``0 .. n-1``.
 
     ``text`` and ``token_ids`` are cumulative; ``delta_text`` and ``delta_token_ids`` are what
-    the last step added (empty when this sequence produced nothing in it).
+    the last step added (empty when this sequence produced nothing in it). ``logprobs``: per
+    output token, token id -> log-probability (the sampled token and the top alternatives).
+
+    The engine builds one each step for each live sequence: it passes its own, growing, token
+    list with ``num_tokens``, and ``token_ids`` copies that prefix at its first read (the
+    sequence only appends), so that a step never copies a whole output.
     """
 
-    index: int
-    text: str
-    token_ids: list[int]
-    delta_text: str
-    delta_token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None
+    __slots__ = ("index", "text", "_token_ids", "_shared", "num_tokens", "delta_text",
+                 "delta_token_ids", "finish_reason", "stop_reason", "logprobs")
+
+    def __init__(self, index: int, text: str, token_ids: Sequence[int], delta_text: str,
+                 delta_token_ids: list[int], finish_reason: str | None,
+                 stop_reason: str | int | None = None,
+                 logprobs: list[dict[int, float]] | None = None,
+                 num_tokens: int | None = None) -> None:
+        self.index = index
+        self.text = text
+        self._token_ids = token_ids
+        # num_tokens given: token_ids is a list the engine still appends to (read its prefix).
+        self._shared = num_tokens is not None
+        self.num_tokens = len(token_ids) if num_tokens is None else num_tokens
+        self.delta_text = delta_text
+        self.delta_token_ids = delta_token_ids
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        self.logprobs = logprobs
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._shared:
+            self._token_ids, self._shared = list(self._token_ids[:self.num_tokens]), False
+        return self._token_ids  # type: ignore[return-value]
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def token_logprobs(self, start: int = 0) -> list[TokenLogprobs]:
+        """The logprobs of the output tokens from ``start`` on, typed (reading only those
+        tokens' ids)."""
+        if self.logprobs is None:
+            return []
+        ids, end = self._token_ids, min(len(self.logprobs), self.num_tokens)
+        out = []
+        for i in range(start, end):
+            token, alternatives = ids[i], self.logprobs[i]
+            out.append(TokenLogprobs(token, alternatives.get(token), tuple(
+                sorted(alternatives.items(), key=lambda kv: (-kv[1], kv[0])))))
+        return out
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.index, self.text, self.token_ids, self.delta_text, self.delta_token_ids,
+                self.finish_reason, self.stop_reason, self.logprobs)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it was
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, "
+                f"token_ids={self.token_ids!r}, delta_text={self.delta_text!r}, "
+                f"delta_token_ids={self.delta_token_ids!r}, "
+                f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})")
 
 
 @dataclass(slots=True)
@@ -58,9 +169,8 @@ class RequestOutput:
     num_prompt_tokens: int
     metrics: RequestMetrics
     error: str | None = None
-    # With ``error``: "bad_request" (the client's fault), "overloaded" (retry later) or
-    # "engine_error".
-    error_code: str | None = None
+    # With ``error``: whose fault (an ErrorCode; it compares equal to its string).
+    error_code: ErrorCode | None = None
     cached_tokens: int = 0
 
     @property
@@ -94,7 +204,7 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         """Output tokens of every sequence together."""
-        return sum(len(o.token_ids) for o in self.outputs)
+        return sum(o.num_tokens for o in self.outputs)
 
     @property
     def aborted(self) -> bool:
@@ -102,7 +212,7 @@ class RequestOutput:
         return any(o.finish_reason == "abort" for o in self.outputs)
 
     @classmethod
-    def failed(cls, request_id: str, message: str | None, code: str | None, n: int = 1,
+    def failed(cls, request_id: str, message: str | None, code: ErrorCode | None, n: int = 1,
                metrics: RequestMetrics | None = None,
                finish_reason: str = "rejected") -> RequestOutput:
         """A final output for a request that ended before it ran: refused (every sequence
@@ -129,8 +239,11 @@ class EngineCounters:
 
     prompt_tokens: int = 0  # prefill tokens computed (recomputation after preemption included)
     generation_tokens: int = 0
+    # Sequences preempted (each SchedulerOutput.preempted, summed): the one count of them;
+    # a request's own is its metrics.num_preemptions.
     preemptions: int = 0
     steps: int = 0
+    # Mirrors of the scheduler's counts, refreshed at each step.
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     prefix_cache_hits: int = 0  # of which found cached
     step_time_s: float = 0.0

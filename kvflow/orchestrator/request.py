@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvflow.orchestrator.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvflow.orchestrator.output_processor import RequestState
 
 
 class RequestStatus(enum.Enum):
@@ -159,6 +163,9 @@ class Request:
         # allocates their blocks and computes only the rest; 0 once admitted, so that a
         # preemption by recompute computes them here.
         self.num_transferred_tokens = 0
+        # The engine's state of this sequence (random stream, grammar, text, logprobs): set by
+        # the OutputProcessor once the scheduler accepts it, dropped with its final output.
+        self.engine_state: RequestState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

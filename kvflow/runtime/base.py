@@ -86,6 +86,22 @@ class ModelRunner(ABC):
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
 
+    # What the engine needs of the model and the pool, so that it never reads the config.
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.engine.limits.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (logits columns past it are padding)."""
+        return self.engine.model.vocab_size
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Device bytes of one KV block, every layer's K and V."""
+        return self.engine.kv_bytes_per_block
+
     @abstractmethod
     def execute(self, step: StepInput) -> np.ndarray:
         """Run one step; returns fp32 logits ``[len(step.logits_indices), vocab_size]``."""
@@ -95,7 +111,7 @@ class ModelRunner(ABC):
         ``[len(step.logits_indices)]``, each row's most likely token. Runners that can take the
         argmax inside the model override this, so that no vocabulary-wide row leaves it."""
         logits = self.execute(step)
-        return np.argmax(logits[:, : self.engine.model.vocab_size], axis=1)
+        return np.argmax(logits[:, : self.vocab_size], axis=1)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host swap blocks: ``(device_block, host_block)`` pairs."""

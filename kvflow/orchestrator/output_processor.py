@@ -1,0 +1,215 @@
+"""Sampled tokens -> text, logprobs and :class:`RequestOutput`: the per-request output state.
+
+:class:`OutputProcessor` is the engine's postprocessing stage. Each admitted sequence gets one
+:class:`RequestState` (its random stream, its grammar, its detokenizer, its text and logprobs),
+held by the sequence itself (``Request.engine_state``): it is born when the scheduler accepts
+the request and released with the request's final output, the one place it ends, whichever
+way the request ended (a stop, an abort, a timeout). There is no second table to keep in step
+with the scheduler's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from kvflow.orchestrator.outputs import (
+    CompletionOutput,
+    EngineCounters,
+    ErrorCode,
+    RequestOutput,
+)
+from kvflow.orchestrator.request import Request, RequestMetrics, RequestStatus
+from kvflow.orchestrator.sampling.params import MAX_SEED, SamplingParams
+from kvflow.orchestrator.sampling.sampler import SamplerOutput, make_generator
+from kvflow.orchestrator.sampling.structured import Grammar
+from kvflow.orchestrator.scheduler.output import RunnerOutput
+from kvflow.text.detokenizer import IncrementalDetokenizer
+from kvflow.text.tokenizer import EngineTokenizer
+
+
+class RequestState:
+    """What the engine keeps for one live sequence beside the scheduler's fields: its random
+    stream and grammar (read by the sampling stage), and its text and logprobs so far."""
+
+    __slots__ = ("detok", "generator", "grammar", "text", "logprobs")
+
+    def __init__(self, detok: IncrementalDetokenizer | None, generator: np.random.Generator,
+                 want_logprobs: bool, grammar: Grammar | None = None) -> None:
+        self.detok = detok
+        self.generator = generator
+        self.grammar = grammar  # the structured output's state, advanced token by token
+        self.text = ""
+        self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
+
+    def flush(self) -> str:
+        """At the sequence's end: the text the detokenizer held back for a possible stop
+        string (none once a stop string was found: the text ends there)."""
+        if self.detok is None or self.detok.stopped:
+            return ""
+        return self.detok.finish()
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """The sampling stage's result, row by row: the sequences that sampled, their tokens and
+    the sampler's output (their logprobs; None when the runner took the argmax itself)."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    output: SamplerOutput | None = None
+
+
+@dataclass(slots=True)
+class NewOutput:
+    """What one step added to one sequence: its token (None: none, e.g. a timeout) and
+    text."""
+
+    token_id: int | None
+    text: str
+
+
+class OutputProcessor:
+    """Detokenizes, checks stop strings and grammars, and builds every :class:`RequestOutput`.
+
+    ``counters``: the engine's; the processor counts there the requests that end
+    (``finished_by_reason``), at their final output.
+    """
+
+    def __init__(self, tokenizer: EngineTokenizer | None, counters: EngineCounters) -> None:
+        self.tokenizer = tokenizer
+        self.counters = counters
+
+    def add_request(self, seqs: list[Request], grammars: list[Grammar | None]) -> None:
+        """Give each sequence of an admitted request its state."""
+        for seq in seqs:
+            params = seq.sampling_params
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer.tokenizer, seq.prompt_token_ids,
+                                               params.skip_special_tokens, params.stop)
+            seq.engine_state = RequestState(detok, _generator(params, seq.index),
+                                            params.logprobs is not None, grammars[seq.index])
+
+    def check_stops(self, sampled: SampledTokens) -> tuple[RunnerOutput, list[str]]:
+        """Before the scheduler appends the step's tokens: each row's new text, and the
+        runner output that tells the scheduler what stopped (a stop string the text
+        completed, a grammar that is complete or refused the token)."""
+        deltas: list[str] = []
+        result = RunnerOutput()
+        for request, token in zip(sampled.requests, sampled.token_ids, strict=True):
+            state = _state(request)
+            rid = request.request_id
+            result.sampled_token_ids[rid] = token
+            detok = state.detok
+            deltas.append(detok.step([token]) if detok is not None else "")
+            if detok is not None and detok.stopped:
+                result.stop_strings[rid] = detok.stop_reason or ""
+            # NOTE: a token the grammar refuses (it cannot be sampled: the mask bans it) would
+            # leave the matcher in error, and is_stopped then ends the sequence.
+            if state.grammar is not None and (not state.grammar.accept(token)
+                                              or state.grammar.is_stopped):
+                result.grammar_done.add(rid)
+        return result, deltas
+
+    def step_outputs(self, sampled: SampledTokens, deltas: list[str]) -> list[RequestOutput]:
+        """After the scheduler appended the tokens: one output per request (a group's
+        sequences together), in the order they sampled."""
+        new: dict[str, dict[int, NewOutput]] = {}
+        leaders: dict[str, Request] = {}
+        out = sampled.output
+        for row, (request, token) in enumerate(zip(sampled.requests, sampled.token_ids,
+                                                   strict=True)):
+            state = _state(request)
+            delta = deltas[row]
+            if state.logprobs is not None and out is not None:
+                logprob = out.logprobs[row]
+                if logprob is not None:
+                    entry = dict(out.top_logprobs[row] or [])
+                    entry[token] = logprob
+                    state.logprobs.append(entry)
+            if request.is_finished:
+                delta += state.flush()
+            state.text += delta
+            new.setdefault(request.parent_id, {})[request.index] = NewOutput(token, delta)
+            leaders.setdefault(request.parent_id,
+                               request.group.seqs[0] if request.group else request)
+        return [self.output(leaders[pid], news) for pid, news in new.items()]
+
+    def timeout_output(self, request: Request) -> RequestOutput:
+        """The final output of a request the scheduler timed out (its partial text, the text
+        held back for a possible stop string included)."""
+        new: dict[int, NewOutput] = {}
+        for seq in _seqs(request):
+            state = seq.engine_state
+            if seq.status == RequestStatus.FINISHED_TIMEOUT and state is not None:
+                delta = state.flush()
+                state.text += delta
+                new[seq.index] = NewOutput(None, delta)
+        return self.output(request, new)
+
+    def output(self, request: Request,
+               new: dict[int, NewOutput] | None = None) -> RequestOutput:
+        """The request's output (every sequence of a group), with ``new``: per sequence index,
+        what this step added. The final output releases the sequences' states."""
+        seqs = _seqs(request)
+        new = new or {}
+        outputs = []
+        for seq in seqs:
+            state = seq.engine_state
+            added = new.get(seq.index)
+            outputs.append(CompletionOutput(
+                index=seq.index, text=state.text if state is not None else "",
+                token_ids=seq.output_token_ids, num_tokens=seq.num_output_tokens,
+                delta_text=added.text if added is not None else "",
+                delta_token_ids=[] if added is None or added.token_id is None
+                else [added.token_id],
+                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=state.logprobs if state is not None else None))
+        finished = all(seq.is_finished for seq in seqs)
+        if finished:
+            for seq in seqs:
+                seq.engine_state = None  # NOTE: the one place a sequence's state ends
+            if request.status != RequestStatus.REJECTED:
+                # A group's reason: an abort or a timeout if any sequence had one (so that it
+                # matches kvflow_request_timeout_total), else its first sequence's.
+                reasons = {o.finish_reason for o in outputs}
+                reason = next((r for r in ("abort", "timeout") if r in reasons),
+                              outputs[0].finish_reason or "abort")
+                self.counters.finished_by_reason[reason] += 1
+        code = request.reject_code
+        return RequestOutput(
+            request_id=request.parent_id, outputs=outputs, finished=finished,
+            num_prompt_tokens=request.num_prompt_tokens, metrics=_request_metrics(seqs),
+            error=request.reject_reason, error_code=None if code is None else ErrorCode(code),
+            cached_tokens=request.metrics.cached_tokens)
+
+
+def _seqs(request: Request) -> list[Request]:
+    return request.group.seqs if request.group is not None else [request]
+
+
+def _state(request: Request) -> RequestState:
+    state = request.engine_state
+    assert state is not None, f"{request!r} has no state: it was never admitted, or ended"
+    return state
+
+
+def _generator(params: SamplingParams, index: int) -> np.random.Generator:
+    """Sequence ``index`` of a seeded request draws from its own stream, seed + index."""
+    seed = None if params.seed is None else (params.seed + index) % (MAX_SEED + 1)
+    return make_generator(seed)
+
+
+def _request_metrics(seqs: list[Request]) -> RequestMetrics:
+    """The request's metrics: a single sequence's own; a group's first sequence's (its token
+    times, shared, as a single sequence's are), finished when the last sequence finished."""
+    first = seqs[0].metrics
+    if len(seqs) == 1:
+        return first
+    ends = [s.metrics.finished_time for s in seqs]
+    return replace(first,
+                   finished_time=None if any(t is None for t in ends)
+                   else max(ends),  # type: ignore[type-var]
+                   num_preemptions=max(s.metrics.num_preemptions for s in seqs))
