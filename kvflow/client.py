@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import queue
 import sys
@@ -12,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.triton_backend.server import GRPC_API_KEY_HEADER, MODEL_NAME
+from kvflow import envs
+from kvflow.triton_backend.protocol import GRPC_API_KEY_HEADER, MODEL_NAME
+from kvflow.utils.args import int_arg
 
 
 @dataclass
@@ -106,7 +109,25 @@ def stream_generate(url: str, prompt: str, sampling: dict[str, Any], stream: boo
         yield from client.generate(prompt, sampling, stream, chat, request_id)
 
 
-def main(args: Any) -> int:
+def add_args(p: argparse.ArgumentParser) -> None:
+    """``kvflow generate``'s flags: the prompt, the server, the sampling parameters."""
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--url", default="localhost:8001", help="gRPC host:port")
+    p.add_argument("--chat", action="store_true",
+                   help="treat the prompt as a user message and apply the model's chat template")
+    p.add_argument("--no-stream", action="store_true", help="one response at the end")
+    p.add_argument("--max-tokens", type=int_arg, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int_arg, default=0)
+    p.add_argument("--seed", type=int_arg, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--api-key", default=envs.api_key(),
+                   help="the server's --api-key (default: $KVFLOW_API_KEY)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Stream one completion to stdout; its finish reason and token counts to stderr."""
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k}
     if args.seed is not None:

@@ -1,9 +1,9 @@
 """``kvflow cluster up``: etcd, NATS, N kvflow workers and Dynamo's frontend, on loopback.
 
-:class:`Cluster` starts each server as a child process in a session of its own, on free
-loopback ports, with its log in the cluster's folder, and stops every one of them (and their
-children) on :meth:`Cluster.stop`, on Ctrl-C, or when a start fails halfway. The tests drive the
-same class.
+:class:`Cluster` starts each server as a :class:`~kvflow.utils.procs.ManagedProcess` (a session
+of its own), on free loopback ports, with its log in the cluster's folder, and stops every one
+of them (and their children) on :meth:`Cluster.stop`, on Ctrl-C, or when a start fails halfway.
+The tests drive the same class.
 
 - **etcd** (Debian's ``etcd-server``): discovery. Workers register their endpoint and model
   there under a lease; a worker that dies loses its lease and the frontend stops routing to it.
@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvflow.triton_backend.server import ServeError, free_port, wait_for_http
+from kvflow.utils.procs import ManagedProcess, ServeError, free_port, port_open
 
 HOST = "127.0.0.1"
 ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded", "power-of-two")
@@ -80,26 +79,6 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class Proc:
-    """One child process of the cluster, with its log."""
-
-    name: str
-    popen: subprocess.Popen
-    log: Path
-    port: int | None = None
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-@dataclass
 class Cluster:
     """etcd, NATS, ``workers`` kvflow workers and one frontend per entry of ``frontends``
     (router mode -> HTTP port, 0 for a free one) serving ``engine`` under ``model_name``."""
@@ -135,24 +114,21 @@ class Cluster:
         self._own_root = self.root is None
         self.root = Path(self.root or tempfile.mkdtemp(prefix="kvflow-cluster-"))
         self.root.mkdir(parents=True, exist_ok=True)
-        self.procs: list[Proc] = []
-        self.worker_procs: list[Proc] = []
+        self.procs: list[ManagedProcess] = []
+        self.worker_procs: list[ManagedProcess] = []
         self.frontend_urls: dict[str, str] = {}
         self.env: dict[str, str] = {}
 
     # --- start ----------------------------------------------------------------------------
     def _spawn(self, name: str, cmd: list[str], port: int | None = None,
-               env: dict[str, str] | None = None) -> Proc:
+               env: dict[str, str] | None = None) -> ManagedProcess:
+        """Start ``name`` (not waiting for it), its log ``ROOT/name.log``."""
         assert self.root is not None
-        log = self.root / f"{name}.log"
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, cwd=self.root,
-                                     env={**os.environ, **LOOPBACK_ENV, **self.env, **(env or {})},
-                                     start_new_session=True)
-        proc = Proc(name, popen, log, port)
-        self.procs.append(proc)
-        return proc
+        proc = ManagedProcess(name, cmd, log_path=self.root / f"{name}.log", cwd=self.root,
+                              env={**os.environ, **LOOPBACK_ENV, **self.env, **(env or {})},
+                              port=port)
+        self.procs.append(proc)  # NOTE: before start(), so that stop() finds it whatever happens
+        return proc.start()
 
     def start(self) -> Cluster:
         """Start everything: the servers, the workers (until each answers ``/health`` as
@@ -179,8 +155,8 @@ class Cluster:
                                          "-sd", str(self.root / "nats-data")], nats)
         self.env = {"ETCD_ENDPOINTS": f"http://{HOST}:{client}",
                     "NATS_SERVER": f"nats://{HOST}:{nats}"}
-        wait_for_http(f"http://{HOST}:{client}/health", etcd.popen, 30, "etcd", "etcd")
-        self._wait_port(nats_proc, 30)
+        etcd.wait_for_http(f"http://{HOST}:{client}/health", 30, "etcd")
+        nats_proc.wait_until(lambda: port_open(HOST, nats), 30, f"its port {nats}")
         for i in range(self.workers):
             self.start_worker(i)
         # Every worker registered before a frontend starts: each sees all of them at once.
@@ -195,7 +171,7 @@ class Cluster:
             self.frontend_urls[mode] = f"http://{HOST}:{port}"
             self._wait_model(fe)
 
-    def start_worker(self, i: int) -> Proc:
+    def start_worker(self, i: int) -> ManagedProcess:
         """Start worker ``i`` (again, after :meth:`kill_worker`)."""
         system = low_free_port()  # Dynamo reads DYN_SYSTEM_PORT as an i16
         cmd = [sys.executable, "-m", "kvflow.cli", "dynamo-worker", "--engine", self.engine,
@@ -213,34 +189,16 @@ class Cluster:
             self.worker_procs.append(proc)
         return proc
 
-    def _wait_port(self, proc: Proc, timeout_s: float) -> None:
-        import socket
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not proc.alive:
-                raise ServeError(f"{proc.name} exited with code {proc.popen.returncode}:\n"
-                                 f"{proc.tail()}")
-            with contextlib.suppress(OSError), socket.create_connection((HOST, proc.port), 1):
-                return
-            time.sleep(0.1)
-        raise ServeError(f"{proc.name} did not listen on {HOST}:{proc.port} within "
-                         f"{timeout_s:.0f}s:\n{proc.tail()}")
-
-    def _wait_model(self, fe: Proc) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            for p in [fe, *self.worker_procs]:
-                if not p.alive:
-                    raise ServeError(f"{p.name} exited with code {p.popen.returncode}:\n"
-                                     f"{p.tail()}")
+    def _wait_model(self, fe: ManagedProcess) -> None:
+        """Until frontend ``fe`` lists the model (every worker still alive)."""
+        def listed() -> bool:
             with contextlib.suppress(OSError, ValueError):
                 models = get_json(f"http://{HOST}:{fe.port}/v1/models")
-                if any(m.get("id") == self.model_name for m in models.get("data", [])):
-                    return
-            time.sleep(0.5)
-        raise ServeError(f"{fe.name} did not list {self.model_name} within "
-                         f"{self.start_timeout_s:.0f}s:\n{fe.tail()}")
+                return any(m.get("id") == self.model_name for m in models.get("data", []))
+            return False
+
+        fe.wait_until(listed, self.start_timeout_s, f"the model {self.model_name}", poll_s=0.5,
+                      watch=self.worker_procs)
 
     def wait_workers(self, n: int, timeout_s: float | None = None) -> None:
         """Wait until ``n`` workers answer ``/health`` as ready."""
@@ -272,10 +230,7 @@ class Cluster:
 
     def kill_worker(self, i: int) -> None:
         """SIGKILL worker ``i`` (its whole session), as a crash would."""
-        proc = self.worker_procs[i]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.popen.pid, signal.SIGKILL)
-        proc.popen.wait(10)
+        self.worker_procs[i].kill()
 
     # --- stop -----------------------------------------------------------------------------
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -285,18 +240,11 @@ class Cluster:
         services = {"etcd", "nats"}
         for group in ([p for p in self.procs if p.name not in services],
                       [p for p in self.procs if p.name in services]):
-            for proc in group:
-                if proc.alive:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.popen.pid, signal.SIGTERM)
+            for proc in group:  # all at once, then each waited for
+                proc.terminate()
             deadline = time.monotonic() + timeout_s
             for proc in group:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.popen.wait(max(0.1, deadline - time.monotonic()))
-                with contextlib.suppress(ProcessLookupError):  # its children too
-                    os.killpg(proc.popen.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.popen.wait(5)
+                proc.stop(max(0.1, deadline - time.monotonic()))
         self.procs.clear()
         if self._own_root and self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -357,7 +305,7 @@ def cluster_up(args: argparse.Namespace) -> int:
             for p in cluster.worker_procs:
                 if not p.alive and p.name not in reported:
                     reported.add(p.name)
-                    print(f"[cluster] {p.name} exited ({p.popen.returncode}); see {p.log}",
+                    print(f"[cluster] {p.name} exited ({p.returncode}); see {p.log_path}",
                           flush=True)
             time.sleep(0.5)
             if all(not p.alive for p in cluster.worker_procs):

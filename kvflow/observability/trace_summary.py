@@ -3,12 +3,14 @@ longest steps. Pure Python."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 from kvflow.observability.chrome_trace import PHASES, REQUEST_PHASES
+from kvflow.utils.args import int_arg
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -80,3 +82,15 @@ def summarize(path: str | Path, top: int = 10) -> str:
                      f"{a['prefill_tokens']} | {a['decode_tokens']} | {a['seqs']} | "
                      f"{len(a['preempted'])} | {a['kv_usage']:.0%} |")
     return "\n".join(lines)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """``kvflow trace summarize``'s arguments."""
+    p.add_argument("file", help="a --trace-steps file (Chrome Trace Event JSON)")
+    p.add_argument("--top", type=int_arg, default=10, help="how many of the longest steps")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``kvflow trace summarize``: print the summary."""
+    print(summarize(args.file, args.top))
+    return 0

@@ -10,6 +10,7 @@ file by ``llama-quantize --allow-requantize ... F32``, so every peer runs the sa
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvflow.bench.clients import OpenAIClient
-from kvflow.triton_backend.server import free_port, stop_process_group, wait_for_http
+from kvflow.loadgen.clients import OpenAIClient
+from kvflow.utils.procs import ManagedProcess, free_port
 
 SDIST_PACKAGE = "llama-cpp-python"
 VENDORED = "vendor/llama.cpp"
@@ -190,52 +191,29 @@ def batched_bench(build: LlamaCppBuild, model: str | Path, prompt_tokens: int,
     return rows
 
 
-class LlamaServer:
+class LlamaServer(ManagedProcess):
     """``llama-server`` on loopback, a free port, ``slots`` parallel slots, prompt caching
     off; a context manager that stops its process group whatever happens."""
 
     def __init__(self, build: LlamaCppBuild, model: str | Path, slots: int, ctx_per_slot: int,
                  threads: int, log_path: Path | None = None,
                  ready_timeout_s: float = 300.0) -> None:
-        self.port = free_port()
-        self.cmd = [str(build.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
-                    "--port", str(self.port), "-t", str(threads), "-tb", str(threads),
-                    "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-cache-prompt",
-                    "--cache-reuse", "0", "--cache-ram", "0", "--no-webui"]
-        self.log_path, self.ready_timeout_s = log_path, ready_timeout_s
-        self.proc: subprocess.Popen | None = None
-        self._log: Any = None
+        port = free_port()
+        super().__init__(
+            "llama-server",
+            [str(build.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+             "-c", str(slots * ctx_per_slot), "--no-cache-prompt", "--cache-reuse", "0",
+             "--cache-ram", "0", "--no-webui"],
+            log_path=log_path or Path(os.devnull), port=port, stop_timeout_s=20.0)
+        self.ready_timeout_s = ready_timeout_s
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> LlamaServer:
-        if self.log_path is not None:
-            self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop())
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log or subprocess.DEVNULL,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_for_http(f"{self.url}/health", self.proc, self.ready_timeout_s,
-                          "llama-server", "the model")
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            stop_process_group(self.proc, 20.0)
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def wait_ready(self) -> None:
+        self.wait_for_http(f"{self.url}/health", self.ready_timeout_s, "the model")
 
 
 class LlamaServerClient(OpenAIClient):

@@ -1,4 +1,4 @@
-"""``kvflow serve``: start a real tritonserver on an engine folder.
+"""The tritonserver that ``kvflow serve`` runs: :class:`TritonServer`, in a private workspace.
 
 By default the tritonserver binary shipped in the ``nvidia-pytriton`` wheel is used; a stock
 install or an NGC container's binary can be given with ``--tritonserver``. The server gets a
@@ -16,38 +16,32 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from kvflow import envs
 from kvflow.orchestrator.options import options_to_parameters
 from kvflow.triton_backend import preload
 from kvflow.triton_backend.connections import disconnect_clients
+from kvflow.triton_backend.protocol import (
+    ADMIN_APIS,
+    ADMIN_HEADER,
+    API_KEY_APIS,
+    API_KEY_HEADER,
+    ENGINE_FAILED_FILE,
+    MODEL_NAME,
+    SERVE_FILE,
+    SERVED_MODEL_NAME_PARAMETER,
+    TRACE_SIGNAL_FILE,
+)
+from kvflow.utils.procs import ManagedProcess, ServeError, free_port, url_host
 
-MODEL_NAME = "kvflow"
-# Triton's endpoints that kvflow never uses, restricted with a random per-server key.
-ADMIN_APIS = "shared-memory,model-repository,trace,logging"
-ADMIN_HEADER = "kvflow-admin-key"
-# With --api-key: what a client must authenticate for (health stays open for load balancers).
-API_KEY_APIS = "inference,metadata,model-config,statistics"
-API_KEY_HEADER = "x-api-key"
-# Triton prefixes a restricted protocol's header over gRPC.
-GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
 REPO_MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / MODEL_NAME
-
-
-class ServeError(RuntimeError):
-    """tritonserver could not be prepared or did not become ready."""
 
 
 @dataclass
@@ -168,12 +162,12 @@ def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], di
     # NOTE: paths go in a file beside the config, not into it: any client can read the config.
     engine_args = dict(cfg.engine_args)
     trace_steps = engine_args.pop("trace_steps", None)
-    (model_dir / "serve.json").write_text(json.dumps(
+    (model_dir / SERVE_FILE).write_text(json.dumps(
         {"engine_dir": str(cfg.engine_dir), "python_paths": _environment_paths(),
          "trace_steps": trace_steps}))
     # The name the OpenAI frontend serves, then one model parameter per engine option given,
     # generated from EngineOptions.
-    parameters = {"served_model_name": served_model_name(cfg.engine_dir),
+    parameters = {SERVED_MODEL_NAME_PARAMETER: served_model_name(cfg.engine_dir),
                   **options_to_parameters(engine_args)}
     for key, value in parameters.items():
         config += (f'parameters {{ key: "{key}", value: {{ string_value: '
@@ -215,47 +209,6 @@ def _pbtxt_escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def wait_for_http(url: str, proc: subprocess.Popen | None, timeout_s: float, name: str,
-                  what: str, any_status: bool = False) -> None:
-    """Poll ``url`` until it answers 200 (with ``any_status``, any HTTP status: the process
-    is up); ServeError if ``proc`` (``name``) exits first, or ``what`` is not ready in time."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise ServeError(f"{name} exited with code {proc.returncode} before {what} was "
-                             "ready (see its log)")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except urllib.error.HTTPError as e:
-            e.close()
-            if any_status:
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.25)
-    raise ServeError(f"{what} was not ready within {timeout_s:.0f}s ({url})")
-
-
-def wait_ready(host: str, http_port: int, proc: subprocess.Popen | None,
-               timeout_s: float) -> None:
-    """Poll the model's readiness endpoint until it answers 200."""
-    wait_for_http(f"http://{url_host(host)}:{http_port}/v2/models/{MODEL_NAME}/ready", proc,
-                  timeout_s, "tritonserver", "the model")
-
-
-def url_host(host: str) -> str:
-    """The address a local client connects to for a server bound to ``host``."""
-    return "127.0.0.1" if host in ("0.0.0.0", "") else host
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 SHM_REGION_PREFIX = "/dev/shm/triton_python_backend_shm_region_"
 
 
@@ -278,36 +231,17 @@ def shm_regions_of(pgid: int) -> set[Path]:
     return regions
 
 
-def stop_process_group(proc: subprocess.Popen, timeout_s: float,
-                       while_waiting: Callable[[], None] | None = None) -> int:
-    """SIGTERM the process group led by ``proc``, wait up to ``timeout_s`` for ``proc`` (calling
-    ``while_waiting`` at once, then every half second), then SIGKILL the group; returns
-    ``proc``'s exit code."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if while_waiting is not None:
-            while_waiting()
-        try:
-            return proc.wait(max(0.0, min(0.5, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            if time.monotonic() >= deadline:
-                break
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    return proc.wait(10)
 
 
-class TritonServer:
-    """A tritonserver process serving one engine; a context manager that always cleans up."""
+class TritonServer(ManagedProcess):
+    """A tritonserver process serving one engine, in a workspace of its own; a context manager
+    that always cleans up (the process group, the backend's shared memory, the workspace)."""
 
     def __init__(self, cfg: ServerConfig, log_path: Path | None = None) -> None:
+        super().__init__("tritonserver", log_path=log_path, port=cfg.http_port,
+                         stop_timeout_s=40.0)
         self.cfg = cfg
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
         self._workspace: tempfile.TemporaryDirectory | None = None
-        self._log_file: Any = None
         # The Python backend's shared-memory regions (they hold request text): removed at stop
         # if the backend did not remove them itself (it cannot when it is killed).
         self._shm_regions: set[Path] = set()
@@ -330,22 +264,27 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{url_host(self.cfg.host)}:{self.cfg.metrics_port}/metrics"
 
-    def start(self) -> TritonServer:
-        self._workspace = tempfile.TemporaryDirectory(prefix="kvflow-serve-")
-        cmd, env = prepare_workspace(self.cfg, Path(self._workspace.name))
-        stdout = None
-        if self.log_path is not None:
-            self._log_file = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop())
-            stdout = self._log_file
-        # Own process group: Ctrl-C in a terminal reaches us, and we stop the server in order.
-        options: dict[str, Any] = {"env": env, "stdout": stdout, "stderr": subprocess.STDOUT,
-                                   "start_new_session": True}
-        secrets_ = [key for key in (self.cfg.admin_key, self.cfg.api_key) if key]
+    def start(self) -> Self:
+        """Lay out the workspace, start tritonserver and wait until the model is ready."""
         try:
-            self.proc = preload.popen(cmd, secrets_, **options)
+            self._workspace = tempfile.TemporaryDirectory(prefix="kvflow-serve-")
+            self.cmd, self.env = prepare_workspace(self.cfg, Path(self._workspace.name))
+        except BaseException:
+            self.stop()
+            raise
+        super().start()
+        assert self.proc is not None
+        self._shm_regions |= shm_regions_of(self.proc.pid)
+        return self
+
+    def _popen(self, cmd: list[str], **options: Any) -> subprocess.Popen:
+        """With the keys off tritonserver's command line (:mod:`.preload`)."""
+        secrets_ = [key for key in (self.cfg.admin_key, self.cfg.api_key) if key]
+        env = options.pop("env")
+        try:
+            return preload.popen(cmd, secrets_, env, **options)
         except preload.PreloadError as e:
             if self.cfg.api_key:
-                self.stop()
                 raise ServeError(
                     "--api-key needs the library that keeps keys off tritonserver's command "
                     f"line, and it could not be built ({e}); install a C compiler (e.g. "
@@ -355,67 +294,39 @@ class TritonServer:
                   "admin key (ps) and open the backend's /dev/shm regions (mode 0644), and "
                   "with either read other clients' requests. Install a C compiler (e.g. "
                   "apt-get install gcc) and run `make install`.", file=sys.stderr, flush=True)
-            self.proc = subprocess.Popen(cmd, **options)
-        try:
-            wait_ready(self.cfg.host, self.cfg.http_port, self.proc, self.cfg.ready_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        self._shm_regions |= shm_regions_of(self.proc.pid)
-        return self
+            return subprocess.Popen(cmd, env=env, **options)
 
-    def stop(self, timeout_s: float = 40.0) -> int | None:
-        """SIGTERM, close the clients' connections, wait, then SIGKILL the whole process
-        group; remove the workspace.
+    def wait_ready(self) -> None:
+        """Poll the model's readiness endpoint until it answers 200."""
+        self.wait_for_http(f"http://{self.http_url}/v2/models/{MODEL_NAME}/ready",
+                           self.cfg.ready_timeout_s, "the model")
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGTERM, close the clients' connections, wait (default 40 s), then SIGKILL the whole
+        process group; remove the backend's shared memory and the workspace.
 
         Returns tritonserver's exit code: 0 after a clean unload; 1 when the model did not
         unload within ``exit_timeout_s``. Closing the connections ends gRPC streams and cancels
         their running requests, which would hold the model past that; an HTTP request still
         generating still does (docs/design.md, "Shutdown"). Either way no process is left
-        behind.
+        behind: backend stubs ignore SIGTERM and outlive a server that exited uncleanly, so
+        the whole group is reaped.
         """
-        code = None
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None and self.alive:
             self._shm_regions |= shm_regions_of(self.proc.pid)
-            code = stop_process_group(self.proc, timeout_s, self._disconnect_clients)
-        elif self.proc is not None:
-            code = self.proc.returncode
-        if self.proc is not None:
-            # Backend stubs ignore SIGTERM and outlive a server that exited uncleanly: reap the
-            # whole process group so that nothing is left behind.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:  # until the group is gone
-                    os.killpg(self.proc.pid, 0)
-                    time.sleep(0.05)
+        code = super().stop(timeout_s)
         for region in self._shm_regions:
             with contextlib.suppress(FileNotFoundError):
                 region.unlink()
         self._shm_regions = set()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
         if self._workspace is not None:
             self._workspace.cleanup()
             self._workspace = None
         return code
 
-    def _model_file(self, name: str) -> Path | None:
-        """A file the backend writes beside its model (None before start or after stop)."""
-        if self._workspace is None:
-            return None
-        return Path(self._workspace.name) / "models" / MODEL_NAME / name
-
-    def engine_failure(self) -> str | None:
-        """What the backend wrote when its engine failed (it then stops tritonserver), or
-        None."""
-        marker = self._model_file("engine_failed.txt")
-        return marker.read_text().strip() if marker is not None and marker.exists() else None
-
-    def _disconnect_clients(self) -> None:
-        """Called every half second while tritonserver stops, so that a client that reconnects
-        meanwhile is closed too."""
+    def while_stopping(self) -> None:
+        """Close the clients' connections, every half second while tritonserver stops, so that
+        a client that reconnects meanwhile is closed too."""
         if self.proc is None or self._cannot_disconnect:
             return
         try:
@@ -426,13 +337,25 @@ class TritonServer:
                   "open gRPC stream or a running request will hold the model until "
                   "--exit-timeout-secs", file=sys.stderr, flush=True)
 
+    def _model_file(self, name: str) -> Path | None:
+        """A file the backend writes beside its model (None before start or after stop)."""
+        if self._workspace is None:
+            return None
+        return Path(self._workspace.name) / "models" / MODEL_NAME / name
+
+    def engine_failure(self) -> str | None:
+        """What the backend wrote when its engine failed (it then stops tritonserver), or
+        None."""
+        marker = self._model_file(ENGINE_FAILED_FILE)
+        return marker.read_text().strip() if marker is not None and marker.exists() else None
+
     def write_trace(self) -> int:
         """Ask the backend to write its step timeline now: SIGUSR1 to each stub whose watch is
         live (the pids it wrote beside its model); returns how many were signalled (0 while
         the model is still loading). Needs ``trace_steps``."""
         if not self.cfg.engine_args.get("trace_steps"):
             raise ServeError("the server has no step timeline (start it with --trace-steps)")
-        marker = self._model_file("trace_signal.pids")
+        marker = self._model_file(TRACE_SIGNAL_FILE)
         if marker is None:
             return 0
         pids = [int(line) for line in marker.read_text().split()] if marker.exists() else []
@@ -442,116 +365,3 @@ class TritonServer:
                 os.kill(pid, signal.SIGUSR1)
                 signalled += 1
         return signalled
-
-    def __enter__(self) -> TritonServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def exposure_warnings(cfg: ServerConfig) -> list[str]:
-    """What ``kvflow serve`` warns about when it binds beyond loopback."""
-    if is_loopback(cfg.host):
-        return []
-    where = "every interface" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-    out = [f"HTTP, gRPC, metrics and the OpenAI API listen on {where}, reachable from other "
-           "machines."]
-    if not cfg.api_key:
-        out.append("no --api-key: anyone who can reach these ports can run inference; "
-                   "set --api-key (or KVFLOW_API_KEY), or put an authenticating proxy in front.")
-    out.append("the metrics port has no authentication (Triton offers none for it).")
-    return out
-
-
-def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
-                  served_model_name: str | None = None) -> int:
-    """``kvflow serve``: start tritonserver and (unless ``openai_port`` is None) the OpenAI
-    frontend, print how to query them, forward signals, shut down cleanly."""
-    from kvflow.openai_api import FrontendConfig, FrontendProcess
-
-    frontend = None
-    if openai_port is not None:
-        host = url_host(cfg.host)
-        try:
-            frontend = FrontendProcess(FrontendConfig(
-                (f"{host}:{cfg.grpc_port}",), cfg.host, openai_port, served_model_name,
-                (f"http://{host}:{cfg.metrics_port}/metrics",), cfg.api_key))
-        except ValueError as e:
-            raise ServeError(str(e).replace("--port", "--openai-port")) from None
-    server = TritonServer(cfg)
-    stop_requested = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop_requested.append(signum)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    def on_usr1(_signum: int, _frame: object) -> None:
-        if not cfg.engine_args.get("trace_steps"):
-            print("[kvflow serve] SIGUSR1: no step timeline (start with --trace-steps FILE)",
-                  file=sys.stderr, flush=True)
-        elif server.write_trace() == 0:
-            print("[kvflow serve] SIGUSR1: the model is still loading; send it again once "
-                  "it is ready", file=sys.stderr, flush=True)
-
-    signal.signal(signal.SIGUSR1, on_usr1)  # writes the step timeline now
-    print(f"[kvflow serve] starting tritonserver for {cfg.engine_dir} ...", flush=True)
-    server.start()
-    if frontend is not None:
-        try:
-            frontend.start()
-        except RuntimeError as e:
-            server.stop()
-            raise ServeError(str(e)) from None
-    host = url_host(cfg.host)
-    key_header = f' -H "{API_KEY_HEADER}: $KVFLOW_API_KEY"' if cfg.api_key else ""
-    key_flag = " --api-key $KVFLOW_API_KEY" if cfg.api_key else ""
-    # NOTE: this interpreter's own script (.venv/bin/kvflow), so that the printed command works
-    # from a shell where the venv is not activated.
-    script = Path(sys.executable).parent / "kvflow"
-    kvflow = str(script) if script.is_file() else "kvflow"
-    print(f"""[kvflow serve] ready: model '{MODEL_NAME}'
-  HTTP    http://{cfg.host}:{cfg.http_port}   gRPC {cfg.host}:{cfg.grpc_port}   \
-metrics http://{cfg.host}:{cfg.metrics_port}/metrics
-  authentication: {"x-api-key header required" if cfg.api_key else "none"}
-
-  curl -N -X POST http://{host}:{cfg.http_port}/v2/models/{MODEL_NAME}/generate_stream\\
-      {key_header} -d '{{"text_input": "The capital of France is", "stream": true}}'
-
-  {kvflow} generate --url {host}:{cfg.grpc_port}{key_flag} --chat \\
-       --prompt "Tell me about paged attention"
-""", flush=True)
-    if frontend is not None:
-        bearer = ' -H "Authorization: Bearer $KVFLOW_API_KEY"' if cfg.api_key else ""
-        print(f"""  OpenAI API http://{cfg.host}:{openai_port}/v1  (chat/completions, completions, \
-models)
-  curl http://{host}:{openai_port}/v1/chat/completions -H "Content-Type: application/json"\
-{bearer} \\
-      -d '{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'
-""", flush=True)
-    for warning in exposure_warnings(cfg):
-        print(f"[kvflow serve] WARNING: {warning}", file=sys.stderr, flush=True)
-    if cfg.api_key and any(cfg.api_key in arg for arg in sys.argv[1:]):
-        print("[kvflow serve] WARNING: --api-key on this command line is readable by every "
-              f"local user (ps); pass it in {envs.API_KEY} instead.", file=sys.stderr,
-              flush=True)
-    failure = None
-    try:
-        while not stop_requested and server.proc is not None and server.proc.poll() is None:
-            time.sleep(0.5)
-    finally:
-        failure = server.engine_failure()
-        print("[kvflow serve] shutting down ...", flush=True)
-        if frontend is not None:
-            frontend.stop()
-        code = server.stop()
-    if failure is not None:  # the backend stopped tritonserver: exit 1 for a supervisor
-        print(f"[kvflow serve] the engine failed: {failure}", file=sys.stderr, flush=True)
-        return 1
-    # tritonserver never exits by itself while serving: if it did, that is a failure.
-    return 0 if stop_requested else (code or 1)

@@ -1,0 +1,31 @@
+"""The names that both sides of tritonserver share: the launcher (:mod:`.launcher`), the
+backend (:mod:`.model`) and the clients (:mod:`kvflow.client`, the OpenAI frontend's pool).
+
+Constants only, so that a client imports them without the launcher or the backend.
+"""
+
+from __future__ import annotations
+
+MODEL_NAME = "kvflow"  # the model's name in Triton's repository and in every request
+
+# Triton's endpoints that kvflow never uses, restricted with a random per-server key.
+ADMIN_APIS = "shared-memory,model-repository,trace,logging"
+ADMIN_HEADER = "kvflow-admin-key"
+# With --api-key: what a client must authenticate for (health stays open for load balancers).
+API_KEY_APIS = "inference,metadata,model-config,statistics"
+API_KEY_HEADER = "x-api-key"
+# Triton prefixes a restricted protocol's header over gRPC.
+GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
+
+# The model parameter that names the model for the OpenAI frontend (the launcher writes it).
+SERVED_MODEL_NAME_PARAMETER = "served_model_name"
+
+# Files beside the model's config.pbtxt in the launcher's workspace.
+# The engine folder and this environment's paths, written by the launcher, out of clients'
+# sight (NOTE: model_repository/kvflow/1/model.py spells it too: it runs before kvflow can
+# be imported).
+SERVE_FILE = "serve.json"
+# Written by the backend when its engine loop fails: what failed (`kvflow serve` then exits 1).
+ENGINE_FAILED_FILE = "engine_failed.txt"
+# Written by the backend: the pids of stubs whose SIGUSR1 writes the step timeline, one a line.
+TRACE_SIGNAL_FILE = "trace_signal.pids"
