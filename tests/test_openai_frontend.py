@@ -86,9 +86,9 @@ def test_malformed_bodies_are_refused_naming_the_field(body, status, param):
 def test_backend_errors_keep_their_cause_and_the_clients_field_name():
     parsed = parse_completion_request({"messages": [{"role": "user", "content": "x"}],
                                        "max_completion_tokens": 5}, MODEL, chat=True)
-    overload = error_from_backend("server overloaded: the waiting queue is full; retry later")
+    overload = error_from_backend("the waiting queue is full; retry later", code="overloaded")
     assert (overload.status, overload.headers) == (503, {"Retry-After": "1"})
-    assert error_from_backend("engine failed: RuntimeError()").status == 500
+    assert error_from_backend("RuntimeError()", code="engine_error").status == 500
     bad = error_from_backend("sampling_parameters.max_tokens must be <= 2147483647", parsed)
     assert (bad.status, bad.param) == (400, "max_completion_tokens")
     assert bad.message.startswith("max_completion_tokens must be")

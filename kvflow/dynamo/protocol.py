@@ -142,14 +142,12 @@ def chunks_of(out: RequestOutput, ended: set[int]) -> list[dict[str, Any]]:
             ended.add(seq.index)
             chunk["finish_reason"] = FINISH_REASONS[seq.finish_reason]
         if seq.logprobs and seq.delta_token_ids:
-            recent = seq.logprobs[-len(seq.delta_token_ids):]
-            pairs = list(zip(recent, seq.delta_token_ids, strict=False))
-            if all(t in lp for lp, t in pairs):
-                chunk["log_probs"] = [lp[t] for lp, t in pairs]
+            recent = seq.token_logprobs(seq.num_tokens - len(seq.delta_token_ids))
+            if recent and all(lp.logprob is not None for lp in recent):
+                chunk["log_probs"] = [lp.logprob for lp in recent]
                 chunk["top_logprobs"] = [
-                    [{"rank": rank, "token_id": tid, "logprob": value} for rank, (tid, value)
-                     in enumerate(sorted(lp.items(), key=lambda kv: -kv[1]), 1)]
-                    for lp, _ in pairs]
+                    [{"rank": rank, "token_id": tid, "logprob": value}
+                     for rank, (tid, value) in enumerate(lp.top, 1)] for lp in recent]
         chunks.append(chunk)
     if out.finished:
         if not chunks:

@@ -48,6 +48,7 @@ from kvflow.dynamo.protocol import (
     tenant_of,
     write_model_card,
 )
+from kvflow.orchestrator.outputs import ErrorCode
 
 log = logging.getLogger("kvflow.dynamo")
 SNAPSHOT_PERIOD_S = 0.05  # the load snapshot and forward-pass record, at most this often
@@ -262,9 +263,9 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         try:
             async for out in stream:
                 if out.error is not None:
-                    if out.error_code == "bad_request":
+                    if out.error_code == ErrorCode.BAD_REQUEST:
                         raise InvalidArgument(out.error)
-                    if out.error_code == "overloaded":
+                    if out.error_code == ErrorCode.OVERLOADED:
                         raise HttpError(503, out.error)
                     raise EngineShutdown(out.error)
                 if out.finished and out.aborted and not context.is_stopped():

@@ -223,7 +223,7 @@ def _backend_error(error: BackendError, parsed: CompletionRequest) -> OpenAIErro
         return OpenAIError(502, str(error), code="backend_auth_failed")
     if error.transport:  # no server answered: the client may retry, here or elsewhere
         return OpenAIError(503, str(error), code="backend_unavailable")
-    return error_from_backend(str(error), parsed)
+    return error_from_backend(str(error), parsed, error.code)
 
 
 async def _read_json(request: Any) -> Any:

@@ -11,7 +11,12 @@ from typing import Any
 
 from kvflow.client import infer_inputs
 from kvflow.openai_api.protocol import ChoiceRequest
-from kvflow.triton_backend.server import GRPC_API_KEY_HEADER, MODEL_NAME
+from kvflow.triton_backend.params import ERROR_OUTPUT_PARAMETER
+from kvflow.triton_backend.protocol import (
+    GRPC_API_KEY_HEADER,
+    MODEL_NAME,
+    SERVED_MODEL_NAME_PARAMETER,
+)
 
 _OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
             ("num_output_tokens", int), ("cached_tokens", int), ("output_logprobs", str))
@@ -21,11 +26,13 @@ _PER_SEQUENCE = ("text_output", "finish_reason", "num_output_tokens", "output_lo
 
 class BackendError(Exception):
     """A Triton request failed. ``transport``: the server could not be reached or dropped the
-    stream (the message is gRPC's); otherwise the message is the backend's error."""
+    stream (the message is gRPC's); otherwise the message is the backend's error, and ``code``
+    its ``error_code`` (bad_request, overloaded, engine_error; None: Triton's own error)."""
 
     def __init__(self, message: str, transport: bool = False, server: int | None = None,
-                 refused_key: bool = False) -> None:
+                 refused_key: bool = False, code: str | None = None) -> None:
         super().__init__(message)
+        self.code = code
         self.transport = transport
         self.refused_key = refused_key  # the server refused this frontend's API key
         self.server = server  # the index of the server that failed
@@ -72,7 +79,8 @@ class TritonPool:
                          if RESTRICTED in str(e) else e)
                 continue
             parameters = config.get("config", {}).get("parameters", {})
-            return parameters.get("served_model_name", {}).get("string_value") or MODEL_NAME
+            name = parameters.get(SERVED_MODEL_NAME_PARAMETER, {}).get("string_value")
+            return name or MODEL_NAME
         assert error is not None
         raise error
 
@@ -113,7 +121,9 @@ class TritonPool:
         done = asyncio.Event()
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": MODEL_NAME, "inputs": inputs, "request_id": request_id}
+            # The backend's errors as outputs: their code crosses as data (see params.py).
+            yield {"model_name": MODEL_NAME, "inputs": inputs, "request_id": request_id,
+                   "parameters": {ERROR_OUTPUT_PARAMETER: True}}
             await done.wait()  # NOTE: the stream stays open until the last response
 
         server = self._pick(avoid)
@@ -128,6 +138,12 @@ class TritonPool:
                     if RESTRICTED in message:
                         raise self._refused_key(server, message)
                     raise BackendError(message)
+                code = result.as_numpy("error_code")
+                if code is not None:
+                    error = result.as_numpy("error")
+                    raise BackendError("" if error is None else
+                                       error.reshape(-1)[0].decode("utf-8"),
+                                       code=code.reshape(-1)[0].decode("utf-8"))
                 columns: dict[str, list[Any]] = {}
                 for name, kind in _OUTPUTS:
                     array = result.as_numpy(name)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, OVERLOADED_PREFIX
+from kvflow.orchestrator.outputs import ErrorCode
 from kvflow.orchestrator.sampling.params import (
     GUIDED_FIELDS,
     SamplingParams,
@@ -485,12 +485,14 @@ _FIELD = re.compile(r"^(?:sampling_parameters\.)?([A-Za-z_]+)")
 _PROMPT_WORDS = ("prompt", "text_input", "input_ids", "messages")
 
 
-def error_from_backend(message: str, request: CompletionRequest | None = None) -> OpenAIError:
-    """The OpenAI error for a backend error message: overload is 503 (retry), an engine
-    failure 500, anything else the client's (400, ``param`` the field it names)."""
-    if message.startswith(OVERLOADED_PREFIX):
+def error_from_backend(message: str, request: CompletionRequest | None = None,
+                       code: str | None = None) -> OpenAIError:
+    """The OpenAI error for a backend error and its ``error_code``: overload is 503 (retry), an
+    engine failure 500, anything else the client's (400, ``param`` the field its message
+    names: the backend's messages begin with the field)."""
+    if code == ErrorCode.OVERLOADED:
         return OpenAIError(503, message, type_="server_error", code="server_overloaded")
-    if message.startswith(ENGINE_ERROR_PREFIX):
+    if code == ErrorCode.ENGINE_ERROR:
         return OpenAIError(500, message, type_="server_error", code="engine_error")
     message = message.replace("sampling_parameters.", "")
     match = _FIELD.match(message)

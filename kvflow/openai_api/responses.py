@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.openai_api.protocol import ChoiceRequest, CompletionRequest
+from kvflow.orchestrator.outputs import TokenLogprobs
 
 # The engine's reasons as the API reports them. "timeout" (past timeout_ms) is kept as it is,
 # as vLLM's server keeps its own: a client must not take a cut answer for a finished one.
@@ -26,11 +27,11 @@ class ChoiceState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
-    def update(self, outputs: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    def update(self, outputs: dict[str, Any]) -> tuple[str, list[TokenLogprobs]]:
         """Apply one response's outputs (name -> decoded value); returns its new text and
-        logprob entries."""
+        logprob entries (``output_logprobs``' JSON, parsed once, here)."""
         delta = outputs.get("text_output", "")
         self.text += delta
         self.prompt_tokens = outputs.get("num_input_tokens", self.prompt_tokens)
@@ -39,35 +40,34 @@ class ChoiceState:
         reason = outputs.get("finish_reason") or None
         if reason:
             self.finish_reason = OPENAI_FINISH_REASONS.get(reason, "stop")
-        entries = json.loads(outputs["output_logprobs"]) if outputs.get("output_logprobs") \
-            else []
+        entries = [TokenLogprobs.from_wire(e) for e in json.loads(outputs["output_logprobs"])
+                   ] if outputs.get("output_logprobs") else []
         self.logprobs += entries
         return delta, entries
 
 
-def _top(entry: dict[str, Any], k: int) -> list[tuple[str, float]]:
+def _top(entry: TokenLogprobs, k: int) -> list[tuple[str, float]]:
     """The ``k`` likeliest alternatives of a logprob entry, as (token text, logprob)."""
-    texts = entry.get("top_tokens", {})
-    ranked = sorted(entry["top_logprobs"].items(), key=lambda kv: (-kv[1], int(kv[0])))[:k]
-    return [(texts.get(t, t), lp) for t, lp in ranked]
+    texts = entry.top_tokens or {}
+    return [(texts.get(t, str(t)), lp) for t, lp in entry.top[:k]]
 
 
-def chat_logprobs(entries: list[dict[str, Any]], k: int) -> dict[str, Any]:
-    def item(token: str, logprob: float) -> dict[str, Any]:
+def chat_logprobs(entries: list[TokenLogprobs], k: int) -> dict[str, Any]:
+    def item(token: str, logprob: float | None) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
-    return {"content": [{**item(e.get("token", ""), e["logprob"]),
+    return {"content": [{**item(e.token or "", e.logprob),
                          "top_logprobs": [item(t, lp) for t, lp in _top(e, k)]}
                         for e in entries]}
 
 
-def completion_logprobs(entries: list[dict[str, Any]], k: int, offset: int) -> dict[str, Any]:
-    tokens = [e.get("token", "") for e in entries]
+def completion_logprobs(entries: list[TokenLogprobs], k: int, offset: int) -> dict[str, Any]:
+    tokens = [e.token or "" for e in entries]
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [dict(_top(e, k)) for e in entries], "text_offset": offsets}
 
 
@@ -85,7 +85,7 @@ def usage(request: CompletionRequest, states: list[ChoiceState]) -> dict[str, An
                                                            for s in firsts.values())}}
 
 
-def _choice_logprobs(request: CompletionRequest, entries: list[dict[str, Any]],
+def _choice_logprobs(request: CompletionRequest, entries: list[TokenLogprobs],
                      offset: int) -> dict[str, Any] | None:
     if request.logprobs is None:
         return None
@@ -124,7 +124,7 @@ def chunk(request: CompletionRequest, choices: list[dict[str, Any]],
 
 
 def choice_chunk(request: CompletionRequest, choice: ChoiceRequest, state: ChoiceState,
-                 delta: str, entries: list[dict[str, Any]], first: bool) -> dict[str, Any]:
+                 delta: str, entries: list[TokenLogprobs], first: bool) -> dict[str, Any]:
     """The streamed delta of one choice; ``first`` carries the role (chat) or the echo."""
     offset = len(choice.echo_text) + len(state.text) - len(delta)
     logprobs = _choice_logprobs(request, entries, offset) if entries else None

@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,10 @@ import numpy as np
 
 from kvflow.orchestrator.async_engine import EngineLoop
 from kvflow.orchestrator.options import options_from_parameters
-from kvflow.orchestrator.outputs import CompletionOutput, RequestOutput
+from kvflow.orchestrator.outputs import CompletionOutput, ErrorCode, RequestOutput
 from kvflow.triton_backend.metrics import TritonMetrics
 from kvflow.triton_backend.params import (
+    ERROR_OUTPUT_PARAMETER,
     INPUT_NAMES,
     BadRequestError,
     ParsedRequest,
@@ -52,14 +54,23 @@ def _parameter(model_config: dict, key: str, default: str = "") -> str:
 MAX_ERROR_CHARS = 1000  # an error names the field and the limit; it never echoes a whole input
 
 
-def error_response(pb: Any, message: str, code: str | None) -> Any:
+def error_response(pb: Any, message: str, code: ErrorCode | None,
+                   as_output: bool = False) -> Any:
     """An error response with Triton's code for ``code``: ``overloaded`` -> UNAVAILABLE (HTTP
-    503; clients retry), ``bad_request`` -> INVALID_ARG (HTTP 400), else INTERNAL (500)."""
+    503; clients retry), ``bad_request`` -> INVALID_ARG (HTTP 400), else INTERNAL (500).
+
+    ``as_output`` (the request's ERROR_OUTPUT_PARAMETER): instead, a response whose outputs
+    ``error`` and ``error_code`` carry them, the code as data."""
     if len(message) > MAX_ERROR_CHARS:
         message = message[:MAX_ERROR_CHARS] + f"... ({len(message)} characters)"
+    code = code or ErrorCode.ENGINE_ERROR
+    if as_output:
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor("error", np.array([message.encode("utf-8")], dtype=np.object_)),
+            pb.Tensor("error_code", np.array([code.value.encode()], dtype=np.object_))])
     codes = pb.TritonError
-    kind = {"overloaded": codes.UNAVAILABLE, "bad_request": codes.INVALID_ARG}.get(
-        code or "", codes.INTERNAL)
+    kind = {ErrorCode.OVERLOADED: codes.UNAVAILABLE,
+            ErrorCode.BAD_REQUEST: codes.INVALID_ARG}.get(code, codes.INTERNAL)
     return pb.InferenceResponse(error=pb.TritonError(message, kind))
 
 
@@ -80,17 +91,13 @@ def logprob_entries(out: CompletionOutput, start: int = 0,
     """``output_logprobs``: per output token from ``start``, its id, its log-probability and
     the top ``logprobs`` alternatives (token id as a string -> log-probability). With
     ``decode``, also each token's own text (``token``; ``top_tokens``: id -> text), which the
-    OpenAI frontend returns."""
-    assert out.logprobs is not None
+    OpenAI frontend returns. The JSON objects of :meth:`TokenLogprobs.to_wire`."""
     entries = []
-    for i in range(start, len(out.logprobs)):
-        token, alternatives = out.token_ids[i], out.logprobs[i]
-        entry = {"token_id": token, "logprob": alternatives.get(token),
-                 "top_logprobs": {str(t): lp for t, lp in alternatives.items()}}
+    for lp in out.token_logprobs(start):
         if decode is not None:
-            entry["token"] = decode(token)
-            entry["top_tokens"] = {str(t): decode(t) for t in alternatives}
-        entries.append(entry)
+            lp = replace(lp, token=decode(lp.token_id),
+                         top_tokens={t: decode(t) for t, _ in lp.top})
+        entries.append(lp.to_wire())
     return entries
 
 
@@ -104,11 +111,13 @@ class _ResponseStream:
     step that added text to some sequence, and the final one when all have finished.
     """
 
-    __slots__ = ("pb", "sender", "parsed", "lock", "logprobs_sent", "decode")
+    __slots__ = ("pb", "sender", "parsed", "lock", "logprobs_sent", "decode", "error_output")
 
     def __init__(self, pb_utils: Any, sender: Any, parsed: ParsedRequest,
-                 decode: Callable[[int], str] | None = None) -> None:
+                 decode: Callable[[int], str] | None = None,
+                 error_output: bool = False) -> None:
         self.pb = pb_utils
+        self.error_output = error_output  # errors as outputs (see error_response)
         self.decode = decode
         self.sender = sender
         self.parsed = parsed
@@ -119,7 +128,7 @@ class _ResponseStream:
         pb = self.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if out.error is not None and (out.finish_reason == "rejected" or out.aborted):
-            self._send(error_response(pb, out.error, out.error_code), final)
+            self._send(error_response(pb, out.error, out.error_code, self.error_output), final)
             return
         if out.aborted:  # the client cancelled: just close the stream
             self._send(None, final)
@@ -141,7 +150,7 @@ class _ResponseStream:
             pb.Tensor("finish_reason", np.array([(c.finish_reason or "").encode()
                                                  for c in seqs], dtype=np.object_)),
             pb.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)),
-            pb.Tensor("num_output_tokens", np.array([len(c.token_ids) for c in seqs],
+            pb.Tensor("num_output_tokens", np.array([c.num_tokens for c in seqs],
                                                     dtype=np.uint32)),
             pb.Tensor("cached_tokens", np.array([out.cached_tokens], dtype=np.uint32)),
         ]
@@ -268,20 +277,22 @@ class KvflowTritonModel:
         pb = self.pb
         for request in requests:
             sender = request.get_response_sender()
+            error_output = False
             try:
                 inputs = {}
                 for name in INPUT_NAMES:
                     tensor = pb.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
-                parsed = parse_request(inputs, self.max_model_len,
-                                       parameters=_request_parameters(request))
+                parameters = _request_parameters(request)
+                error_output = parameters.get(ERROR_OUTPUT_PARAMETER) is True
+                parsed = parse_request(inputs, self.max_model_len, parameters=parameters)
             except BadRequestError as e:
                 self.metrics.count_rejected("bad_request")
-                sender.send(error_response(pb, str(e), "bad_request"),
+                sender.send(error_response(pb, str(e), ErrorCode.BAD_REQUEST, error_output),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            stream = _ResponseStream(pb, sender, parsed, self._decode_token)
+            stream = _ResponseStream(pb, sender, parsed, self._decode_token, error_output)
             # Triton's ids are the client's and need not be unique; ours must be.
             request_id = f"{request.request_id() or 'triton'}-{next(self._ids)}"
             # The engine tokenizes (on its loop thread), chat template included.

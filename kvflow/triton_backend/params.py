@@ -62,6 +62,12 @@ MAX_CACHE_SALT_CHARS = 1024
 # Request parameters Triton itself sets on a request (KServe's reserved names).
 TRITON_REQUEST_PARAMETERS = ("priority", "timeout", "sequence_id", "sequence_start",
                              "sequence_end", "headers", "triton_enable_empty_final_response")
+# The request parameter (a bool) by which a client asks for a failed request's error as a final
+# response carrying the outputs ``error`` (the message) and ``error_code`` (bad_request,
+# overloaded or engine_error) instead of a Triton error: over gRPC streams a Triton error is a
+# message alone, and the code must cross as data (the OpenAI frontend asks for it).
+ERROR_OUTPUT_PARAMETER = "kvflow_error_output"
+REQUEST_PARAMETERS = (*TRITON_REQUEST_PARAMETERS, ERROR_OUTPUT_PARAMETER)
 
 
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")
@@ -222,7 +228,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
     """Validate and convert one request's input tensors (see module doc). ``parameters``: the
     request's parameters; over HTTP ``generate`` these are the JSON keys that match no input,
     so any but Triton's own is refused."""
-    unknown = sorted(set(parameters or {}) - set(TRITON_REQUEST_PARAMETERS))
+    unknown = sorted(set(parameters or {}) - set(REQUEST_PARAMETERS))
     if unknown:
         raise unknown_keys_error("the request", unknown, sorted(INPUT_NAMES))
 
