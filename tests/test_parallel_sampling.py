@@ -188,6 +188,7 @@ def test_random_forks_aborts_and_preemptions_keep_the_pool_whole(actions, mode, 
     ids: list[str] = []
     n_of: dict[str, int] = {}
     finals = {}
+    admitted = []
 
     def record(outs):
         for o in outs:
@@ -203,9 +204,10 @@ def test_random_forks_aborts_and_preemptions_keep_the_pool_whole(actions, mode, 
             ids.append(rid)
             n_of[rid] = n
             # Prompts share their first tokens, so prefix caching has something to share.
-            _, rejected = engine.add_request([1 + (i % 5) for i in range(prompt_len)],
-                                             SamplingParams(n=n, max_tokens=max_tokens,
-                                                            seed=seed), request_id=rid)
+            request, rejected = engine.add_request([1 + (i % 5) for i in range(prompt_len)],
+                                                   SamplingParams(n=n, max_tokens=max_tokens,
+                                                                  seed=seed), request_id=rid)
+            admitted.append(request)
             if rejected is not None:
                 record([rejected])
         elif action[0] == "step":
@@ -225,7 +227,10 @@ def test_random_forks_aborts_and_preemptions_keep_the_pool_whole(actions, mode, 
             assert c.finish_reason in ("stop", "length", "abort", "rejected")
     assert engine.kv.pool.num_used_blocks == 0
     assert engine.kv.host_pool is not None and engine.kv.host_pool.num_used_blocks == 0
-    assert not engine.scheduler.groups and not engine.scheduler.requests and not engine.states
+    assert not engine.scheduler.groups and not engine.scheduler.requests
+    # Every sequence's output state went with its request's final output.
+    assert all(seq.engine_state is None for r in admitted
+               for seq in (r.group.seqs if r.group else [r]))
 
 
 # --- KV contents: a runner whose logits are a function of what it reads ---------------------
