@@ -24,7 +24,7 @@ from kvflow import envs
 from kvflow.runtime.base import QUANTIZED_MATMUL_MODES, RUNNERS
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-# The scheduling policies by name; kvflow.orchestrator.scheduler.core registers a class for each.
+# The scheduling policies by name; kvflow.orchestrator.scheduler.registry has a class for each.
 POLICIES = ("fcfs", "priority", "cache_aware", "sjf", "fair", "static")
 
 

@@ -1,8 +1,8 @@
 """Queue policies: which waiting request the continuous scheduler admits next. Pure Python.
 
-The scheduler core (:class:`~kvflow.orchestrator.scheduler.core.ContinuousScheduler`) decides how
-much runs and what is preempted; a policy decides only the order of admission. Each is one
-small class over :class:`QueuePolicy`, registered by name in :data:`QUEUE_POLICIES`:
+The continuous scheduler (:mod:`~kvflow.orchestrator.scheduler.continuous`) decides how much
+runs and what is preempted; a policy decides only the order of admission. Each is one small
+class over :class:`QueuePolicy`, registered by name in :data:`QUEUE_POLICIES`:
 
 * ``fcfs``: arrival order (a preempted request goes back to the front).
 * ``priority``: the lowest ``priority`` value first, with aging; the one policy under which a
