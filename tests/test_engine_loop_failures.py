@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from kvflow import SamplingParams
-from kvflow.orchestrator.async_engine import EngineLoop
+from kvflow.orchestrator.engine_loop import EngineLoop
 from kvflow.orchestrator.input_processor import InputProcessor
 from kvflow.orchestrator.outputs import RequestOutput
 from kvflow.text.tokenizer import ChatPrompt

@@ -2,7 +2,7 @@
 
 :class:`LLMEngine` is synchronous: each :meth:`LLMEngine.step` runs one model step for
 everything the scheduler picked and returns the outputs it produced. :class:`kvflow.LLM` and the
-background :class:`~kvflow.orchestrator.async_engine.EngineLoop` (the Triton backend, the async
+background :class:`~kvflow.orchestrator.engine_loop.EngineLoop` (the Triton backend, the async
 API) drive it. It imports no torch: the runner behind it may be anything implementing
 :class:`kvflow.runtime.base.ModelRunner`, the simulator's included.
 """

@@ -2,7 +2,7 @@
 
 :class:`InputProcessor` tokenizes a request's prompt (rendering chat messages with the model's
 chat template) and compiles its structured output. It is the one place prompts are tokenized,
-and it is thread-safe: the served engine (:class:`~kvflow.orchestrator.async_engine.EngineLoop`)
+and it is thread-safe: the served engine (:class:`~kvflow.orchestrator.engine_loop.EngineLoop`)
 runs it on worker threads, so that a slow request (a huge prompt, a cold grammar) never stalls
 the steps of the requests already running. :meth:`LLMEngine.add_request
 <kvflow.orchestrator.engine.LLMEngine.add_request>` takes its result, or runs it inline.

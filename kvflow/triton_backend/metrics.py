@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from kvflow.observability.metrics import METRICS, EngineMetrics, MetricsUpdate, series_key
-from kvflow.orchestrator.async_engine import EngineLoop
+from kvflow.orchestrator.engine_loop import EngineLoop
 from kvflow.orchestrator.outputs import RequestOutput
 
 

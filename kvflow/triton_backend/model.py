@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.orchestrator.async_engine import EngineLoop
+from kvflow.orchestrator.engine_loop import EngineLoop
 from kvflow.orchestrator.options import options_from_parameters
 from kvflow.orchestrator.outputs import CompletionOutput, ErrorCode, RequestOutput
 from kvflow.triton_backend.metrics import TritonMetrics
