@@ -14,9 +14,10 @@ import json
 import shlex
 from pathlib import Path
 
-from kvflow.bench.report import pyplot, save_figure
-from kvflow.bench.workloads import load_azure_trace, sessions_workload
 from kvflow.cli import make_parser
+from kvflow.reports.writers import pyplot, save_figure
+from kvflow.workloads.azure import load_azure_trace
+from kvflow.workloads.synthetic import sessions_workload
 
 COMMON = ["simulate", "--replicas", "4", "--prefix-caching", "--workload", "sessions",
           "--request-rate", "8", "--num-prompts", "2000", "--system-prompt-len", "256",

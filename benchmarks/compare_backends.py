@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvflow.bench.report import write_report  # noqa: E402
 from kvflow.build.engine_config import EngineConfig  # noqa: E402
 from kvflow.kv_manager import KVCacheManager  # noqa: E402
+from kvflow.reports.writers import write_report  # noqa: E402
 from kvflow.runtime import create_runner  # noqa: E402
 from kvflow.runtime.step_builder import SeqChunk, build_step  # noqa: E402
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from kvflow.bench.report import memory_bandwidth_gb_s, pyplot, save_figure, write_report
 from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins import paged_attention_host, paged_attention_native
+from kvflow.reports.writers import memory_bandwidth_gb_s, pyplot, save_figure, write_report
 from kvflow.runtime import ort_runner
 from kvflow.runtime.base import StepInput
 

@@ -19,8 +19,8 @@ import json
 import shlex
 from pathlib import Path
 
-from kvflow.bench.report import pyplot, save_figure
 from kvflow.cli import make_parser
+from kvflow.reports.writers import pyplot, save_figure
 
 OUT = Path("reports/disagg")
 IMG = Path("docs/img")

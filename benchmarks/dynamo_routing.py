@@ -28,11 +28,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvflow.bench.clients import OpenAIClient  # noqa: E402
-from kvflow.bench.report import pyplot, save_figure  # noqa: E402
-from kvflow.bench.serve import make_prompts, run_load  # noqa: E402
-from kvflow.bench.workloads import RequestSpec, shared_prefix_workload  # noqa: E402
 from kvflow.dynamo.launcher import Cluster  # noqa: E402
+from kvflow.loadgen.clients import OpenAIClient  # noqa: E402
+from kvflow.loadgen.sender import run_load  # noqa: E402
+from kvflow.reports.writers import pyplot, save_figure  # noqa: E402
+from kvflow.workloads.prompts import make_prompts  # noqa: E402
+from kvflow.workloads.specs import RequestSpec  # noqa: E402
+from kvflow.workloads.synthetic import shared_prefix_workload  # noqa: E402
 
 
 class CountingClient(OpenAIClient):

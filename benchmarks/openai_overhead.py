@@ -17,13 +17,15 @@ import json
 import statistics
 from pathlib import Path
 
-from kvflow.bench.clients import OpenAIClient, TritonGrpcClient
-from kvflow.bench.metrics import summarize
-from kvflow.bench.report import pyplot, save_figure, write_report
-from kvflow.bench.serve import make_prompts, run_load
-from kvflow.bench.workloads import random_workload
+from kvflow.loadgen.clients import OpenAIClient, TritonGrpcClient
+from kvflow.loadgen.sender import run_load
 from kvflow.openai_api import FrontendConfig, FrontendProcess
-from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+from kvflow.reports.metrics import summarize
+from kvflow.reports.writers import pyplot, save_figure, write_report
+from kvflow.triton_backend.launcher import ServerConfig, TritonServer
+from kvflow.utils.procs import free_port
+from kvflow.workloads.prompts import make_prompts
+from kvflow.workloads.synthetic import random_workload
 
 
 def main() -> int:

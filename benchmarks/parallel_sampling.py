@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from kvflow import LLM, SamplingParams
-from kvflow.bench.report import pyplot, save_figure, write_report
+from kvflow.reports.writers import pyplot, save_figure, write_report
 
 PROMPT = ("You are a helpful assistant. Read the following notes and write a short, friendly "
           "summary of them for a colleague who missed the meeting. ") * 6

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.bench.llamacpp import (
+from kvflow.bench.peers import (
     LlamaCppBuild,
     LlamaServer,
     LlamaServerClient,
@@ -49,7 +49,7 @@ from kvflow.bench.llamacpp import (
     ensure_build,
     ensure_f32_gguf,
 )
-from kvflow.bench.report import memory_bandwidth_gb_s, pyplot, save_figure, write_report
+from kvflow.reports.writers import memory_bandwidth_gb_s, pyplot, save_figure, write_report
 
 HF_NAME = "hf-fp32"
 WARMUP_TOKENS = 2
@@ -178,8 +178,8 @@ class Worker:
 def make_offline_prompts(engine_dir: str, n: int, num_tokens: int) -> list[list[int]]:
     """``n`` real-text prompts of exactly ``num_tokens`` token ids (as ``kvflow bench serve``
     makes them)."""
-    from kvflow.bench.workloads import make_prompt_ids
     from kvflow.text.tokenizer import EngineTokenizer
+    from kvflow.workloads.prompts import make_prompt_ids
 
     tok = EngineTokenizer(engine_dir)
 
@@ -243,12 +243,14 @@ def run_offline(args: argparse.Namespace, engines: dict[str, str], build: LlamaC
 def run_served(args: argparse.Namespace, engines: dict[str, str], build: LlamaCppBuild | None,
                ggufs: dict[str, Path], out: Path) -> dict[str, Any]:
     """kvflow serve against llama-server on one closed-loop load, alternating rounds."""
-    from kvflow.bench.clients import OpenAIClient
-    from kvflow.bench.metrics import summarize
-    from kvflow.bench.serve import make_prompts, run_load
-    from kvflow.bench.workloads import random_workload
+    from kvflow.loadgen.clients import OpenAIClient
+    from kvflow.loadgen.sender import run_load
     from kvflow.openai_api import FrontendConfig, FrontendProcess
-    from kvflow.triton_backend.server import ServerConfig, TritonServer, free_port
+    from kvflow.reports.metrics import summarize
+    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
+    from kvflow.utils.procs import free_port
+    from kvflow.workloads.prompts import make_prompts
+    from kvflow.workloads.synthetic import random_workload
 
     n, conc = args.served_requests, args.served_concurrency
     specs = random_workload(n, args.input_tokens, args.output_tokens, float("inf"), 1.0, 0)
@@ -424,8 +426,8 @@ def summary_lines(report: dict[str, Any], plots: list[str]) -> list[str]:
                                for n, r in served.items()}, ["tok/s"], ["tok/s"])
         if ratios:
             lines += ["", "kvflow / llama-server, output tok/s:", "", *ratios]
-        lines += ["", "Both through one client (`kvflow.bench.serve.run_load`, `/v1/completions`, "
-                  "SSE, greedy, `ignore_eos`). llama-server: `-np "
+        lines += ["", "Both through one client (`kvflow.loadgen.sender.run_load`, "
+                  "`/v1/completions`, SSE, greedy, `ignore_eos`). llama-server: `-np "
                   f"{cfg['served_concurrency']} --no-cache-prompt --cache-reuse 0 --cache-ram 0`"
                   " and `\"cache_prompt\": false` in every request; its token counts come from "
                   "`timings_per_token`. kvflow: prefix caching off.", ""]

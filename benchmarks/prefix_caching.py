@@ -14,12 +14,12 @@ import argparse
 import statistics
 from pathlib import Path
 
-from kvflow.bench.report import write_report
-from kvflow.bench.serve import run_load
-from kvflow.bench.workloads import RequestSpec
 from kvflow.client import StreamingClient
+from kvflow.loadgen.sender import run_load
+from kvflow.reports.writers import write_report
 from kvflow.text.tokenizer import EngineTokenizer
-from kvflow.triton_backend.server import ServerConfig, TritonServer
+from kvflow.triton_backend.launcher import ServerConfig, TritonServer
+from kvflow.workloads.specs import RequestSpec
 
 PARAGRAPH = (
     "You are a meticulous assistant for a company that builds serving infrastructure for large "

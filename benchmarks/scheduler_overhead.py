@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 
-from kvflow.bench.report import write_report
 from kvflow.build.engine_config import EngineConfig
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.sampling.params import SamplingParams
+from kvflow.reports.writers import write_report
 from kvflow.runtime.base import ModelRunner, StepInput
 from kvflow.text.tokenizer import EngineTokenizer
 

@@ -26,10 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvflow.bench.metrics import summarize, tenant_summary
-from kvflow.bench.report import pyplot, save_figure, write_report
-from kvflow.bench.serve import default_trace
-from kvflow.bench.workloads import RequestSpec, load_azure_trace, tenants_workload
+from kvflow.reports.metrics import summarize, tenant_summary
+from kvflow.reports.writers import pyplot, save_figure, write_report
+from kvflow.workloads.azure import default_trace, load_azure_trace
+from kvflow.workloads.specs import RequestSpec
+from kvflow.workloads.synthetic import tenants_workload
 
 # (column, key in a row, lower is better)
 COLUMNS = [("mean TTFT ms", "ttft_mean", True), ("P99 TTFT ms", "ttft_p99", True),
@@ -130,10 +131,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> str:
 def run_sim(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     from dataclasses import replace
 
-    from kvflow.bench.compare import mode_scheduler_options
     from kvflow.orchestrator.options import EngineOptions
     from kvflow.sim.cost_model import HARDWARE, MODELS, RooflineCostModel
     from kvflow.sim.simulator import simulate
+    from kvflow.workloads.modes import mode_scheduler_options
 
     model = replace(MODELS["llama-3-8b"], tp=1)
     cost = RooflineCostModel(HARDWARE["H100"], model)
@@ -155,8 +156,9 @@ def run_sim(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
 
 
 def run_served(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    from kvflow.bench.serve import make_prompts, run_load
-    from kvflow.triton_backend.server import ServerConfig, TritonServer
+    from kvflow.loadgen.sender import run_load
+    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
+    from kvflow.workloads.prompts import make_prompts
 
     specs = tenant_specs(args.num_prompts, args.rate, args.max_model_len, args.length_scale,
                          args.seed)

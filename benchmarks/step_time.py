@@ -2,7 +2,7 @@
 
 import argparse
 
-from kvflow.bench.step_time import add_args, main
+from kvflow.bench.step import add_args, main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="kvflow step time vs HF transformers")

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 from llguidance.numpy import apply_token_bitmask_inplace
 
-from kvflow.bench.report import pyplot, save_figure, write_report
 from kvflow.build.engine_config import EngineConfig
 from kvflow.orchestrator.sampling.structured import (
     Grammar,
@@ -35,6 +34,7 @@ from kvflow.orchestrator.sampling.structured import (
     apply_bitmask,
     fill_bitmasks,
 )
+from kvflow.reports.writers import pyplot, save_figure, write_report
 
 SCHEMAS = [
     {"type": "object", "additionalProperties": False,

@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scheduler_overhead import decoding_engine  # noqa: E402
 
-from kvflow.bench.report import pyplot, save_figure, write_report  # noqa: E402
 from kvflow.orchestrator.engine import LLMEngine  # noqa: E402
 from kvflow.orchestrator.llm import create_engine  # noqa: E402
 from kvflow.orchestrator.sampling.params import SamplingParams  # noqa: E402
+from kvflow.reports.writers import pyplot, save_figure, write_report  # noqa: E402
 
 
 def timed_trace(engine: LLMEngine) -> list[float]:

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 from kvflow import LLM, SamplingParams
-from kvflow.bench.report import write_report
-from kvflow.bench.serve import run_load
-from kvflow.bench.workloads import RequestSpec
 from kvflow.client import stream_generate
-from kvflow.triton_backend.server import ServerConfig, TritonServer
+from kvflow.loadgen.sender import run_load
+from kvflow.reports.writers import write_report
+from kvflow.triton_backend.launcher import ServerConfig, TritonServer
+from kvflow.workloads.specs import RequestSpec
 
 TOPICS = ["rivers", "castles", "bicycles", "volcanoes", "owls", "libraries", "glaciers", "tea"]
 

@@ -15,6 +15,7 @@ pytest.importorskip("tritonclient.grpc")
 NEVER_MISSED_MS = "1e9"
 
 
+@pytest.mark.slow
 def test_short_bench_serve_writes_a_complete_report(triton_server, default_engines, tmp_path):
     from kvflow.cli import make_parser
 
@@ -47,12 +48,13 @@ def test_short_bench_serve_writes_a_complete_report(triton_server, default_engin
         assert (out / name).stat().st_size > 0, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shut", [socket.SHUT_RDWR, socket.SHUT_RD],
                          ids=["send-fails", "status-line-fails"])
 def test_a_stale_keep_alive_connection_is_retried_once_on_a_fresh_one(openai_frontend, shut):
     """A kept-alive connection that died while idle (the server closed it) fails the next
     request before any byte of its response: sent again on a fresh socket, it succeeds."""
-    from kvflow.bench.clients import OpenAIClient
+    from kvflow.loadgen.clients import OpenAIClient
 
     client = OpenAIClient(openai_frontend.url)
     conn = client.connect()
@@ -70,7 +72,7 @@ def test_a_stale_keep_alive_connection_is_retried_once_on_a_fresh_one(openai_fro
 
 def test_a_fresh_connection_that_fails_is_not_retried():
     """Only a reused connection can be stale: a refused connect is the server's answer."""
-    from kvflow.bench.clients import OpenAIClient
+    from kvflow.loadgen.clients import OpenAIClient
 
     blocker = socket.socket()  # bound, never listening: connections to it are refused
     blocker.bind(("127.0.0.1", 0))
@@ -81,13 +83,14 @@ def test_a_fresh_connection_that_fails_is_not_retried():
     blocker.close()
 
 
+@pytest.mark.slow
 def test_failed_requests_are_reported_by_index_and_kind_and_fail_the_command(
         openai_frontend, triton_server, default_engines, tmp_path, capsys):
     """Prompts around the server's 1024-token limit: those over it (with their output) are
     refused with a 400; each is named in report.json and summary.md, the others are served,
     and the command exits 1."""
-    from kvflow.bench.serve import build_workload
     from kvflow.cli import make_parser
+    from kvflow.workloads.options import build_workload
 
     out = tmp_path / "report"
     args = make_parser().parse_args([
@@ -117,7 +120,7 @@ def test_failed_requests_are_reported_by_index_and_kind_and_fail_the_command(
 
 
 def test_max_sustained_rate_is_the_last_rate_of_an_unbroken_run_under_the_slo():
-    from kvflow.bench.compare import max_sustained_rate
+    from kvflow.reports.sweep import max_sustained_rate
 
     def point(rate, p99, failed=0):
         return {"rate": rate, "summary": {"failed": failed, "ttft_ms": {"p99": p99}}}
@@ -128,9 +131,11 @@ def test_max_sustained_rate_is_the_last_rate_of_an_unbroken_run_under_the_slo():
     assert max_sustained_rate([point(1, None)], 1000) is None
 
 
+@pytest.mark.slow
 def test_compare_arguments_are_checked_by_name(default_engines, tmp_path):
-    from kvflow.bench.compare import parse_modes, parse_rates
     from kvflow.cli import make_parser
+    from kvflow.workloads.modes import parse_modes
+    from kvflow.workloads.options import parse_rates
 
     assert parse_rates("inf,1,0.5,1") == [0.5, 1.0, float("inf")]
     with pytest.raises(ValueError, match="--rates"):
@@ -149,6 +154,7 @@ def test_compare_arguments_are_checked_by_name(default_engines, tmp_path):
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow
 def test_short_bench_compare_serves_each_mode_and_measures_hf(tiny_engines, tiny_models,
                                                              tmp_path):
     """Every part of `bench compare` on a tiny random-weight model (its HF folder is the

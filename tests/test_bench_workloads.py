@@ -5,20 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvflow.bench.metrics import RequestTiming, summarize
-from kvflow.bench.serve import default_trace
-from kvflow.bench.workloads import (
-    CORPUS,
-    RequestSpec,
-    gamma_arrivals,
-    load_azure_trace,
-    make_prompt_ids,
-    make_prompt_text,
-    poisson_arrivals,
-    random_workload,
-    retime,
-    shared_prefix_workload,
-)
+from kvflow.reports.metrics import RequestTiming, summarize
+from kvflow.workloads.arrivals import gamma_arrivals, poisson_arrivals, retime
+from kvflow.workloads.azure import default_trace, load_azure_trace
+from kvflow.workloads.prompts import CORPUS, make_prompt_ids, make_prompt_text
+from kvflow.workloads.specs import RequestSpec
+from kvflow.workloads.synthetic import random_workload, shared_prefix_workload
 
 TRACE = default_trace()
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"Azure trace not found at {TRACE}")
@@ -326,7 +318,8 @@ def test_prompt_text_adjusts_cut_when_round_trip_changes_count():
 
 # --- the multi-tenant workload and its fairness measures --------------------------------------
 def test_tenants_workload_has_a_heavy_tenant_with_long_prompts_and_light_chats():
-    from kvflow.bench.workloads import load_azure_trace, tenants_workload
+    from kvflow.workloads.azure import load_azure_trace
+    from kvflow.workloads.synthetic import tenants_workload
 
     lengths, _ = load_azure_trace(default_trace(), max_prompt_tokens=6144,
                                   max_output_tokens=2048)
@@ -346,7 +339,7 @@ def test_tenants_workload_has_a_heavy_tenant_with_long_prompts_and_light_chats()
 
 
 def test_max_min_shares_give_a_small_demand_all_it_asks():
-    from kvflow.bench.metrics import max_min_shares
+    from kvflow.reports.metrics import max_min_shares
 
     assert max_min_shares({"a": 10.0, "b": 100.0, "c": 100.0}, 110.0) == {
         "a": 10.0, "b": 50.0, "c": 50.0}
@@ -354,7 +347,7 @@ def test_max_min_shares_give_a_small_demand_all_it_asks():
 
 
 def test_fairness_is_one_when_each_tenant_gets_its_share_and_lower_when_one_is_starved():
-    from kvflow.bench.metrics import tenant_summary
+    from kvflow.reports.metrics import tenant_summary
 
     def timing(send, first, n):
         return RequestTiming(send, [first + 0.01 * k for k in range(n)], 10, n)

@@ -7,17 +7,19 @@ import json
 
 import pytest
 
-from kvflow.bench.workloads import RequestSpec, random_workload, sessions_workload
 from kvflow.cli import make_parser
 from kvflow.kv_manager.block_pool import BlockPool
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.sampling.params import SamplingParams
-from kvflow.sim.cluster import ClusterSpec, Link, simulate_cluster
+from kvflow.sim.cluster import ClusterSpec, Link
 from kvflow.sim.cost_model import FixedCostModel
 from kvflow.sim.goodput import find_goodput, slo_attainment
 from kvflow.sim.router import PrefixAwareRouter, prefix_block_hashes
-from kvflow.sim.simulator import SIM_EOS, SimClock, SimRunner, sim_engine_config, simulate
+from kvflow.sim.runner import SIM_EOS, SimClock, SimRunner, sim_engine_config
+from kvflow.sim.simulator import simulate, simulate_cluster
+from kvflow.workloads.specs import RequestSpec
+from kvflow.workloads.synthetic import random_workload, sessions_workload
 
 
 def make_options(**overrides) -> EngineOptions:
@@ -58,6 +60,49 @@ def test_round_robin_spreads_requests_evenly_in_turn():
     assert [r.instance for r in result.routes] == [0, 1, 2] * 4
     assert [s["requests"] for s in result.instances] == [4, 4, 4]
     assert all(t.ok and t.output_tokens == 2 for t in result.timings)
+
+
+@pytest.mark.parametrize("mode", ["fair", "priority"])
+def test_replicas_schedulers_receive_each_requests_tenant_and_priority(mode):
+    """`kvflow simulate --replicas 2 --policy fair|priority`: each request reaches its
+    replica's scheduler with its tenant and its priority (the cluster path once dropped both,
+    so that fair and priority acted as fcfs), observed through the simulator's ``on_step``."""
+    from kvflow.sim.cluster_run import make_cluster, simulate_workload
+    from kvflow.sim.run_options import priorities_for
+
+    args = make_parser().parse_args(["simulate", "--replicas", "2", "--policy", mode,
+                                     "--num-priorities", "3", "--seed", "7",
+                                     "--max-model-len", "512", "--no-progress"])
+    tenants = ["light-0", "heavy", "light-1", "heavy", "light-0", "light-1"] * 2
+    specs = [RequestSpec(0.05 * i, 8 + i, 3, tenant=tenant if mode == "fair" else None)
+             for i, tenant in enumerate(tenants)]
+    seen: dict[str, tuple[int, int, str | None]] = {}  # request id -> replica, priority, tenant
+
+    def watch(replica: int, engine: LLMEngine) -> None:
+        for r in engine.scheduler.requests.values():
+            seen[r.request_id] = (replica, r.priority, r.tenant)
+
+    cluster, _ = make_cluster(args)
+    result = simulate_workload(specs, None, mode, FixedCostModel(0.1), args, 256, cluster,
+                               on_step=watch)
+    # Without priorities of its own, the workload gets random levels under `priority`.
+    priorities = (priorities_for(len(specs), 3, 7) if mode == "priority"
+                  else [0] * len(specs))
+    assert mode == "fair" or len(set(priorities)) > 1
+    assert seen == {str(i): (route.instance, priorities[i], specs[i].tenant)
+                    for i, route in enumerate(result.routes)}
+    assert {route.instance for route in result.routes} == {0, 1}
+
+
+def test_priority_orders_each_replicas_own_queue():
+    # Three requests per replica wait at t=0 behind one batch slot: the priority-0 one (the
+    # last to arrive) goes first on each replica.
+    specs = [RequestSpec(0.0, 4, 2, priority=p) for p in (1, 1, 1, 1, 0, 0)]
+    result = run_cluster(specs, ClusterSpec(replicas=2), policy="priority", max_num_seqs=1)
+    for replica in (0, 1):
+        mine = [i for i, r in enumerate(result.routes) if r.instance == replica]
+        first = min(mine, key=lambda i: result.timings[i].token_times_s[0])
+        assert specs[first].priority == 0
 
 
 def test_least_loaded_avoids_the_replica_still_busy():
@@ -184,7 +229,7 @@ def test_a_transferred_request_waits_for_blocks_and_computes_only_its_last_token
 # --- goodput -----------------------------------------------------------------------------------
 
 def test_slo_attainment_needs_both_slos_together():
-    from kvflow.bench.metrics import RequestTiming
+    from kvflow.reports.metrics import RequestTiming
 
     timings = [RequestTiming(0.0, [0.1, 0.2, 0.3], 8, 3),  # TTFT 100 ms, TPOT 100 ms: good
                RequestTiming(0.0, [0.5, 0.6], 8, 2),  # TTFT 500 ms: misses TTFT

@@ -149,10 +149,10 @@ def test_llm_step_timeline_agrees_with_the_request_metrics(tiny_engines, tmp_pat
 
 
 def test_simulated_timeline_is_bounded_and_series_carry_the_catalogue(tmp_path):
-    from kvflow.bench.workloads import RequestSpec
     from kvflow.orchestrator.options import EngineOptions
     from kvflow.sim.cost_model import LINEAR_FEATURES, LinearCostModel
     from kvflow.sim.simulator import simulate
+    from kvflow.workloads.specs import RequestSpec
 
     specs = [RequestSpec(0.01 * i, 40 + 7 * i, 12) for i in range(20)]
     cost = LinearCostModel(dict.fromkeys(LINEAR_FEATURES, 1e-3))
@@ -191,7 +191,7 @@ def sim_engine(tmp_path, **options):
     from kvflow.orchestrator.engine import LLMEngine
     from kvflow.orchestrator.options import EngineOptions
     from kvflow.sim.cost_model import LINEAR_FEATURES, LinearCostModel
-    from kvflow.sim.simulator import SIM_EOS, SimClock, SimRunner, sim_engine_config
+    from kvflow.sim.runner import SIM_EOS, SimClock, SimRunner, sim_engine_config
 
     clock = SimClock()
     sched = EngineOptions(max_num_seqs=8, max_num_batched_tokens=64,

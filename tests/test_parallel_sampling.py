@@ -14,7 +14,7 @@ from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.request import RequestStatus
 from kvflow.sim.cost_model import FixedCostModel
-from kvflow.sim.simulator import SIM_EOS, SIM_VOCAB, SimClock, SimRunner, sim_engine_config
+from kvflow.sim.runner import SIM_EOS, SIM_VOCAB, SimClock, SimRunner, sim_engine_config
 
 # --- the KV manager: fork and copy on write ---------------------------------------------------
 

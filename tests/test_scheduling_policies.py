@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.bench.metrics import jain_index
+from kvflow.reports.metrics import jain_index
 from kvflow.orchestrator.options import EngineOptions, parse_tenant_weights
 from kvflow.orchestrator.request import RequestStatus
 from kvflow.orchestrator.sampling.params import SamplingParams

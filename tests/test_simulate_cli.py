@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from kvflow.bench.serve import default_trace
-from kvflow.bench.workloads import random_workload
 from kvflow.cli import make_parser
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.sim.cost_model import LINEAR_FEATURES, LinearCostModel, StepShape
+from kvflow.workloads.azure import default_trace
+from kvflow.workloads.synthetic import random_workload
 
 SERVE_REPORT_KEYS = {"config", "summary", "requests", "server_series", "plots"}
 SERVE_REQUEST_KEYS = {"send_s", "ttft_s", "tpot_s", "e2e_s", "prompt_tokens", "output_tokens",
@@ -53,6 +53,7 @@ def test_one_run_writes_the_bench_serve_report_plus_kv_and_queue(tmp_path):
         assert (out / name).stat().st_size > 0, name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not default_trace().is_file(),
                     reason=f"Azure trace not found at {default_trace()}")
 def test_a_sweep_of_policies_and_rates_shows_continuous_beating_static(tmp_path):
@@ -144,7 +145,7 @@ def test_slowdown_bisection_meets_its_target_and_widens_its_bracket():
     """The served calibration's bisection, on a known monotone E2E(factor): it returns a
     bracket [lo, hi] with E2E(lo) < target <= E2E(hi), narrower than its tolerance, starting
     from [0.5, 2] and widening when the target lies outside."""
-    from kvflow.sim.calibrate import fit_slowdown
+    from kvflow.sim.served import fit_slowdown
 
     def e2e(factor: float) -> float:
         return 0.2 + 3.0 * factor
@@ -166,7 +167,7 @@ def test_slowdown_bisection_on_the_simulator_finds_a_known_slowdown():
     cost scaled. A target simulated at a known factor is met, and that factor found (to 1%:
     as the factor moves, steps shift against arrivals and the batches change, so E2E grows
     in small steps, not smoothly, and can cross the target at a nearby factor)."""
-    from kvflow.sim.calibrate import fit_slowdown
+    from kvflow.sim.served import fit_slowdown
     from kvflow.sim.simulator import simulate
 
     specs = random_workload(30, 120, 24, 6.0, 1.0, seed=3, range_ratio=0.5)
@@ -187,6 +188,7 @@ def test_slowdown_bisection_on_the_simulator_finds_a_known_slowdown():
     assert fit["fitted_mean_e2e_s"] == pytest.approx(target, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_calibrate_runs_on_the_real_engine(calibrated):
     """A smoke test: the real calibration writes a complete, usable model. How well it fits
     this machine is a measurement, reported in its file (and docs/simulator.md), not judged
@@ -207,11 +209,12 @@ def test_calibrate_runs_on_the_real_engine(calibrated):
     LinearCostModel.load(calibrated)  # and it loads back
 
 
+@pytest.mark.slow
 def test_served_calibration_runs_and_meets_its_own_target(calibrated, calibration_engine):
     """A smoke test of the served calibration through tritonserver. Whatever this machine's
     slowdown, the factor found brackets the served mean E2E in simulation."""
     pytest.importorskip("tritonclient.grpc")
-    from kvflow.sim.calibrate import served_slowdown
+    from kvflow.sim.served import served_slowdown
 
     cost = LinearCostModel.load(calibrated)
     served = served_slowdown(calibration_engine, cost, rate=4.0,
@@ -225,6 +228,7 @@ def test_served_calibration_runs_and_meets_its_own_target(calibrated, calibratio
     assert e2e_lo < real <= e2e_hi
 
 
+@pytest.mark.slow
 def test_simulate_with_a_calibrated_model(calibrated, tmp_path):
     assert run_cli("simulate", "--cost", str(calibrated), "--num-kv-blocks", "400",
                    "--workload", "random", "--num-prompts", "20", "--input-len", "64",
@@ -235,6 +239,7 @@ def test_simulate_with_a_calibrated_model(calibrated, tmp_path):
     assert report["summary"]["completed"] == 20
 
 
+@pytest.mark.slow
 def test_validate_runs_the_real_server_and_the_simulator_on_the_same_requests(
         calibrated, calibration_engine, tmp_path):
     pytest.importorskip("tritonclient.grpc")
@@ -267,6 +272,7 @@ def test_validate_runs_the_real_server_and_the_simulator_on_the_same_requests(
     assert (tmp_path / "timelines.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_the_tenants_workload_reports_fairness_and_slo_admission_refuses(tmp_path):
     out = tmp_path / "sim"
     assert run_cli("simulate", "--workload", "tenants", "--num-prompts", "120",

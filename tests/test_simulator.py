@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.bench.workloads import RequestSpec, random_workload
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.sim.cost_model import (
     HARDWARE,
@@ -16,6 +15,8 @@ from kvflow.sim.cost_model import (
     StepShape,
 )
 from kvflow.sim.simulator import simulate
+from kvflow.workloads.specs import RequestSpec
+from kvflow.workloads.synthetic import random_workload
 
 
 def test_two_requests_with_known_step_times_give_exact_ttft_and_e2e():
@@ -68,13 +69,14 @@ def test_presets_exist_and_give_plausible_decode_times():
     assert 0.005 < t < 0.05  # ~16 GB of weights at ~2.7 TB/s + overhead
 
 
+@pytest.mark.slow
 def test_simulator_and_real_engine_make_identical_decisions(tiny_engines):
     """The same requests, one step = one fixed second: the real engine (tiny model, real runner)
     and the simulator schedule the same batches, step by step."""
     from kvflow.orchestrator.engine import LLMEngine
     from kvflow.orchestrator.sampling.params import SamplingParams
     from kvflow.runtime import create_runner
-    from kvflow.sim.simulator import SimClock
+    from kvflow.sim.runner import SimClock
 
     # Twelve requests within 4 s (4 steps), each running 8-24 decode steps: four run at once.
     # Sequences grow to 18-54 tokens (up to 14 blocks of 4): four running ones need more than
@@ -116,7 +118,10 @@ def test_static_batching_reserves_whole_sequences_which_shows_as_fragmentation()
     static = EngineOptions(max_model_len=64, policy="static", enable_prefix_caching=False)
     result = simulate(specs, FixedCostModel(1.0), static, num_blocks=16, block_size=4,
                       series_period_s=1.0)
-    first = result.series[0]
+    # A sample is the state as of its time, before the events due then: at 0.0 the request
+    # has not arrived; at 1.0 the prefill step has ended.
+    empty, first = result.series[:2]
+    assert empty["t_s"] == 0.0 and empty["kvflow_kv_cache_usage_ratio"] == 0.0
     assert first["t_s"] == 1.0
     assert first["kvflow_kv_cache_fragmentation_ratio"] == pytest.approx(8 / 12)
     assert first["kvflow_kv_cache_usage_ratio"] == pytest.approx(3 / 15)  # block 0 is null
@@ -124,9 +129,9 @@ def test_static_batching_reserves_whole_sequences_which_shows_as_fragmentation()
     # Continuous batching allocates as it goes: 1 block after the prefill, 0 unfilled.
     cont = simulate(specs, FixedCostModel(1.0), EngineOptions(max_model_len=64),
                     num_blocks=16, block_size=4, series_period_s=1.0)
-    assert cont.series[0]["kvflow_kv_cache_fragmentation_ratio"] == 0.0
-    assert cont.series[0]["kvflow_kv_cache_usage_ratio"] == pytest.approx(1 / 15)
-    assert [r["t_s"] for r in cont.series] == [float(t) for t in range(1, 9)] + [8.0]
+    assert cont.series[1]["kvflow_kv_cache_fragmentation_ratio"] == 0.0
+    assert cont.series[1]["kvflow_kv_cache_usage_ratio"] == pytest.approx(1 / 15)
+    assert [r["t_s"] for r in cont.series] == [float(t) for t in range(0, 9)] + [8.0]
     assert cont.queue_s == [0.0]
 
 

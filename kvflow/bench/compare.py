@@ -24,45 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvflow.bench.metrics import summarize
-from kvflow.bench.report import pyplot, save_figure, write_report
-from kvflow.bench.serve import (
-    MetricsScraper,
-    add_workload_args,
-    build_workload,
-    make_prompts,
-    parse_slo,
-    run_load,
-)
-from kvflow.bench.workloads import RequestSpec
+from kvflow.loadgen.sender import MetricsScraper, run_load
+from kvflow.reports.metrics import parse_slo, summarize
+from kvflow.reports.sweep import fmt_value, max_sustained_rate, plot_sweep
+from kvflow.reports.writers import write_report
+from kvflow.workloads.modes import MODE_LABELS, MODES, mode_scheduler_options, parse_modes
+from kvflow.workloads.options import add_workload_args, build_workload, parse_rates
+from kvflow.workloads.prompts import make_prompts
+from kvflow.workloads.specs import RequestSpec
 
-MODES: dict[str, dict[str, Any]] = {
-    "static": {"policy": "static", "enable_chunked_prefill": False},
-    "continuous": {"policy": "fcfs", "enable_chunked_prefill": False},
-    "chunked": {"policy": "fcfs", "enable_chunked_prefill": True},
-    "priority": {"policy": "priority", "enable_chunked_prefill": True},
-    "sjf": {"policy": "sjf", "enable_chunked_prefill": True},
-    "fair": {"policy": "fair", "enable_chunked_prefill": True},
-}
-SLO_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.5)
-MODE_LABELS = {"static": "static batching", "continuous": "continuous batching",
-               "chunked": "continuous + chunked prefill",
-               "priority": "priority + chunked prefill",
-               "sjf": "shortest job first + chunked prefill",
-               "fair": "fair share (VTC) + chunked prefill"}
-
-
-def mode_scheduler_options(mode: str, max_num_seqs: int, max_model_len: int,
-                           chunk_tokens: int, prefix_caching: bool = False) -> dict[str, Any]:
-    """The :class:`EngineOptions` options of a batching mode (the served engine's and the
-    simulator's alike): whole prompts need a token budget of ``max_model_len``; chunked modes
-    get ``chunk_tokens`` per step."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    chunked = MODES[mode]["enable_chunked_prefill"]
-    return {**MODES[mode], "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-            "enable_prefix_caching": prefix_caching,
-            "max_num_batched_tokens": chunk_tokens if chunked else max_model_len}
+SLO_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.5)  # the SLO sensitivity: the TTFT SLO times each
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -90,49 +61,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "under --slo")
 
 
-def parse_rates(text: str) -> list[float]:
-    """``0.5,1,inf`` -> [0.5, 1.0, inf], sorted ascending; each rate > 0."""
-    rates = []
-    for part in text.split(","):
-        try:
-            rate = float(part)
-        except ValueError:
-            raise ValueError(f"--rates: {part!r} is not a number or inf") from None
-        if not rate > 0:
-            raise ValueError(f"--rates: each rate must be > 0, got {part!r}")
-        rates.append(rate)
-    if not rates:
-        raise ValueError("--rates: give at least one rate")
-    return sorted(set(rates))
-
-
-def parse_modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise ValueError(f"--modes: unknown mode(s) {unknown}; known: {list(MODES)}")
-    return modes
-
-
 def mode_engine_args(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """The scheduler options a mode serves the engine with."""
     out = mode_scheduler_options(mode, args.max_num_seqs, args.max_model_len, args.chunk_tokens)
     if args.kv_cache_bytes is not None:
         out["kv_cache_bytes"] = args.kv_cache_bytes
     return out
-
-
-def max_sustained_rate(points: list[dict[str, Any]], slo_ttft_ms: float) -> float | None:
-    """The highest rate such that it and every lower swept rate completed every request with
-    P99 TTFT within ``slo_ttft_ms`` (None: not even the lowest)."""
-    best = None
-    for point in sorted(points, key=lambda p: p["rate"]):
-        s = point["summary"]
-        p99 = s["ttft_ms"]["p99"]
-        if s["failed"] or p99 is None or p99 > slo_ttft_ms:
-            break
-        best = point["rate"]
-    return best
 
 
 def _workload_at(args: argparse.Namespace, rate: float) -> tuple[list[RequestSpec], dict]:
@@ -145,7 +79,7 @@ def run_mode(mode: str, args: argparse.Namespace, workloads: dict[float, list[Re
              texts: list[str], slo: dict[str, float], out: Path) -> list[dict[str, Any]]:
     """Serve the engine in ``mode`` and replay every rate's workload against it."""
     from kvflow.client import stream_generate
-    from kvflow.triton_backend.server import ServerConfig, TritonServer
+    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 
     cfg = ServerConfig.on_free_ports(args.engine, mode_engine_args(mode, args))
     points = []
@@ -229,58 +163,6 @@ def hf_static_generate(model: str, engine_dir: str, texts: list[str],
             "request_throughput": len(ids) / duration,
             "output_token_throughput": useful / duration,
             "total_token_throughput": (useful + sum(len(x) for x in ids)) / duration}
-
-
-def fmt_value(value: float | None, spec: str = ".0f") -> str:
-    """``value`` formatted, or "-" for a statistic no request contributed to."""
-    return "-" if value is None else format(value, spec)
-
-
-def plot_sweep(out: Path, results: dict[str, list[dict[str, Any]]], slo_ttft_ms: float,
-               hf: dict[str, Any] | None, filename: str = "compare.png") -> str:
-    """P99 TTFT and E2E against throughput, and P99 TTFT against the offered rate, one curve
-    per mode (``bench compare`` and ``simulate`` sweeps); returns the file name."""
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-    for mode, points in results.items():
-        tput = [p["summary"]["output_token_throughput"] for p in points]
-        ttft = [(p["summary"]["ttft_ms"]["p99"] or math.nan) / 1e3 for p in points]
-        e2e = [(p["summary"]["e2e_ms"]["p99"] or math.nan) / 1e3 for p in points]
-        for ax, ys in ((axes[0], ttft), (axes[1], e2e)):
-            (line,) = ax.plot(tput, ys, marker="o", label=MODE_LABELS[mode])
-            for x, y, p in zip(tput, ys, points, strict=True):
-                ax.annotate(f"{p['rate']:g}", (x, y), textcoords="offset points",
-                            xytext=(4, 4), fontsize=7, color=line.get_color())
-        finite = [(p["rate"], t) for p, t in zip(points, ttft, strict=True)
-                  if math.isfinite(p["rate"])]
-        if finite:
-            axes[2].plot(*zip(*finite, strict=True), marker="o", label=MODE_LABELS[mode])
-    for ax, title in ((axes[0], "P99 TTFT vs output throughput"),
-                      (axes[1], "P99 E2E latency vs output throughput")):
-        ax.set_xlabel("output tokens/s (labels: offered req/s)")
-        ax.set_ylabel("seconds")
-        ax.set_yscale("log")
-        ax.set_title(title)
-        if hf is not None:
-            ax.axvline(hf["output_token_throughput"], color="grey", linestyle=":",
-                       label=f"HF generate, static batches of {hf['batch_size']}")
-    if math.isfinite(slo_ttft_ms):
-        for ax in (axes[0], axes[2]):
-            ax.axhline(slo_ttft_ms / 1e3, color="red", linestyle="--", linewidth=1,
-                       label="TTFT SLO")
-    axes[2].set_xlabel("offered request rate (req/s)")
-    axes[2].set_ylabel("P99 TTFT (s)")
-    axes[2].set_yscale("log")
-    axes[2].set_title("P99 TTFT vs request rate")
-    from matplotlib.ticker import FormatStrFormatter
-
-    for ax in axes:
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-    return save_figure(fig, out / filename)
 
 
 def bench_compare(args: argparse.Namespace) -> dict[str, Any]:

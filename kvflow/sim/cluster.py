@@ -1,50 +1,25 @@
-"""A cluster of engines in simulated time: replicas behind a router, or disaggregated prefill
-and decode instances with the KV moved between them over a link.
+"""A simulated cluster's parts: its shape (colocated replicas, or disaggregated prefill and
+decode instances with the link KV moves over), its instances, and where a request went.
 
 Every instance *is* :class:`~kvflow.orchestrator.engine.LLMEngine` over a
-:class:`~kvflow.sim.simulator.SimRunner` (the real scheduler, KV manager and prefix cache),
-each on a clock of its own. One event heap orders the cluster, by (time, kind, id): a
-request's arrival, a KV transfer's completion, an instance's step end. Arrivals and transfers
-due at a time are handed over before the instances due then step, as one engine's loop
-drains its inbox between steps. An instance runs its step when the step starts (so its
-state, the prefix cache the router reads included, is the step's end state from then on);
-the step's cost moves its clock, and its next step is an event at that time. An instance
-with nothing to run sleeps until a request is handed to it. No wall-clock sleeps.
-
-Disaggregated (``P:D``): a request is prefilled on a prefill instance with ``max_tokens=1``,
-whose token is the first token (as DistServe counts it). Its decode instance is picked then;
-its prompt's KV (``prompt tokens x KV bytes per token``, split over the devices of the
-instance) moves over the link, one transfer at a time out of each prefill instance and into
-each decode instance (first come, first served), taking the link's latency plus bytes over
-bandwidth. Then the decode instance gets the request with ``kv_transferred`` (its blocks are
-allocated on admission; while its pool lacks room it waits) and decodes the rest. The
-prefill instance frees the blocks when its token is out: holding them for the transfer is
-not modelled.
+:class:`~kvflow.sim.runner.SimRunner` (the real scheduler, KV manager and prefix cache), on a
+clock of its own. The loop that drives them is :func:`kvflow.sim.simulator.simulate_cluster`.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvflow.bench.metrics import RequestTiming
-from kvflow.bench.workloads import RequestSpec
 from kvflow.kv_manager.block_pool import BlockPool
+from kvflow.observability.metrics import EngineMetrics, MetricsRegistry
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import RequestOutput
-from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.sim.cost_model import CostModel
 from kvflow.sim.router import make_router
-from kvflow.sim.simulator import (
-    SIM_EOS,
-    SimClock,
-    SimRunner,
-    _prompt_ids,
-    sim_engine_config,
-    timing_of,
-)
+from kvflow.sim.runner import SIM_EOS, SimClock, SimRunner, sim_engine_config
+
+ALL_STEPS = 10_000_000  # an engine's stats window that keeps every step of a run
 
 
 @dataclass(frozen=True)
@@ -116,17 +91,23 @@ class ClusterSpec:
 
 
 class Instance:
-    """One engine of the cluster on a clock of its own, and what the router knows of it."""
+    """One engine of the cluster on a clock of its own, the metrics its server would publish,
+    and what the router knows of it."""
 
     def __init__(self, index: int, role: str, cost: CostModel, options: EngineOptions,
-                 num_blocks: int, block_size: int) -> None:
+                 num_blocks: int, block_size: int, keep_steps: bool = False) -> None:
         self.index, self.role = index, role
         self.clock = SimClock()
         runner = SimRunner(sim_engine_config(block_size, options.max_model_len,
                                              options.max_num_batched_tokens,
                                              options.max_num_seqs), num_blocks, cost, self.clock)
+        # keep_steps: every step's stats, for a report that reads its batches. Otherwise the
+        # last alone: millions of kept objects slow the garbage collector down by half.
         self.engine = LLMEngine(runner, None, options, (SIM_EOS,), clock=self.clock,
-                                stats_window=1, trace_source="simulator")
+                                stats_window=ALL_STEPS if keep_steps else 1,
+                                trace_source="simulator")
+        self.metrics = MetricsRegistry()  # what its metrics endpoint would show
+        self._collector = EngineMetrics()
         self.step_pending = False  # a step-end event of this instance is on the heap
         self.outstanding_tokens = 0  # prompt + output of the requests charged to it
         self._charged: dict[int, int] = {}
@@ -137,6 +118,28 @@ class Instance:
     @property
     def block_pool(self) -> BlockPool:
         return self.engine.kv.pool
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step (nothing when it can schedule nothing), observed into its metrics'
+        histograms."""
+        outputs = self.engine.step()
+        self.metrics.observe(self._collector.observations(self.engine, outputs))
+        return outputs
+
+    def finish(self) -> None:
+        """Bring its metrics' gauges and counters up to date (after its last step)."""
+        self.metrics.apply(self._collector.collect(self.engine, []))
+
+    def server_row(self, now: float) -> dict[str, float]:
+        """Its server's state now: every ``kvflow_*`` series, named as the served engine's
+        metrics endpoint names it (histograms by ``_sum`` and ``_count``), and its last
+        step's batch (``batch_tokens``, ``batch_seqs``)."""
+        self.metrics.set_state(*self._collector.state(self.engine))  # read when sampled
+        last = self.engine.step_stats[-1] if self.engine.step_stats else None
+        return {"t_s": now, **self.metrics.row(),
+                "batch_tokens": float(last.num_prefill_tokens + last.num_decode_tokens
+                                      if last else 0),
+                "batch_seqs": float(last.num_scheduled_seqs if last else 0)}
 
     def charge(self, request: int, tokens: int) -> None:
         """Count ``tokens`` of request ``request`` as its outstanding work (once)."""
@@ -171,148 +174,3 @@ class RequestRoute:
     transfer_wait_s: float | None = None
     transfer_s: float | None = None
     cached_tokens: int = 0
-
-
-@dataclass
-class ClusterResult:
-    """Per-request timings (first token included, as a client sees them) and routes, each
-    instance's statistics, the sampled cluster series and the simulated duration."""
-
-    timings: list[RequestTiming]
-    routes: list[RequestRoute]
-    instances: list[dict[str, float | int | str | None]]
-    series: list[dict[str, float]]
-    duration_s: float
-    steps: int = field(default=0)
-
-
-ARRIVAL, TRANSFER, STEP = 0, 1, 2  # event kinds, in the order they go at one time
-
-
-def simulate_cluster(specs: Sequence[RequestSpec], cost: CostModel, options: EngineOptions,
-                     num_blocks: int, cluster: ClusterSpec, block_size: int = 16,
-                     prompts: Sequence[list[int]] | None = None,
-                     series_period_s: float = 0.25,
-                     progress: Callable[[int], None] | None = None) -> ClusterResult:
-    """Run ``specs`` through a cluster of real engines in simulated time (module docstring).
-
-    ``num_blocks``: each instance's KV pool. ``prompts``: each request's token ids (default:
-    ids no two requests share, except a declared shared prefix). ``progress(n)`` is called
-    with the number of requests finished so far.
-    """
-    if prompts is not None and len(prompts) != len(specs):
-        raise ValueError(f"got {len(prompts)} prompts for {len(specs)} requests")
-    if not series_period_s > 0:
-        raise ValueError(f"series_period_s must be > 0, got {series_period_s}")
-    instances = [Instance(k, role, cost, options, num_blocks, block_size)
-                 for k, role in enumerate(cluster.roles)]
-    entry = [x for x in instances if x.role != "decode"]
-    decoders = [x for x in instances if x.role == "decode"]
-    router = make_router(cluster.router, block_size, cluster.overlap_weight)
-    decode_router = make_router("least_loaded", block_size)
-    ids = [list(prompts[i]) if prompts is not None else _prompt_ids(s, i)
-           for i, s in enumerate(specs)]
-    routes = [RequestRoute() for _ in specs]
-    first: dict[int, RequestOutput] = {}  # prefilled, decoding elsewhere: the prefill's output
-    timings: dict[int, RequestTiming] = {}
-    events = [(s.arrival_s, ARRIVAL, i) for i, s in enumerate(specs)]
-    heapq.heapify(events)
-    series: list[dict[str, float]] = []
-    next_sample = 0.0
-
-    def wake(x: Instance, t: float) -> None:
-        if not x.step_pending:
-            x.clock.now = max(x.clock.now, t)
-            x.step_pending = True
-            heapq.heappush(events, (x.clock.now, STEP, x.index))
-
-    def submit(x: Instance, i: int, prompt: list[int], max_tokens: int, t: float,
-               kv_transferred: bool = False) -> None:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        x.charge(i, len(prompt) + max_tokens)
-        x.num_requests += 1
-        x.prompt_tokens += len(prompt)
-        _, rejected = x.engine.add_request(prompt, params, request_id=str(i), arrival_time=t,
-                                           kv_transferred=kv_transferred)
-        if rejected is not None:
-            done(x, i, rejected)
-        else:
-            wake(x, t)
-
-    def done(x: Instance, i: int, out: RequestOutput) -> None:
-        x.release(i)
-        spec = specs[i]
-        if x.role == "prefill" and out.finish_reason == "length" and spec.output_tokens > 1:
-            first[i] = out
-            d = decoders[decode_router.pick(ids[i], decoders)]
-            d.charge(i, spec.prompt_tokens + spec.output_tokens)  # from now: in transit
-            ready = out.metrics.token_times[0]
-            start = max(ready, x.link_free_s, d.link_free_s)
-            took = cluster.link.transfer_s(spec.prompt_tokens
-                                           * cluster.kv_bytes_per_token_per_device)
-            x.link_free_s = d.link_free_s = start + took
-            route = routes[i]
-            route.decode_instance, route.transfer_wait_s, route.transfer_s = (
-                d.index, start - ready, took)
-            heapq.heappush(events, (start + took, TRANSFER, i))
-            return
-        timing = timing_of(out)
-        if x.role == "decode":
-            pre = first.pop(i)
-            timing = RequestTiming(pre.metrics.arrival_time,
-                                   [*pre.metrics.token_times, *timing.token_times_s],
-                                   spec.prompt_tokens, 1 + timing.output_tokens, timing.ok)
-        else:
-            routes[i].cached_tokens = out.cached_tokens
-        timings[i] = timing
-        if progress is not None:
-            progress(len(timings))
-
-    while events:
-        t, kind, k = heapq.heappop(events)
-        if kind == ARRIVAL:
-            x = entry[router.pick(ids[k], entry)]
-            routes[k].instance = x.index
-            max_tokens = 1 if cluster.disaggregated else specs[k].output_tokens
-            submit(x, k, ids[k], max_tokens, t)
-        elif kind == TRANSFER:
-            d = instances[routes[k].decode_instance]  # type: ignore[index]
-            submit(d, k, ids[k] + first[k].outputs[0].token_ids[:1],
-                   specs[k].output_tokens - 1, t, kv_transferred=True)
-        else:
-            x = instances[k]
-            x.step_pending = False
-            steps = x.engine.counters.steps
-            for out in x.engine.step():
-                if out.finished:
-                    done(x, int(out.request_id), out)
-            if x.engine.counters.steps > steps:  # it ran a step: the next starts at its end
-                wake(x, x.clock.now)
-        if t >= next_sample:
-            series.append(_sample(instances, t))
-            next_sample = t + series_period_s
-    stuck = [x.index for x in instances if x.engine.has_unfinished_requests()]
-    if stuck:
-        raise RuntimeError(f"simulation stalled: instances {stuck} hold requests that cannot "
-                           "be scheduled")
-    duration = max((x.clock.now for x in instances), default=0.0)
-    series.append(_sample(instances, duration))
-    return ClusterResult([timings[i] for i in range(len(specs))], routes,
-                         [x.stats(duration) for x in instances], series, duration,
-                         sum(x.engine.counters.steps for x in instances))
-
-
-def _sample(instances: list[Instance], now: float) -> dict[str, float]:
-    """One row of cluster state, under the names the server's series use (summed over the
-    instances; KV usage averaged), and each instance's KV usage and queue."""
-    row = {"t_s": now,
-           "kvflow_num_requests_running": float(sum(x.engine.scheduler.num_running
-                                                    for x in instances)),
-           "kvflow_num_requests_waiting": float(sum(x.engine.scheduler.num_waiting
-                                                    for x in instances)),
-           "kvflow_kv_cache_usage_ratio": sum(x.engine.kv.usage for x in instances)
-           / len(instances)}
-    for x in instances:
-        row[f"kv_usage_{x.index}"] = x.engine.kv.usage
-        row[f"waiting_{x.index}"] = float(x.engine.scheduler.num_waiting)
-    return row

@@ -14,21 +14,26 @@ import argparse
 import copy
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvflow.bench.compare import MODE_LABELS, mode_scheduler_options
-from kvflow.bench.report import pyplot, save_figure, write_report
-from kvflow.bench.serve import parse_slo, write_serve_report
-from kvflow.bench.workloads import RequestSpec
+from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
-from kvflow.sim.cluster import LINKS, ClusterResult, ClusterSpec, Link, simulate_cluster
+from kvflow.reports.metrics import parse_slo, tenant_summary
+from kvflow.reports.serve_report import tenant_line, write_serve_report
+from kvflow.reports.writers import write_report
+from kvflow.sim.cluster import LINKS, ClusterSpec, Link
+from kvflow.sim.cluster_report import cluster_lines, fmt, plot_cluster, plot_goodput
 from kvflow.sim.cost_model import MODELS, CostModel
 from kvflow.sim.goodput import find_goodput, slo_attainment
 from kvflow.sim.router import ROUTERS
+from kvflow.sim.run_options import mode_options, request_priorities, thin
+from kvflow.sim.simulator import ClusterResult, simulate_cluster
+from kvflow.workloads.specs import RequestSpec
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -159,15 +164,13 @@ def cluster_main(args: argparse.Namespace, cost: CostModel, cost_info: dict[str,
     return 0
 
 
-def scheduler_options(mode: str, args: argparse.Namespace) -> EngineOptions:
-    options = mode_scheduler_options(mode, args.max_num_seqs, args.max_model_len,
-                                     args.chunk_tokens, args.prefix_caching)
-    return EngineOptions(**options)
-
-
 def simulate_workload(specs: list[RequestSpec], prompts: list[list[int]] | None, mode: str,
                       cost: CostModel, args: argparse.Namespace, num_blocks: int,
-                      cluster: ClusterSpec, bar: Any = None) -> ClusterResult:
+                      cluster: ClusterSpec, bar: Any = None,
+                      on_step: Callable[[int, LLMEngine], None] | None = None) -> ClusterResult:
+    """Simulate ``specs`` on the cluster in ``mode`` under the flags (``on_step``: as
+    :func:`~kvflow.sim.simulator.simulate_cluster` takes it)."""
+    options = EngineOptions(**mode_options(mode, args))
     done = [0]
 
     def progress(n: int) -> None:
@@ -175,9 +178,11 @@ def simulate_workload(specs: list[RequestSpec], prompts: list[list[int]] | None,
             bar.update(n - done[0])
         done[0] = n
 
-    return simulate_cluster(specs, cost, scheduler_options(mode, args), num_blocks, cluster,
-                            args.block_size, prompts=prompts,
-                            series_period_s=args.series_period_s, progress=progress)
+    return simulate_cluster(specs, cost, options, num_blocks, cluster, args.block_size,
+                            prompts=prompts, series_period_s=args.series_period_s,
+                            progress=progress,
+                            priorities=request_priorities(specs, options.policy, args),
+                            on_step=on_step)
 
 
 def cluster_info(cluster: ClusterSpec, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -228,17 +233,21 @@ def run_cluster(specs: list[RequestSpec], prompts: list[list[int]] | None,
     if slo:
         summary["slo_attainment"] = slo_attainment(result.timings, slo.get("ttft_ms"),
                                                    slo.get("tpot_ms"))
-    sim_info = {"mode": mode, "num_kv_blocks_per_instance": num_blocks,
+    sim_info: dict[str, Any] = {"mode": mode, "num_kv_blocks_per_instance": num_blocks,
                 "block_size": args.block_size, "steps": result.steps, "wall_time_s": wall}
     config = {**info, **cost_info, "num_prompts": len(specs), "slo": slo,
               "max_concurrency": None, "simulation": sim_info,
               "cluster": {**cluster_info(cluster, gpus, args), **summary, "instances": stats}}
     lines = cluster_lines(config["cluster"], stats, mode, wall, result.steps)
+    tenants = [s.tenant for s in specs]
+    if any(tenants):
+        sim_info["tenants"] = tenant_summary(result.timings, tenants)
+        lines.append(tenant_line(sim_info["tenants"]))
     routes = result.routes
     out.mkdir(parents=True, exist_ok=True)
     report = write_serve_report(
         out, "kvflow simulate", config, result.timings, result.duration_s,
-        _thin(result.series),
+        thin(result.series),
         request_extra={"instance": [r.instance for r in routes],
                        "decode_instance": [r.decode_instance for r in routes],
                        "transfer_s": [r.transfer_s for r in routes],
@@ -247,85 +256,6 @@ def run_cluster(specs: list[RequestSpec], prompts: list[list[int]] | None,
         extra_plots=[plot_cluster(out, result)], extra_lines=lines,
         echo=not getattr(args, "quiet", False))
     return report
-
-
-def _thin(series: list[dict[str, float]], limit: int = 1000) -> list[dict[str, float]]:
-    if len(series) <= limit:
-        return series
-    idx = np.linspace(0, len(series) - 1, limit).round().astype(int)
-    return [series[i] for i in idx]
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
-
-
-def cluster_lines(c: dict[str, Any], stats: list[dict[str, Any]], mode: str, wall: float,
-                  steps: int) -> list[str]:
-    """The cluster's part of ``summary.md``."""
-    shape = (f"{c['prefill']} prefill + {c['decode']} decode instances, KV over "
-             f"{c['link']}" if "prefill" in c else f"{c['replicas']} replicas")
-    over = "prefill instances" if "prefill" in c else "replicas"
-    lines = ["", f"Cluster: {shape}, router {c['router']} (overlap weight "
-             f"{c['overlap_weight']:g}), {c['gpus']} GPUs (tp={c['tp']}); "
-             f"{MODE_LABELS[mode]}. Simulated in {wall:.1f} s of wall time ({steps} engine "
-             f"steps).", "",
-             f"Prefix-cache hit rate {_pct(c['hit_rate'])} (hit tokens / prompt tokens looked "
-             f"up); load balance, max / mean over the {over}: "
-             f"requests {c['requests_balance'] or 0:.2f}, prompt tokens "
-             f"{c['prompt_tokens_balance'] or 0:.2f}, busy time {c['busy_balance'] or 0:.2f}."]
-    if "transfer_ms_mean" in c:
-        lines.append(f"KV transfers: {c['transfer_gb']:.1f} GB, {c['transfer_ms_mean']:.2f} ms "
-                     f"mean (p99 {c['transfer_ms_p99']:.2f} ms) on the link after "
-                     f"{c['link_wait_ms_mean']:.2f} ms mean waiting for it.")
-    if "slo_attainment" in c:
-        lines.append(f"SLO attainment (TTFT and TPOT together): {c['slo_attainment']:.1%}.")
-    lines += ["", "| instance | role | requests | prompt tokens | tokens prefilled | output "
-              "tokens | busy | hit rate | preemptions |", "|---|---|---|---|---|---|---|---|---|"]
-    for s in stats:
-        lines.append(f"| {s['instance']} | {s['role']} | {s['requests']} | "
-                     f"{s['prompt_tokens']} | {s['prefill_tokens']} | {s['output_tokens']} | "
-                     f"{s['busy_fraction']:.0%} | {_pct(s['hit_rate'])} | "
-                     f"{s['preemptions']} |")
-    return lines
-
-
-def plot_cluster(out: Path, result: ClusterResult) -> str:
-    """``cluster.png``: each instance's requests and busy fraction, its hit rate, and its KV
-    usage over time."""
-    plt = pyplot()
-    stats = result.instances
-    names = [f"{s['instance']} ({s['role'][0]})" for s in stats]
-    x = np.arange(len(stats))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    axes[0].bar(x - 0.2, [s["requests"] for s in stats], 0.4, label="requests")
-    ax2 = axes[0].twinx()
-    ax2.bar(x + 0.2, [s["busy_fraction"] for s in stats], 0.4, color="tab:orange",
-            label="busy fraction")
-    ax2.set_ylim(0, 1.05)
-    ax2.set_ylabel("busy fraction (orange)")
-    axes[0].set_ylabel("requests (blue)")
-    axes[0].set_title("Load per instance")
-    axes[1].bar(x, [s["hit_rate"] or 0.0 for s in stats], color="tab:green")
-    axes[1].set_ylim(0, 1.0)
-    axes[1].set_ylabel("prefix-cache hit rate")
-    axes[1].set_title("Hit tokens / prompt tokens")
-    for ax in axes[:2]:
-        ax.set_xticks(x, names)
-        ax.set_xlabel("instance (r replica, p prefill, d decode)")
-    t = [r["t_s"] for r in result.series]
-    for s in stats:
-        k = s["instance"]
-        axes[2].plot(t, [r.get(f"kv_usage_{k}", np.nan) for r in result.series],
-                     label=names[k], linewidth=0.8)
-    axes[2].set_ylim(0, 1.02)
-    axes[2].set_xlabel("simulated time (s)")
-    axes[2].set_ylabel("KV blocks used")
-    axes[2].set_title("KV usage per instance")
-    axes[2].legend(fontsize=7, ncol=2)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    return save_figure(fig, out / "cluster.png")
 
 
 def goodput_main(args: argparse.Namespace, cost: CostModel, cost_info: dict[str, Any],
@@ -370,29 +300,9 @@ def goodput_main(args: argparse.Namespace, cost: CostModel, cost_info: dict[str,
              "| rate req/s | within SLOs | P90 TTFT ms | P90 TPOT ms |", "|---|---|---|---|"]
     for p in points:
         lines.append(f"| {p['rate']:.3g} | {p['attainment']:.1%} | "
-                     f"{_fmt(p['ttft_ms_p90'])} | {_fmt(p['tpot_ms_p90'], '.1f')} |")
+                     f"{fmt(p['ttft_ms_p90'])} | {fmt(p['tpot_ms_p90'], '.1f')} |")
     lines += ["", f"![goodput]({plot})"]
     write_report(out / "summary.md", lines, echo=not args.no_progress)
     return 0
 
-
-def _fmt(value: float | None, spec: str = ".0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def plot_goodput(out: Path, points: list[dict[str, Any]], target: float,
-                 rate: float | None) -> str:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot([p["rate"] for p in points], [p["attainment"] for p in points], marker="o")
-    ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label="target")
-    if rate is not None:
-        ax.axvline(rate, color="tab:green", linewidth=0.8, label=f"goodput {rate:.3g} req/s")
-    ax.set_xscale("log")
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("requests within the SLOs")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return save_figure(fig, out / "goodput.png")
 

@@ -20,21 +20,20 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.bench.compare import MODE_LABELS, MODES, mode_scheduler_options, parse_rates
-from kvflow.bench.metrics import tenant_summary
-from kvflow.bench.report import pyplot, save_figure, write_report
-from kvflow.bench.serve import (
-    add_workload_args,
-    build_workload,
-    parse_slo,
-    tenant_line,
-    write_serve_report,
-)
-from kvflow.bench.workloads import RequestSpec, load_azure_trace, sessions_workload
 from kvflow.orchestrator.options import EngineOptions
+from kvflow.reports.metrics import parse_slo, tenant_summary
+from kvflow.reports.serve_report import tenant_line, write_serve_report
+from kvflow.reports.writers import pyplot, save_figure, write_report
 from kvflow.sim.cluster_run import add_cluster_args, cluster_main, is_cluster_run
 from kvflow.sim.cost_model import HARDWARE, MODELS, CostModel, LinearCostModel, RooflineCostModel
-from kvflow.sim.simulator import SIM_TOKEN, SimResult, simulate
+from kvflow.sim.run_options import mode_options, request_priorities, thin
+from kvflow.sim.runner import SIM_TOKEN
+from kvflow.sim.simulator import SimResult, simulate
+from kvflow.workloads.azure import load_azure_trace
+from kvflow.workloads.modes import MODE_LABELS, MODES
+from kvflow.workloads.options import add_workload_args, build_workload, parse_rates
+from kvflow.workloads.specs import RequestSpec
+from kvflow.workloads.synthetic import sessions_workload
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -147,12 +146,6 @@ def default_num_blocks(args: argparse.Namespace) -> int:
     return model.kv_blocks_for(HARDWARE[args.hardware], args.block_size)
 
 
-def priorities_for(n: int, num_priorities: int, seed: int) -> list[int]:
-    if num_priorities < 1:
-        raise ValueError(f"--num-priorities must be >= 1, got {num_priorities}")
-    return np.random.default_rng([seed, 3]).integers(0, num_priorities, size=n).tolist()
-
-
 def _plot_kv_batch(out: Path, result: SimResult) -> str:
     plt = pyplot()
 
@@ -189,31 +182,15 @@ def _plot_kv_batch(out: Path, result: SimResult) -> str:
     return save_figure(fig, out / "kv_batch.png")
 
 
-def _thin(series: list[dict[str, float]], limit: int = 1000) -> list[dict[str, float]]:
-    if len(series) <= limit:
-        return series
-    idx = np.linspace(0, len(series) - 1, limit).round().astype(int)
-    return [series[i] for i in idx]
-
-
 def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse.Namespace,
             num_blocks: int, config: dict[str, Any], out: Path, bar: Any,
             prompts: list[list[int]] | None = None, echo: bool = True,
             trace_steps: Path | None = None) -> dict[str, Any]:
     """Simulate one (mode, workload) and write its report to ``out`` (with the server's
     final metrics as ``metrics.prom``, and the step timeline to ``trace_steps``)."""
-    options = mode_scheduler_options(mode, args.max_num_seqs, args.max_model_len,
-                                     args.chunk_tokens, args.prefix_caching)
-    options.update(max_queue_delay_ms=getattr(args, "max_queue_delay_ms", None),
-                   request_timeout_s=getattr(args, "request_timeout_s", None))
-    if trace_steps is not None:
-        options.update(trace_steps=str(trace_steps),
-                       trace_max_steps=getattr(args, "trace_max_steps", 10_000))
+    options = mode_options(mode, args, trace_steps)
     sched = EngineOptions(**options)
-    # The workload's own priorities (tenants: light before heavy), else random levels.
-    own = any(s.priority is not None for s in specs)
-    priorities = (priorities_for(len(specs), args.num_priorities, args.seed)
-                  if sched.policy == "priority" and not own else None)
+    priorities = request_priorities(specs, sched.policy, args)
     done = [0]
 
     def progress(n: int) -> None:
@@ -226,7 +203,7 @@ def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse
                       series_period_s=args.series_period_s, progress=progress,
                       priorities=priorities)
     wall = time.perf_counter() - t0
-    series = _thin(result.series)
+    series = thin(result.series)
     frag = [r["kvflow_kv_cache_fragmentation_ratio"] for r in result.series]
     usage = [r["kvflow_kv_cache_usage_ratio"] for r in result.series]
     preempted = sum(s.num_preempted for s in result.steps)
@@ -326,7 +303,7 @@ def simulate_main(args: argparse.Namespace) -> int:
 def write_sweep(out: Path, results: dict[str, list[dict[str, Any]]], cost_info: dict[str, Any],
                 slo: dict[str, float], args: argparse.Namespace) -> None:
     """The sweep's summary table and ``sweep.png`` (latency vs throughput, per mode)."""
-    from kvflow.bench.compare import fmt_value, max_sustained_rate, plot_sweep
+    from kvflow.reports.sweep import fmt_value, max_sustained_rate, plot_sweep
 
     what = (f"{cost_info['model']} (tp={cost_info['tp']}) on {cost_info['hardware']}"
             if cost_info["cost_model"] == "roofline" else f"calibrated {cost_info['cost_file']}")

@@ -1,10 +1,29 @@
-"""Discrete-event simulation that drives the real scheduler and KV manager in simulated time.
+"""The simulator's one loop: a cluster of real engines in simulated time. The plain simulation
+(:func:`simulate`) is a cluster of one replica.
 
-The simulator *is* :class:`kvflow.orchestrator.engine.LLMEngine`: the same scheduler, KV
-manager, sampler and bookkeeping, with a :class:`SimRunner` whose step costs what a cost model
-says, and a clock that only the simulation advances. Events are arrivals (a heap ordered by
-time, then request index) and step ends; between steps the arrivals due are admitted, exactly
-as the real engine loop drains its inbox. No wall-clock sleeps anywhere.
+Every instance *is* :class:`~kvflow.orchestrator.engine.LLMEngine` over a
+:class:`~kvflow.sim.runner.SimRunner` (the real scheduler, KV manager, sampler and
+bookkeeping), each on a clock of its own. One event heap orders the cluster, by (time, kind,
+id): a request's arrival, a KV transfer's completion, an instance's step end. Arrivals and
+transfers due at a time are handed over before the instances due then step, as one engine's
+loop drains its inbox between steps. An instance runs its step when the step starts (so its
+state, the prefix cache the router reads included, is the step's end state from then on); the
+step's cost moves its clock, and its next step is an event at that time. An instance with
+nothing to run sleeps until a request is handed to it. No wall-clock sleeps anywhere.
+
+Each request reaches its instance's scheduler with its priority and tenant, as a served one
+does. The series is sampled when an event's time passes the next sample time, before the
+events of that time are handled: the state as of just before it.
+
+Disaggregated (``P:D``): a request is prefilled on a prefill instance with ``max_tokens=1``,
+whose token is the first token (as DistServe counts it). Its decode instance is picked then;
+its prompt's KV (``prompt tokens x KV bytes per token``, split over the devices of the
+instance) moves over the link, one transfer at a time out of each prefill instance and into
+each decode instance (first come, first served), taking the link's latency plus bytes over
+bandwidth. Then the decode instance gets the request with ``kv_transferred`` (its blocks are
+allocated on admission; while its pool lacks room it waits) and decodes the rest. The
+prefill instance frees the blocks when its token is out: holding them for the transfer is
+not modelled.
 """
 
 from __future__ import annotations
@@ -14,78 +33,181 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvflow.bench.metrics import RequestTiming
-from kvflow.bench.workloads import RequestSpec
-from kvflow.build.engine_config import BuildLimits, EngineConfig
-from kvflow.model.config import ModelConfig
-from kvflow.observability.metrics import EngineMetrics, MetricsRegistry
+from kvflow.observability.metrics import MetricsRegistry
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import RequestOutput, StepStats
 from kvflow.orchestrator.sampling.params import SamplingParams
-from kvflow.runtime.base import ModelRunner, StepInput
-from kvflow.sim.cost_model import CostModel, StepShape
-
-SIM_VOCAB = 8  # the simulated model's logits: small, since no token is ever read
-SIM_EOS = SIM_VOCAB - 1
-SIM_TOKEN = 0  # the token the simulated model always samples (greedy over its logits)
-
-
-class SimClock:
-    """Simulated seconds; only the simulation moves it."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from kvflow.reports.metrics import RequestTiming
+from kvflow.sim.cluster import ClusterSpec, Instance, RequestRoute
+from kvflow.sim.cost_model import CostModel
+from kvflow.sim.router import make_router
+from kvflow.workloads.specs import RequestSpec
 
 
-class SimRunner(ModelRunner):
-    """Costs each step by the cost model, advances the clock, returns logits favouring
-    :data:`SIM_TOKEN`."""
+@dataclass
+class ClusterResult:
+    """Per-request timings (first token included, as a client sees them), queue times (at
+    the instance a request entered) and routes; each instance's statistics, steps (every
+    one with ``keep_steps``, else none) and server metrics at the end; the sampled series and
+    the simulated duration."""
 
-    name = "sim"
-    reads_token_ids = False
-    needs_inputs = False  # the cost model reads the step's shape alone
-
-    def __init__(self, engine: EngineConfig, num_blocks: int, cost: CostModel,
-                 clock: SimClock) -> None:
-        super().__init__(engine, num_blocks)
-        self.cost, self.clock = cost, clock
-        self._logits = np.zeros((1, SIM_VOCAB), dtype=np.float32)
-        self._logits[:, SIM_TOKEN] = 1.0
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Nothing to copy: the simulated pool holds no data (a copy's time is not modelled)."""
-
-    def execute(self, step: StepInput) -> np.ndarray:
-        self.clock.now += self.cost.step_time_s(StepShape.of(step))
-        return np.repeat(self._logits, len(step.logits_indices), axis=0)
-
-    def execute_argmax(self, step: StepInput) -> np.ndarray:
-        """The argmax of :meth:`execute`'s logits, without building them."""
-        self.clock.now += self.cost.step_time_s(StepShape.of(step))
-        return np.full(len(step.logits_indices), SIM_TOKEN, dtype=np.int64)
+    timings: list[RequestTiming]
+    routes: list[RequestRoute]
+    instances: list[dict[str, float | int | str | None]]
+    series: list[dict[str, float]]
+    duration_s: float
+    steps: int
+    queue_s: list[float | None]
+    instance_steps: list[list[StepStats]]
+    metrics: list[MetricsRegistry]
 
 
-def sim_engine_config(block_size: int, max_model_len: int, max_num_tokens: int,
-                      max_batch_size: int) -> EngineConfig:
-    """An engine config for a model the simulator never runs (only its KV layout matters)."""
-    model = ModelConfig(architecture="llama", vocab_size=SIM_VOCAB, hidden_size=8,
-                        intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-                        num_key_value_heads=1, head_dim=8, eos_token_ids=(SIM_EOS,))
-    limits = BuildLimits(max_model_len, max(max_num_tokens, block_size), max_batch_size,
-                         block_size)
-    return EngineConfig(model, "torch", "float32", limits, {"name": "simulated"}, {})
+ARRIVAL, TRANSFER, STEP = 0, 1, 2  # event kinds, in the order they go at one time
+
+
+def simulate_cluster(specs: Sequence[RequestSpec], cost: CostModel, options: EngineOptions,
+                     num_blocks: int, cluster: ClusterSpec, block_size: int = 16,
+                     prompts: Sequence[list[int]] | None = None,
+                     series_period_s: float = 0.25,
+                     progress: Callable[[int], None] | None = None,
+                     priorities: Sequence[int] | None = None,
+                     on_step: Callable[[int, LLMEngine], None] | None = None,
+                     keep_steps: bool = False) -> ClusterResult:
+    """Run ``specs`` through a cluster of real engines in simulated time (module docstring).
+
+    ``num_blocks``: each instance's KV pool. ``prompts``: each request's token ids (default:
+    ids no two requests share, except a declared shared prefix), so that prefix caching sees
+    what a real run would. ``series_period_s``: simulated seconds between two samples of the
+    series. ``progress(n)`` is called with the number of requests finished so far.
+    ``priorities``: each request's priority (lower first) for the ``priority`` policy
+    (default: each spec's own, else 0); each spec's ``tenant`` is its request's.
+    ``on_step(k, engine)`` is called just before each step of instance ``k``: a read-only
+    view of what its scheduler holds (``engine.scheduler.requests``), for tests and tools.
+    ``keep_steps``: keep every step's :class:`StepStats` for the result.
+    """
+    for name, values in (("prompts", prompts), ("priorities", priorities)):
+        if values is not None and len(values) != len(specs):
+            raise ValueError(f"got {len(values)} {name} for {len(specs)} requests")
+    if not series_period_s > 0:
+        raise ValueError(f"series_period_s must be > 0, got {series_period_s}")
+    if options.trace_steps and len(cluster.roles) > 1:
+        raise ValueError("trace_steps: one step timeline per engine; a cluster has several")
+    instances = [Instance(k, role, cost, options, num_blocks, block_size, keep_steps)
+                 for k, role in enumerate(cluster.roles)]
+    entry = [x for x in instances if x.role != "decode"]
+    decoders = [x for x in instances if x.role == "decode"]
+    router = make_router(cluster.router, block_size, cluster.overlap_weight)
+    decode_router = make_router("least_loaded", block_size)
+    ids = [list(prompts[i]) if prompts is not None else _prompt_ids(s, i)
+           for i, s in enumerate(specs)]
+    priority = [priorities[i] if priorities is not None
+                else s.priority if s.priority is not None else 0 for i, s in enumerate(specs)]
+    routes = [RequestRoute() for _ in specs]
+    first: dict[int, RequestOutput] = {}  # prefilled, decoding elsewhere: the prefill's output
+    timings: dict[int, RequestTiming] = {}
+    queue_s: list[float | None] = [None] * len(specs)
+    events = [(s.arrival_s, ARRIVAL, i) for i, s in enumerate(specs)]
+    heapq.heapify(events)
+    series: list[dict[str, float]] = []
+    next_sample = 0.0
+
+    def wake(x: Instance, t: float) -> None:
+        if not x.step_pending:
+            x.clock.now = max(x.clock.now, t)
+            x.step_pending = True
+            heapq.heappush(events, (x.clock.now, STEP, x.index))
+
+    def submit(x: Instance, i: int, prompt: list[int], max_tokens: int, t: float,
+               kv_transferred: bool = False) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        x.charge(i, len(prompt) + max_tokens)
+        x.num_requests += 1
+        x.prompt_tokens += len(prompt)
+        _, rejected = x.engine.add_request(prompt, params, request_id=str(i), arrival_time=t,
+                                           priority=priority[i], tenant=specs[i].tenant,
+                                           kv_transferred=kv_transferred)
+        if rejected is not None:
+            done(x, i, rejected)
+        else:
+            wake(x, t)
+
+    def done(x: Instance, i: int, out: RequestOutput) -> None:
+        x.release(i)
+        spec = specs[i]
+        if x.role != "decode":
+            queue_s[i] = out.metrics.queue_time_s
+        if x.role == "prefill" and out.finish_reason == "length" and spec.output_tokens > 1:
+            first[i] = out
+            d = decoders[decode_router.pick(ids[i], decoders)]
+            d.charge(i, spec.prompt_tokens + spec.output_tokens)  # from now: in transit
+            ready = out.metrics.token_times[0]
+            start = max(ready, x.link_free_s, d.link_free_s)
+            took = cluster.link.transfer_s(spec.prompt_tokens
+                                           * cluster.kv_bytes_per_token_per_device)
+            x.link_free_s = d.link_free_s = start + took
+            route = routes[i]
+            route.decode_instance, route.transfer_wait_s, route.transfer_s = (
+                d.index, start - ready, took)
+            heapq.heappush(events, (start + took, TRANSFER, i))
+            return
+        timing = timing_of(out)
+        if x.role == "decode":
+            pre = first.pop(i)
+            timing = RequestTiming(pre.metrics.arrival_time,
+                                   [*pre.metrics.token_times, *timing.token_times_s],
+                                   spec.prompt_tokens, 1 + timing.output_tokens, timing.ok)
+        else:
+            routes[i].cached_tokens = out.cached_tokens
+        timings[i] = timing
+        if progress is not None:
+            progress(len(timings))
+
+    while events:
+        t, kind, k = heapq.heappop(events)
+        if t >= next_sample:
+            series.append(_sample(instances, t))
+            next_sample = t + series_period_s
+        if kind == ARRIVAL:
+            x = entry[router.pick(ids[k], entry)]
+            routes[k].instance = x.index
+            max_tokens = 1 if cluster.disaggregated else specs[k].output_tokens
+            submit(x, k, ids[k], max_tokens, t)
+        elif kind == TRANSFER:
+            d = instances[routes[k].decode_instance]  # type: ignore[index]
+            submit(d, k, ids[k] + first[k].outputs[0].token_ids[:1],
+                   specs[k].output_tokens - 1, t, kv_transferred=True)
+        else:
+            x = instances[k]
+            x.step_pending = False
+            if on_step is not None:
+                on_step(x.index, x.engine)
+            steps = x.engine.counters.steps
+            for out in x.step():
+                if out.finished:
+                    done(x, int(out.request_id), out)
+            if x.engine.counters.steps > steps:  # it ran a step: the next starts at its end
+                wake(x, x.clock.now)
+    stuck = [x.index for x in instances if x.engine.has_unfinished_requests()]
+    if stuck:
+        raise RuntimeError(f"simulation stalled: instances {stuck} hold requests that cannot "
+                           "be scheduled")
+    duration = max((x.clock.now for x in instances), default=0.0)
+    for x in instances:
+        x.finish()
+        x.engine.write_trace()  # with options.trace_steps: the timeline, on simulated time
+    series.append(_sample(instances, duration))
+    return ClusterResult([timings[i] for i in range(len(specs))], routes,
+                         [x.stats(duration) for x in instances], series, duration,
+                         sum(x.engine.counters.steps for x in instances), queue_s,
+                         [list(x.engine.step_stats) if keep_steps else [] for x in instances],
+                         [x.metrics for x in instances])
 
 
 @dataclass
 class SimResult:
-    """Per-request timings and queue times (on the simulated clock), the engine's per-step
-    stats, the sampled server series and the server's metrics at the end."""
+    """One engine's run: per-request timings and queue times (on the simulated clock), the
+    engine's per-step stats, the sampled server series and the server's metrics at the end."""
 
     timings: list[RequestTiming]
     queue_s: list[float | None]
@@ -100,87 +222,37 @@ class SimResult:
         return [s.scheduled for s in self.steps]
 
 
-def _sample_series(engine: LLMEngine, registry: MetricsRegistry, now: float) -> dict[str, float]:
-    """One row of server state: every ``kvflow_*`` series, named as the server's metrics
-    endpoint names it (histograms by ``_sum`` and ``_count``), and the last step's batch."""
-    last = engine.step_stats[-1] if engine.step_stats else None
-    return {"t_s": now, **registry.row(),
-            "batch_tokens": float(last.num_prefill_tokens + last.num_decode_tokens
-                                  if last else 0),
-            "batch_seqs": float(last.num_scheduled_seqs if last else 0)}
-
-
 def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions,
              num_blocks: int, block_size: int = 16,
              prompts: Sequence[list[int]] | None = None,
              series_period_s: float = 0.25,
              progress: Callable[[int], None] | None = None,
              priorities: Sequence[int] | None = None) -> SimResult:
-    """Run ``specs`` through the real scheduler in simulated time.
+    """Run ``specs`` through the real scheduler in simulated time: :func:`simulate_cluster`
+    with one replica (the arguments are its own), seen as one engine's run."""
+    result = simulate_cluster(specs, cost, sched, num_blocks, ClusterSpec(), block_size,
+                              prompts, series_period_s, progress, priorities, keep_steps=True)
+    return SimResult(result.timings, result.queue_s, result.instance_steps[0], result.series,
+                     result.duration_s, result.metrics[0])
 
-    ``prompts`` gives each request's token ids (default: ids no two requests share, except
-    a declared shared prefix), so that prefix caching sees what a real run would.
-    ``series_period_s``: simulated seconds between two samples of the server series.
-    ``progress(n)`` is called with the number of requests finished so far as they finish.
-    ``priorities``: each request's priority (lower first) for the ``priority`` policy
-    (default: each spec's own, else 0). Each spec's ``tenant`` is its request's.
-    """
-    for name, values in (("prompts", prompts), ("priorities", priorities)):
-        if values is not None and len(values) != len(specs):
-            raise ValueError(f"got {len(values)} {name} for {len(specs)} requests")
-    if not series_period_s > 0:
-        raise ValueError(f"series_period_s must be > 0, got {series_period_s}")
-    clock = SimClock()
-    engine_cfg = sim_engine_config(block_size, sched.max_model_len,
-                                   sched.max_num_batched_tokens, sched.max_num_seqs)
-    runner = SimRunner(engine_cfg, num_blocks, cost, clock)
-    engine = LLMEngine(runner, None, sched, (SIM_EOS,), clock=clock,
-                       stats_window=10_000_000, trace_source="simulator")
-    arrivals = [(s.arrival_s, i) for i, s in enumerate(specs)]
-    heapq.heapify(arrivals)
-    finished: dict[int, RequestTiming] = {}
-    queue_s: list[float | None] = [None] * len(specs)
-    series: list[dict[str, float]] = []
-    collector, registry = EngineMetrics(), MetricsRegistry()
-    next_sample = 0.0
-    while arrivals or engine.has_unfinished_requests():
-        if not engine.has_unfinished_requests():
-            clock.now = max(clock.now, arrivals[0][0])  # idle: jump to the next arrival
-        while arrivals and arrivals[0][0] <= clock.now:
-            t, i = heapq.heappop(arrivals)
-            spec = specs[i]
-            prompt = _prompt_ids(spec, i) if prompts is None else prompts[i]
-            priority = (priorities[i] if priorities is not None
-                        else spec.priority if spec.priority is not None else 0)
-            request, rejected = engine.add_request(
-                prompt, SamplingParams(max_tokens=spec.output_tokens, temperature=0.0,
-                                       ignore_eos=True),
-                request_id=str(i), arrival_time=t, priority=priority, tenant=spec.tenant)
-            if rejected is not None:
-                finished[i] = RequestTiming(t, [], spec.prompt_tokens, 0, ok=False)
-        before = (clock.now, len(engine.step_stats))
-        outputs = engine.step()
-        registry.observe(collector.observations(engine, outputs))
-        if (clock.now, len(engine.step_stats)) == before:  # nothing could be scheduled
-            if not arrivals:
-                raise RuntimeError("simulation stalled: requests wait, nothing can be scheduled")
-            clock.now = max(clock.now, arrivals[0][0])
-        if clock.now >= next_sample:  # the gauges and counters: read when sampled
-            registry.set_state(*collector.state(engine))
-            series.append(_sample_series(engine, registry, clock.now))
-            next_sample = clock.now + series_period_s
-        for out in outputs:
-            if out.finished:
-                i = int(out.request_id)
-                finished[i] = timing_of(out)
-                queue_s[i] = out.metrics.queue_time_s
-                if progress is not None:
-                    progress(len(finished))
-    registry.apply(collector.collect(engine, []))
-    series.append(_sample_series(engine, registry, clock.now))
-    engine.write_trace()  # with sched.trace_steps: the step timeline, on the simulated clock
-    timings = [finished[i] for i in range(len(specs))]
-    return SimResult(timings, queue_s, list(engine.step_stats), series, clock.now, registry)
+
+def _sample(instances: list[Instance], now: float) -> dict[str, float]:
+    """One row of the series. One instance: its server's every series (as the served engine's
+    metrics endpoint names them) and its last step's batch. Several: the cluster's sums under
+    the same names (KV usage averaged), and each instance's KV usage and queue."""
+    if len(instances) == 1:
+        return instances[0].server_row(now)
+    row = {"t_s": now,
+           "kvflow_num_requests_running": float(sum(x.engine.scheduler.num_running
+                                                    for x in instances)),
+           "kvflow_num_requests_waiting": float(sum(x.engine.scheduler.num_waiting
+                                                    for x in instances)),
+           "kvflow_kv_cache_usage_ratio": sum(x.engine.kv.usage for x in instances)
+           / len(instances)}
+    for x in instances:
+        row[f"kv_usage_{x.index}"] = x.engine.kv.usage
+        row[f"waiting_{x.index}"] = float(x.engine.scheduler.num_waiting)
+    return row
 
 
 def timing_of(out: RequestOutput) -> RequestTiming:

@@ -16,23 +16,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvflow.bench.compare import MODE_LABELS, MODES, mode_scheduler_options
-from kvflow.bench.metrics import RequestTiming
-from kvflow.bench.report import write_report
-from kvflow.bench.serve import (
-    MetricsScraper,
-    add_workload_args,
-    build_workload,
-    make_prompts,
-    parse_slo,
-    run_load,
-    write_serve_report,
-)
-from kvflow.bench.workloads import RequestSpec
+from kvflow.loadgen.sender import MetricsScraper, run_load
 from kvflow.observability.trace_summary import summarize
+from kvflow.reports.metrics import RequestTiming, parse_slo
+from kvflow.reports.serve_report import write_serve_report
+from kvflow.reports.writers import write_report
 from kvflow.sim.calibrate import COST_MODEL_FILE
 from kvflow.sim.cost_model import LinearCostModel
 from kvflow.sim.simulator import run_in_real_time, simulate, timing_of
+from kvflow.workloads.modes import MODE_LABELS, MODES, mode_scheduler_options
+from kvflow.workloads.options import add_workload_args, build_workload
+from kvflow.workloads.prompts import make_prompts
+from kvflow.workloads.specs import RequestSpec
 
 COMPARED = (("mean TTFT", ("ttft_ms", "mean")), ("P99 TTFT", ("ttft_ms", "p99")),
             ("mean TPOT", ("tpot_ms", "mean")), ("mean E2E", ("e2e_ms", "mean")),
@@ -95,7 +90,7 @@ def validate_main(args: argparse.Namespace) -> int:
     from kvflow.client import stream_generate
     from kvflow.orchestrator.llm import plan_engine
     from kvflow.text.tokenizer import EngineTokenizer
-    from kvflow.triton_backend.server import ServerConfig, TritonServer
+    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 
     cost_path = Path(args.cost or Path(args.engine) / COST_MODEL_FILE)
     cost = LinearCostModel.load(cost_path)
@@ -181,8 +176,8 @@ def validate_main(args: argparse.Namespace) -> int:
 def plot_timelines(path: Path, traces: list[tuple[str, Path]]) -> str:
     """The step timelines one above the other: each step a bar as long as it lasted,
     coloured by kind, and the running requests under them."""
-    from kvflow.bench.report import pyplot, save_figure
     from kvflow.observability.trace_summary import load
+    from kvflow.reports.writers import pyplot, save_figure
 
     plt = pyplot()
     fig, axes = plt.subplots(len(traces), 1, figsize=(13, 2.4 * len(traces)), sharex=True,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvflow.bench.report import write_report
+from kvflow.reports.writers import write_report
 
 DECODE_BATCHES = (1, 8, 32, 64)
 CONTEXT = 256

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PERCENTILES", "RequestTiming", "summarize", "tenant_summary"]
+__all__ = ["PERCENTILES", "RequestTiming", "parse_slo", "summarize", "tenant_summary"]
 
 PERCENTILES: tuple[int, ...] = (90, 95, 99)
 
@@ -133,6 +133,23 @@ def summarize(
         "itl_ms": _stats_ms(itls),
         "e2e_ms": _stats_ms(e2es),
     }
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """``ttft_ms=500,tpot_ms=50`` -> {"ttft_ms": 500.0, "tpot_ms": 50.0}."""
+    out: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in ("ttft_ms", "tpot_ms"):
+            raise ValueError(f"--slo: unknown key {key!r} (known: ttft_ms, tpot_ms)")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--slo: {key} must be a number, got {value!r}") from None
+    return out
 
 
 def max_min_shares(demands: dict[str, float], capacity: float) -> dict[str, float]:
