@@ -14,7 +14,7 @@ from kvflow.orchestrator import engine as engine_module
 from kvflow.orchestrator.request import RequestStatus
 from kvflow.orchestrator.scheduler.output import RunnerOutput
 from kvflow.text.tokenizer import ChatPrompt, tokenize_prompt
-from tests.test_scheduler import make_request, make_scheduler_for_test
+from tests.helpers import make_request, make_scheduler_for_test
 
 
 def step_with(sched, tokens, stop_strings=None):
@@ -73,6 +73,7 @@ def llm(default_engines):
         yield llm
 
 
+@pytest.mark.slow
 def test_stop_string_text_and_reason_through_the_engine(llm):
     prompt = "The capital of France is"
     free = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
@@ -82,6 +83,7 @@ def test_stop_string_text_and_reason_through_the_engine(llm):
     assert llm.engine.kv.pool.num_used_blocks == 0
 
 
+@pytest.mark.slow
 def test_chat_prompts_are_tokenized_by_the_engine_with_the_template(llm):
     messages = [{"role": "user", "content": "Name a colour."}]
     tok = llm.tokenizer
@@ -94,6 +96,7 @@ def test_chat_prompts_are_tokenized_by_the_engine_with_the_template(llm):
     assert by_chat.token_ids == by_ids.token_ids
 
 
+@pytest.mark.slow
 def test_counters_and_step_stats_describe_what_ran(llm):
     before = llm.engine.counters.copy()
     llm.engine.step_stats.clear()
@@ -111,12 +114,13 @@ def test_counters_and_step_stats_describe_what_ran(llm):
     assert sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps) == 9 + 6
 
 
+@pytest.mark.slow
 def test_a_timed_out_request_returns_its_partial_text_and_frees_its_blocks(llm):
     """The deadline through the engine, on a clock the test moves: the final output carries
     ``timeout``, every token decoded so far and its text; the KV is free before the next step,
     and the timeout is counted by phase."""
     from kvflow.orchestrator.engine import LLMEngine
-    from tests.test_scheduler import FakeClock
+    from tests.helpers import FakeClock
 
     base = llm.engine
     clock = FakeClock()

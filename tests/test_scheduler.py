@@ -6,52 +6,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvflow.kv_manager import KVCacheManager
-from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.request import Request, RequestStatus
 from kvflow.orchestrator.sampling.params import SamplingParams
-from kvflow.orchestrator.scheduler.core import make_scheduler
-from kvflow.orchestrator.scheduler.output import RunnerOutput, SchedulerOutput
-
-EOS = 2
-TOKEN = 7
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_scheduler_for_test(num_blocks=64, block_size=4, clock=None, num_host_blocks=0, **cfg):
-    config = EngineOptions(**{"max_num_batched_tokens": 16, "max_model_len": 256,
-                                "enable_prefix_caching": False, **cfg})
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=config.enable_prefix_caching,
-                        num_host_blocks=num_host_blocks, bytes_per_block=1024)
-    return make_scheduler(config, kv, clock or FakeClock())
-
-
-def make_request(rid, prompt_len, max_tokens=4, priority=0, arrival=0.0, tenant=None,
-                 **params):
-    return Request(rid, list(range(10, 10 + prompt_len)),
-                   SamplingParams(max_tokens=max_tokens, **params), arrival, priority, (EOS,),
-                   tenant=tenant)
-
-
-def run_step(sched, token=TOKEN, tokens=None) -> SchedulerOutput:
-    """One step with a runner that samples ``token`` (or ``tokens[request_id]``) for everyone."""
-    out = sched.schedule()
-    sampled = {s.request.request_id: (tokens or {}).get(s.request.request_id, token)
-               for s in out.scheduled if s.sample}
-    sched.update_from_output(out, RunnerOutput(sampled))
-    sched.check_integrity()
-    return out
-
-
-def chunks(out: SchedulerOutput) -> dict[str, int]:
-    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+from tests.helpers import (
+    EOS,
+    TOKEN,
+    FakeClock,
+    chunks,
+    make_request,
+    make_scheduler_for_test,
+    run_step,
+)
 
 
 def test_token_budget_is_shared_and_prompts_are_chunked():

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.reports.metrics import jain_index
 from kvflow.orchestrator.options import EngineOptions, parse_tenant_weights
 from kvflow.orchestrator.request import RequestStatus
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.orchestrator.scheduler.output import RunnerOutput
 from kvflow.orchestrator.scheduler.policies import FairShare
-from tests.test_scheduler import (
+from kvflow.reports.metrics import jain_index
+from tests.helpers import (
     FakeClock,
     chunks,
     make_request,
