@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -15,6 +17,25 @@ from hypothesis import HealthCheck, settings
 # that fails when generating examples is slow (a busy machine).
 settings.register_profile("kvflow", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("kvflow")
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+# The fixtures that load the default model or start a server. A test that uses one must carry
+# the ``slow`` marker, so that ``pytest -m "not slow"`` stays the quick run of the pure tests.
+SLOW_FIXTURES = frozenset({"default_engines", "default_hf", "default_llm", "triton_server",
+                           "openai_frontend"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Refuse a test that uses a SLOW_FIXTURES fixture without the ``slow`` marker."""
+    unmarked = [item.nodeid for item in items
+                if SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError("mark these tests @pytest.mark.slow (they load the default "
+                                "model or start a server): " + ", ".join(unmarked))
+
 
 # name -> HF config overrides. Each is a different corner of the Llama family.
 TINY_MODELS: dict[str, dict] = {
@@ -80,29 +101,55 @@ def make_tiny_hf_model(name: str, folder: Path):
     return model
 
 
+class BuiltOnFirstUse(Mapping[K, V]):
+    """A mapping whose values are made by ``make(key)`` when first read, then kept: a run that
+    reads one tiny engine builds that one, not all ten."""
+
+    def __init__(self, keys: Iterable[K], make: Callable[[K], V]) -> None:
+        self._keys, self._make = tuple(keys), make
+        self._made: dict[K, V] = {}
+
+    def __getitem__(self, key: K) -> V:
+        if key not in self._keys:
+            raise KeyError(key)
+        if key not in self._made:
+            self._made[key] = self._make(key)
+        return self._made[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
-    """name -> (HF folder, HF model) for every tiny model."""
+def tiny_models(tmp_path_factory) -> Mapping[str, tuple[Path, object]]:
+    """name -> (HF folder, HF model) for every tiny model (each made when first read)."""
     pytest.importorskip("torch")
     root = tmp_path_factory.mktemp("tiny")
-    return {name: (root / name, make_tiny_hf_model(name, root / name)) for name in TINY_MODELS}
+    return BuiltOnFirstUse(TINY_MODELS, lambda name: (root / name,
+                                                      make_tiny_hf_model(name, root / name)))
 
 
 @pytest.fixture(scope="session")
-def tiny_engines(tiny_models, tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """(model name, backend) -> engine folder, for both CPU backends."""
+def tiny_engines(tiny_models, tmp_path_factory) -> Mapping[tuple[str, str], Path]:
+    """(model name, backend) -> engine folder, for both CPU backends (each built when first
+    read)."""
     from kvflow.build.builder import build_engine
 
     root = tmp_path_factory.mktemp("engines")
-    out = {}
-    for name, (folder, _) in tiny_models.items():
-        for backend in ("onnxruntime", "torch"):
-            path = root / f"{name}-{backend}"
-            build_engine(str(folder), path, backend=backend, max_model_len=256,
-                         max_num_tokens=256, max_batch_size=16, block_size=4,
-                         progress=lambda _msg: None)
-            out[name, backend] = path
-    return out
+
+    def build(key: tuple[str, str]) -> Path:
+        name, backend = key
+        path = root / f"{name}-{backend}"
+        build_engine(str(tiny_models[name][0]), path, backend=backend, max_model_len=256,
+                     max_num_tokens=256, max_batch_size=16, block_size=4,
+                     progress=lambda _msg: None)
+        return path
+
+    return BuiltOnFirstUse([(name, backend) for name in TINY_MODELS
+                            for backend in ("onnxruntime", "torch")], build)
 
 
 @pytest.fixture(scope="session")
@@ -128,6 +175,20 @@ def default_engines(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def default_llm(default_engines):
+    """One ``LLM`` of the default model (ONNX Runtime engine) that the session's tests share.
+
+    fp32 matmuls: batch-invariant, so a request's tokens do not depend on its batch, and tests
+    may compare batched and lone requests (or a forked sequence and its seed alone) exactly.
+    Each test leaves it idle, with every KV block back in the pool.
+    """
+    from kvflow import LLM
+
+    with LLM(default_engines["onnxruntime"], quantized_matmul="fp32") as llm:
+        yield llm
+
+
+@pytest.fixture(scope="session")
 def default_hf():
     """HF transformers' own SmolLM2-135M-Instruct, dequantized from the same GGUF by itself."""
     pytest.importorskip("torch")
@@ -139,7 +200,7 @@ def default_hf():
 @pytest.fixture(scope="session")
 def triton_server(default_engines, tmp_path_factory):
     """A real tritonserver serving the default model (ONNX Runtime engine), once per session."""
-    from kvflow.triton_backend.server import ServerConfig, TritonServer
+    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 
     folder = tmp_path_factory.mktemp("triton")
     log = folder / "tritonserver.log"
@@ -177,7 +238,7 @@ def triton_server(default_engines, tmp_path_factory):
 def openai_frontend(triton_server, tmp_path_factory):
     """The real OpenAI frontend (``kvflow openai``) in front of the session's tritonserver."""
     from kvflow.openai_api import FrontendConfig, FrontendProcess
-    from kvflow.triton_backend.server import free_port
+    from kvflow.utils.procs import free_port
 
     log = tmp_path_factory.mktemp("openai") / "frontend.log"
     frontend = FrontendProcess(FrontendConfig((triton_server.grpc_url,), port=free_port(),

@@ -69,6 +69,7 @@ def test_max_model_len_beyond_the_model(capsys, tiny_models, tmp_path):
     assert code == 2 and "--max-model-len 100000 exceeds the model's limit of 512" in err
 
 
+@pytest.mark.slow
 def test_console_script_shortcut_builds_an_engine(tiny_models, tmp_path):
     folder, _ = tiny_models["llama-mha-tied"]
     out = tmp_path / "engine"

@@ -11,6 +11,8 @@ from tokenizers import Tokenizer  # noqa: E402
 from kvflow.runtime import create_runner  # noqa: E402
 from tests.helpers import assert_same_or_near_tie, greedy_generate  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the default model, against HF transformers
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

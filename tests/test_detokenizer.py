@@ -159,7 +159,10 @@ def sp(request: pytest.FixtureRequest) -> Case:
     return _sp_case(request.param)
 
 
-@pytest.fixture(scope="module", params=["smollm2", "sp-llama", "sp-metaspace"])
+# SmolLM2's tokenizer takes seconds to build from its GGUF file: the quick run (-m "not slow")
+# streams through the two trained in memory.
+@pytest.fixture(scope="module", params=[pytest.param("smollm2", marks=pytest.mark.slow),
+                                        "sp-llama", "sp-metaspace"])
 def case(request: pytest.FixtureRequest) -> Case:
     """Every tokenizer under test."""
     if request.param == "smollm2":
@@ -224,6 +227,7 @@ def test_one_token_at_a_time_matches_full_decode(case: Case, text: str) -> None:
     assert not detok.stopped and detok.stop_reason is None
 
 
+@pytest.mark.slow
 def test_byte_level_tokenizer_splits_characters_across_tokens(smollm2: Case) -> None:
     # The property under test only means something if characters really are split.
     tok = smollm2.tok
@@ -302,6 +306,7 @@ def test_context_reaches_past_trailing_special_tokens(sp: Case) -> None:
     assert "".join(deltas) + final == tok.decode([bos] + output) == tok.decode(output)
 
 
+@pytest.mark.slow
 def test_chat_template_prompt(smollm2: Case) -> None:
     tok = smollm2.tok
     prompt = _encode(tok, "<|im_start|>user\nHi 👋<|im_end|>\n<|im_start|>assistant\n")
@@ -348,6 +353,7 @@ def test_incomplete_character_at_the_end_is_flushed_by_finish(case: Case) -> Non
     assert "".join(deltas) + final == expected == detok.output_text
 
 
+@pytest.mark.slow
 def test_invalid_bytes_are_released_by_later_text(smollm2: Case) -> None:
     tok = smollm2.tok
     # A lone continuation byte is invalid for good; the text after it releases it.

@@ -152,6 +152,7 @@ def test_zmq_publisher_clears_first_holds_events_and_filters_unknown_removals():
         pub.close()
 
 
+@pytest.mark.slow
 @needs_dynamo
 def test_model_card_is_shared_by_path_and_renewed_with_the_engine(default_engines, tmp_path):
     from kvflow.build.engine_config import EngineConfig
@@ -231,6 +232,7 @@ def run_prefix_workload(cluster, mode: str, rounds: int = 4) -> list[list[int]]:
     return cached
 
 
+@pytest.mark.slow
 @needs_dynamo
 def test_kv_router_sends_each_prefix_to_the_worker_that_holds_it(cluster):
     def hits() -> float:
@@ -264,6 +266,7 @@ def test_kv_router_sends_each_prefix_to_the_worker_that_holds_it(cluster):
         assert re.search(r"^dynamo_component_", text, re.M)
 
 
+@pytest.mark.slow
 @needs_dynamo
 def test_bad_input_gets_a_clear_error_naming_the_field(cluster):
     """What the frontend lets through, the worker checks (the same validation as Triton's):
@@ -280,6 +283,7 @@ def test_bad_input_gets_a_clear_error_naming_the_field(cluster):
     assert r.usage.completion_tokens == 2
 
 
+@pytest.mark.slow
 @needs_dynamo
 def test_cancel_mid_stream_frees_the_blocks_on_the_worker(cluster):
     c = client(cluster, "kv")
@@ -310,6 +314,7 @@ def test_cancel_mid_stream_frees_the_blocks_on_the_worker(cluster):
     assert (aborted, running, usage) == (aborted0 + 1, 0, 0)
 
 
+@pytest.mark.slow
 @needs_dynamo
 def test_a_killed_worker_is_routed_around_and_nothing_hangs(cluster):
     """Last in this module: it leaves the cluster with one worker."""
@@ -344,6 +349,7 @@ def test_a_killed_worker_is_routed_around_and_nothing_hangs(cluster):
     assert metric(cluster.worker_metrics(1), "kvflow_request_success_total") == served0 + 4
 
 
+@pytest.mark.slow
 @needs_dynamo
 def test_cluster_up_serves_and_ctrl_c_stops_everything(default_engines, tmp_path):
     proc = subprocess.Popen(
@@ -402,6 +408,7 @@ def _session_pids(sid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @needs_dynamo
 def test_a_worker_whose_engine_fails_leaves_the_cluster_and_exits_nonzero(cluster):
     """After the killed-worker test: worker 0 comes back with an engine that fails at its
@@ -421,8 +428,8 @@ def test_a_worker_whose_engine_fails_leaves_the_cluster_and_exits_nonzero(cluste
             c.completions.create(model="smollm2", prompt=f"Count to {i}:", max_tokens=8)
         except Exception:  # noqa: BLE001, S112  (a request held by the failing engine)
             continue
-    assert worker.popen.wait(timeout=120) == 1
-    assert "the engine failed" in worker.log.read_text()
+    assert worker.proc is not None and worker.proc.wait(timeout=120) == 1
+    assert "the engine failed" in worker.log_path.read_text()
     for i in range(4):
         r = c.completions.create(model="smollm2", prompt=f"Say {i}", max_tokens=3)
         assert r.usage.completion_tokens == 3

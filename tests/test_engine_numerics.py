@@ -16,6 +16,15 @@ from tests.conftest import TINY_MODELS  # noqa: E402
 
 RUNNERS = ["onnxruntime", "torch"]
 TOL = 1e-4
+# The ONNX export is what makes a tiny engine slow to build (seconds): the quick run
+# (-m "not slow") builds two families' ONNX engines, the full run every family's.
+QUICK_ONNX = ("llama-gqa4", "qwen2-bias")
+
+
+def quick_unless_onnx(model_name: str, runner_name: str = "onnxruntime") -> tuple:
+    """The slow marker for a tiny engine the quick run does not build."""
+    quick = runner_name != "onnxruntime" or model_name in QUICK_ONNX
+    return () if quick else (pytest.mark.slow,)
 
 
 def hf_last_logits(hf, ids) -> np.ndarray:
@@ -23,8 +32,9 @@ def hf_last_logits(hf, ids) -> np.ndarray:
         return hf(torch.tensor([ids])).logits[0, -1].numpy()
 
 
-@pytest.mark.parametrize("runner_name", RUNNERS)
-@pytest.mark.parametrize("model_name", list(TINY_MODELS))
+@pytest.mark.parametrize(("model_name", "runner_name"), [
+    pytest.param(m, r, marks=quick_unless_onnx(m, r), id=f"{m}-{r}")
+    for m in TINY_MODELS for r in RUNNERS])
 def test_prefill_and_decode_match_hf(tiny_models, tiny_engines, model_name, runner_name):
     _, hf = tiny_models[model_name]
     runner = create_runner(runner_name, tiny_engines[model_name, runner_name], 64)
@@ -95,7 +105,8 @@ def test_runners_agree_token_by_token(tiny_engines):
                                atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("model_name", list(TINY_MODELS))
+@pytest.mark.parametrize("model_name", [pytest.param(m, marks=quick_unless_onnx(m))
+                                        for m in TINY_MODELS])
 def test_onnx_graph_is_valid_with_one_paged_attention_per_layer(tiny_engines, model_name):
     path = tiny_engines[model_name, "onnxruntime"] / "model.onnx"
     onnx.checker.check_model(str(path))

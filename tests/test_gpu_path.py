@@ -25,6 +25,7 @@ TINY = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, interme
                    head_dim=16, eos_token_ids=(2,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("dtype", "onnx_type"), [(torch.float16, onnx.TensorProto.FLOAT16),
                                                   (torch.bfloat16, onnx.TensorProto.BFLOAT16)])
 def test_half_precision_export_is_valid_and_typed_for_a_strongly_typed_network(
@@ -81,6 +82,7 @@ def test_tensorrt_engine_matches_onnx_runtime(tiny_models, tmp_path):  # pragma:
                                    [first_ref[t] for t in common], atol=5e-2)
 
 
+@pytest.mark.slow
 def test_gpu_check_script_runs_every_part_in_a_dry_run(tmp_path):
     """benchmarks/gpu_check.py at toy sizes on the CPU, so that the script the next GPU session
     runs is known to work end to end (its figures here mean nothing)."""
@@ -143,6 +145,7 @@ def test_tensorrt_plugin_signatures_survive_trtp_validation():
     assert list(impl_args)[-2:] == ["outputs", "stream"]
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
     """Every launch the runners make, compiled for sm_90 by the triton wheel's own ptxas:
     what the interpreter cannot check (tl.dot's minimum sizes, shared memory per block)."""

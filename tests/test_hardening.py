@@ -15,6 +15,8 @@ tritonclient = pytest.importorskip("tritonclient.grpc")
 from kvflow.client import build_inputs  # noqa: E402
 from tests.test_serving import DEADLINE_S, metric, scrape, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.slow  # tritonservers and OpenAI frontends
+
 
 def post(server, body: bytes | dict, path: str = "generate",
          headers: dict[str, str] | None = None) -> tuple[int, dict]:
@@ -236,7 +238,7 @@ def test_special_tokens_in_user_text_do_not_forge_a_turn(triton_server, default_
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_engines):
-    from kvflow.triton_backend.server import ServerConfig, TritonServer
+    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 
     cfg = ServerConfig.on_free_ports(tiny_engines["llama-gqa4", "onnxruntime"], {},
                                      ready_timeout_s=300, api_key="s3cret-key")
@@ -276,7 +278,8 @@ def test_the_openai_frontend_checks_the_key_and_passes_it_on(keyed_server, tmp_p
     the frontend authenticates to Triton with it."""
     openai = pytest.importorskip("openai")
     from kvflow.openai_api import FrontendConfig, FrontendProcess
-    from kvflow.triton_backend.server import free_port, served_model_name
+    from kvflow.triton_backend.launcher import served_model_name
+    from kvflow.utils.procs import free_port
 
     cfg = FrontendConfig((keyed_server.grpc_url,), port=free_port(), api_key="s3cret-key")
     with FrontendProcess(cfg, log_path=tmp_path / "frontend.log") as frontend:
@@ -295,7 +298,8 @@ def test_the_openai_frontend_checks_the_key_and_passes_it_on(keyed_server, tmp_p
 
 
 def test_binding_beyond_loopback_warns_and_names_the_real_address(default_engines):
-    from kvflow.triton_backend.server import ServeError, ServerConfig, exposure_warnings
+    from kvflow.triton_backend.launcher import ServeError, ServerConfig
+    from kvflow.triton_backend.serve import exposure_warnings
 
     engine = default_engines["onnxruntime"]
     assert exposure_warnings(ServerConfig(engine)) == []
@@ -311,7 +315,7 @@ def test_binding_beyond_loopback_warns_and_names_the_real_address(default_engine
 @pytest.fixture(scope="module")
 def small_server(default_engines):
     """Two sequences at a time, two waiting at most, a 48-block (768-token) KV pool."""
-    from kvflow.triton_backend.server import ServerConfig, TritonServer
+    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 
     cfg = ServerConfig.on_free_ports(default_engines["onnxruntime"], {
         "num_kv_blocks": 49, "max_num_seqs": 2, "max_waiting_requests": 2,
@@ -330,7 +334,7 @@ def test_a_request_that_can_never_fit_the_pool_is_refused(small_server):
 @pytest.fixture(scope="module")
 def small_frontend(small_server, tmp_path_factory):
     from kvflow.openai_api import FrontendConfig, FrontendProcess
-    from kvflow.triton_backend.server import free_port
+    from kvflow.utils.procs import free_port
 
     cfg = FrontendConfig((small_server.grpc_url,), port=free_port())
     with FrontendProcess(cfg, tmp_path_factory.mktemp("frontend") / "log") as frontend:
@@ -399,7 +403,7 @@ def test_shutdowns_after_preemption_leave_nothing_behind(tiny_engines, tmp_path)
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvflow.triton_backend.server import ServerConfig, TritonServer
+    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 
     engine = tiny_engines["llama-gqa4", "onnxruntime"]
     greedy = {"ignore_eos": True, "temperature": 0.0}

@@ -262,6 +262,7 @@ PROMPTS = ["The history of paged attention", "Explain continuous batching",
 MAX_TOKENS = [64, 12, 20, 8, 16, 10]
 
 
+@pytest.mark.slow
 def test_served_series_follow_from_a_fixed_workload(triton_server, default_engines):
     """Six requests (the first decoding while the others prefill), one refused by admission
     and one by the front door: every new series moves as the workload says."""
@@ -400,12 +401,13 @@ def test_grafana_dashboard_queries_name_exported_series():
             "kvflow_time_to_first_token_seconds", "kvflow_inter_token_latency_seconds")}
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_every_series(triton_server, tmp_path):
     """Debian's prometheus (the Makefile installs it) with deploy/prometheus.yml pointed at the
     server: a PromQL query over each series answers, and each dashboard query parses."""
     import shutil
 
-    from kvflow.triton_backend.server import free_port
+    from kvflow.utils.procs import free_port
 
     binary = shutil.which("prometheus")
     if binary is None:  # `make test` installs it where it can (as root, as in CI)

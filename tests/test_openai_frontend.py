@@ -131,10 +131,12 @@ def test_the_backend_takes_exactly_one_prompt_and_checks_every_message():
 
 # --- against the real servers ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_models_lists_the_engine_by_name(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+@pytest.mark.slow
 def test_greedy_completion_equals_triton_generate(client, triton_server, tokenizer):
     prompt = "The three primary colours are"
     want = triton_generate(triton_server, {"text_input": prompt, "sampling_parameters":
@@ -158,6 +160,7 @@ def test_greedy_completion_equals_triton_generate(client, triton_server, tokeniz
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_greedy_chat_equals_triton_generate_with_the_chat_template(client, triton_server,
                                                                    tokenizer):
     question = "Name a planet."
@@ -180,6 +183,7 @@ def test_greedy_chat_equals_triton_generate_with_the_chat_template(client, trito
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.slow
 def test_a_system_turn_and_text_parts_reach_the_template(client, tokenizer):
     messages = [{"role": "system", "content": "Answer in French."},
                 {"role": "user", "content": [{"type": "text", "text": "Hello"},
@@ -189,6 +193,7 @@ def test_a_system_turn_and_text_parts_reach_the_template(client, tokenizer):
     assert got.usage.prompt_tokens == len(tokenizer.encode_chat(joined))
 
 
+@pytest.mark.slow
 def test_a_repeated_prompt_reports_cached_tokens(client):
     prompt = "You are a careful assistant who answers briefly. " * 8 + "What is a KV cache?"
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
@@ -197,6 +202,7 @@ def test_a_repeated_prompt_reports_cached_tokens(client):
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
+@pytest.mark.slow
 def test_n_choices_are_the_sequences_of_one_request(client):
     got = client.completions.create(model=MODEL, prompt="Once upon a time", n=3, max_tokens=6,
                                     temperature=1.0, seed=3, extra_body={"ignore_eos": True})
@@ -219,6 +225,7 @@ def test_n_choices_are_the_sequences_of_one_request(client):
     assert [c.text for c in again.choices] == [c.text for c in got.choices]  # seeded
 
 
+@pytest.mark.slow
 def test_response_format_json_schema_is_followed(client):
     schema = {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 12},
@@ -233,6 +240,7 @@ def test_response_format_json_schema_is_followed(client):
     assert reply.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_logprobs_come_back_in_openai_shape(client):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
                                                                   "content": "Hi"}],
@@ -251,6 +259,7 @@ def test_logprobs_come_back_in_openai_shape(client):
     assert lp.text_offset[0] == 0 and len(lp.top_logprobs) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kwargs", "param", "words"), [
     ({"temperature": -1.0}, "temperature", "temperature must be in [0"),
     ({"top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
@@ -274,6 +283,7 @@ def test_a_bad_field_is_a_400_naming_it(client, kwargs, param, words):
     assert client.completions.create(model=MODEL, prompt="OK", max_tokens=1).choices
 
 
+@pytest.mark.slow
 def test_bad_messages_and_bodies(client, openai_frontend):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard",
@@ -316,6 +326,7 @@ def _raw_post(frontend, body: dict, timeout: float = 300):
     return conn
 
 
+@pytest.mark.slow
 def test_a_disconnect_mid_stream_cancels_and_frees_the_kv_cache(openai_frontend, triton_server):
     wait_idle(triton_server)
     before = scrape(triton_server)
@@ -331,6 +342,7 @@ def test_a_disconnect_mid_stream_cancels_and_frees_the_kv_cache(openai_frontend,
     assert settled_generation_tokens(triton_server, before) < 600  # freed by the cancel
 
 
+@pytest.mark.slow
 def test_a_client_gone_from_a_whole_response_cancels_it(openai_frontend, triton_server):
     """Triton never reports a dropped non-streaming HTTP generate (issue 15, item 11); the
     frontend watches its own client and cancels the gRPC stream."""
@@ -345,6 +357,7 @@ def test_a_client_gone_from_a_whole_response_cancels_it(openai_frontend, triton_
     assert settled_generation_tokens(triton_server, before) < 600
 
 
+@pytest.mark.slow
 def test_thirty_two_concurrent_streams_all_finish_batched(openai_frontend, triton_server):
     wait_idle(triton_server)
     before = scrape(triton_server)
@@ -379,6 +392,7 @@ def test_thirty_two_concurrent_streams_all_finish_batched(openai_frontend, trito
     assert steps < 32 * 16  # shared steps: fewer than one per token
 
 
+@pytest.mark.slow
 def test_health_and_metrics_pass_through(openai_frontend, client):
     with urllib.request.urlopen(openai_frontend.url + "/health", timeout=60) as resp:
         assert resp.status == 200
@@ -389,11 +403,12 @@ def test_health_and_metrics_pass_through(openai_frontend, client):
     assert 'kvflow_openai_requests_total{endpoint="/v1/completions",status="400"}' in text
 
 
+@pytest.mark.slow
 def test_the_frontend_is_a_stateless_pool_of_servers(triton_server, tmp_path):
     """Two URLs (here the same server twice) and a name of its own: each request goes to one
     server; nothing else changes."""
     from kvflow.openai_api import FrontendConfig, FrontendProcess
-    from kvflow.triton_backend.server import free_port
+    from kvflow.utils.procs import free_port
 
     cfg = FrontendConfig((triton_server.grpc_url, triton_server.grpc_url), port=free_port(),
                          served_model_name="my-model")
@@ -409,6 +424,7 @@ def test_the_frontend_is_a_stateless_pool_of_servers(triton_server, tmp_path):
         socket.create_connection(("127.0.0.1", cfg.port), timeout=2).close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_bench_serve_drives_the_openai_api(openai_frontend, triton_server, default_engines,
                                            tmp_path, endpoint):
@@ -433,9 +449,10 @@ def test_bench_serve_drives_the_openai_api(openai_frontend, triton_server, defau
         assert row["ttft_s"] <= row["e2e_s"]
 
 
+@pytest.mark.slow
 def test_a_server_that_is_down_is_passed_over_and_alone_is_a_503(triton_server, tmp_path):
     from kvflow.openai_api import FrontendConfig, FrontendProcess
-    from kvflow.triton_backend.server import free_port
+    from kvflow.utils.procs import free_port
 
     blocker = socket.socket()  # bound, never listening: connections to it are refused
     blocker.bind(("127.0.0.1", 0))
@@ -462,6 +479,7 @@ def test_a_server_that_is_down_is_passed_over_and_alone_is_a_503(triton_server, 
     blocker.close()
 
 
+@pytest.mark.slow
 def test_timeout_ms_reaches_the_engine_and_a_request_ends_with_timeout(client):
     """``timeout_ms`` is a vLLM-style extra that the backend's SamplingParams validates; past it
     the choice ends with ``timeout`` and the text it had."""

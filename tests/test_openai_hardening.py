@@ -12,6 +12,8 @@ import pytest
 
 from tests.test_openai_frontend import post_json
 
+pytestmark = pytest.mark.slow  # the OpenAI frontend before tritonserver
+
 SURROGATE = "\udc00"  # what JSON's "\udc00" decodes to: a lone surrogate, not Unicode text
 
 

@@ -7,6 +7,8 @@ import pytest
 from kvflow import LLM, SamplingParams
 from tests.helpers import assert_same_or_near_tie, greedy_generate
 
+pytestmark = pytest.mark.slow  # the default model
+
 TOPICS = ["the ocean", "a robot", "mountains", "coffee", "the moon", "a library", "winter",
           "trains", "music", "a garden", "the desert", "cats", "rain", "a market", "bridges",
           "the sun"]

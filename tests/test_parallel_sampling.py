@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvflow import LLM, SamplingParams
+from kvflow import SamplingParams
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
@@ -383,16 +383,16 @@ def test_preemption_swaps_and_forks_never_change_what_a_sequence_reads(workload,
 # --- the default model: one prefill, and each sequence as its own seeded request -------------
 
 
-@pytest.fixture(scope="module")
-def llm(default_engines):
-    # fp32 matmuls: batch-invariant, so a sequence's tokens cannot depend on its batch.
-    with LLM(default_engines["onnxruntime"], quantized_matmul="fp32") as llm:
-        yield llm
+@pytest.fixture
+def llm(default_llm):
+    """The session's default-model LLM (fp32 matmuls: batch-invariant)."""
+    return default_llm
 
 
 PROMPT = "Write a short poem about the sea, the wind and the boats that sail on it."
 
 
+@pytest.mark.slow
 def test_n4_shares_the_prompt_blocks_and_each_sequence_equals_its_seed_alone(llm):
     engine = llm.engine
     params = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=123, ignore_eos=True)
@@ -416,12 +416,14 @@ def test_n4_shares_the_prompt_blocks_and_each_sequence_equals_its_seed_alone(llm
     assert engine.kv.pool.num_used_blocks == 0
 
 
+@pytest.mark.slow
 def test_generate_returns_each_prompts_n_outputs(llm):
     outs = llm.generate(["Hello", "Name a colour:"], SamplingParams(n=2, max_tokens=4, seed=7))
     assert [len(o.outputs) for o in outs] == [2, 2]
     assert all(len(c.token_ids) <= 4 and c.finished for o in outs for c in o.outputs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_a_preempted_group_generates_what_an_unpreempted_one_does(tiny_engines, mode):
     """Real KV (a tiny random model): a group forced out by swap or recompute, copies on write

@@ -7,6 +7,8 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # greedy runs of a tiny engine, seconds each
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 

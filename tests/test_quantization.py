@@ -82,6 +82,7 @@ def quantized_tiny(tiny_models, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", [("qwen2-bias", "int4"), ("llama-gqa4", "int8")])
 def test_quantized_engine_equals_hf_on_the_dequantized_weights(quantized_tiny, key):
     import torch
@@ -114,6 +115,7 @@ def test_quantized_engine_equals_hf_on_the_dequantized_weights(quantized_tiny, k
     assert np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b) > 0.98
 
 
+@pytest.mark.slow
 def test_default_engine_keeps_the_gguf_4bit_weights(default_engines):
     folder = default_engines["onnxruntime"]
     config = json.loads((folder / "engine_config.json").read_text())

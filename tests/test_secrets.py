@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvflow.triton_backend import preload
-from kvflow.triton_backend.server import free_port, shm_regions_of
+from kvflow.triton_backend.launcher import shm_regions_of
+from kvflow.utils.procs import free_port
 
 API_KEY = "t0p-s3cret-api-key"
 NOBODY = 65534
@@ -102,6 +103,7 @@ def served(tiny_engines, tmp_path_factory):
             proc.wait()
 
 
+@pytest.mark.slow
 def test_no_process_shows_a_key_on_its_command_line(served):
     proc, _ = served
     tree = descendants(proc.pid)
@@ -121,6 +123,7 @@ def test_no_process_shows_a_key_on_its_command_line(served):
     assert argv.count(preload.PLACEHOLDER) == 4  # admin and API key, HTTP and gRPC each
 
 
+@pytest.mark.slow
 def test_the_key_is_in_no_environment_but_those_that_need_it(served):
     """kvflow serve was given the key in its environment and hands it to the frontend the same
     way; tritonserver gets it through a pipe, so neither it nor its stubs hold it there. Every
@@ -138,6 +141,7 @@ def test_the_key_is_in_no_environment_but_those_that_need_it(served):
     assert sorted(argv[3] for argv in holders) == ["openai", "serve"], holders
 
 
+@pytest.mark.slow
 def test_the_backends_shared_memory_is_private(served):
     """The regions hold request text: mode 0600 from creation (Triton's Python backend makes
     them 0644 whatever the umask; the preload library keeps the umask)."""
@@ -153,6 +157,7 @@ def test_the_backends_shared_memory_is_private(served):
             assert denied.returncode != 0 and b"Permission denied" in denied.stderr
 
 
+@pytest.mark.slow
 def test_the_keys_still_guard_the_server(served):
     """The secrets that reached tritonserver through the pipe are in force: the API key over
     HTTP and through the OpenAI frontend, the admin key on the endpoints kvflow never uses."""

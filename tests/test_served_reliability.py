@@ -23,6 +23,8 @@ from kvflow.client import infer_inputs  # noqa: E402
 from tests.test_hardening import keyed_server, post  # noqa: E402, F401  (keyed_server: a fixture)
 from tests.test_serving import DEADLINE_S, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.slow  # tritonservers and OpenAI frontends
+
 # json.dumps writes a lone surrogate as the escape "\udc00": valid JSON, invalid Unicode.
 SURROGATE_MESSAGES = [{"role": "user", "content": "hi \udc00"}]
 
@@ -143,7 +145,7 @@ def test_a_failing_engine_turns_readiness_off_fails_waiters_and_exits_1(tiny_eng
     KVFLOW_FAIL_AFTER_STEPS): concurrent streams all get an error, Triton's model readiness
     and the OpenAI /health stop being 200, and `kvflow serve` exits 1 naming the failure."""
     from kvflow import envs
-    from kvflow.triton_backend.server import free_port
+    from kvflow.utils.procs import free_port
 
     http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
     log = tmp_path / "serve.log"
@@ -244,7 +246,7 @@ def test_a_frontend_whose_key_triton_refuses_says_so_and_does_not_retry(
     which reads as a server that is down. The frontend tells it apart: a 502 naming the key,
     not a 503 to retry; and the server is not passed over afterwards."""
     from kvflow.openai_api import FrontendConfig, FrontendProcess
-    from kvflow.triton_backend.server import free_port
+    from kvflow.utils.procs import free_port
 
     cfg = FrontendConfig((keyed_server.grpc_url,), port=free_port(), api_key="not-the-key")
     with FrontendProcess(cfg, log_path=tmp_path / "frontend.log",) as frontend:

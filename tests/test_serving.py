@@ -18,6 +18,8 @@ tritonclient = pytest.importorskip("tritonclient.grpc")
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.client import build_inputs, stream_generate  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real tritonserver serving the default model
+
 GREEDY = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
 # How long a wait on the server may take before the test gives up. A deadline only, never an
 # expectation of speed: every wait below polls for its condition and returns once it holds.

@@ -12,13 +12,15 @@ tritonclient = pytest.importorskip("tritonclient.grpc")
 from kvflow.client import build_inputs, stream_generate  # noqa: E402
 from tests.test_serving import DEADLINE_S, metric, scrape, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.slow  # tritonservers of the default model
+
 
 @pytest.fixture(scope="module")
 def fair_server(default_engines, tmp_path_factory):
     """``fair`` with one sequence at a time, so that the admission order is the finish order.
     Its step timeline is written at shutdown, and holds the timeout."""
     from kvflow.observability.trace_summary import load
-    from kvflow.triton_backend.server import ServerConfig, TritonServer
+    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 
     trace = tmp_path_factory.mktemp("fair") / "steps.json"
     cfg = ServerConfig.on_free_ports(default_engines["onnxruntime"], {

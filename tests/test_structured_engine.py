@@ -10,8 +10,10 @@ import re
 import jsonschema
 import pytest
 
-from kvflow import LLM, SamplingParams
+from kvflow import SamplingParams
 from kvflow.orchestrator.sampling.structured_output import StructuredOutput
+
+pytestmark = pytest.mark.slow  # the default model, and tritonserver
 
 # Nested objects, an enum, an array, required fields; short, so that 50 outputs stay cheap.
 PERSON = {
@@ -33,11 +35,10 @@ PERSON = {
 }
 
 
-@pytest.fixture(scope="module")
-def llm(default_engines):
-    # fp32 matmuls: batch-invariant, so batched and lone greedy requests can be compared.
-    with LLM(default_engines["onnxruntime"], quantized_matmul="fp32") as llm:
-        yield llm
+@pytest.fixture
+def llm(default_llm):
+    """The session's default-model LLM (fp32 matmuls: batch-invariant)."""
+    return default_llm
 
 
 def guided(**kwargs) -> StructuredOutput:
