@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny random-weight HF checkpoints, and engines built from them."""
+"""Shared fixtures: tiny random-weight HF checkpoints and engines built from them, the
+default model's engines and LLM, the session's tritonserver and OpenAI frontend; and the check
+that tests using the slow ones carry the ``slow`` marker."""
 
 from __future__ import annotations
 
