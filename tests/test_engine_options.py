@@ -18,7 +18,7 @@ from kvflow.orchestrator.options import (
     options_to_parameters,
     parse_option,
 )
-from kvflow.orchestrator.scheduler.core import SCHEDULERS
+from kvflow.orchestrator.scheduler.registry import SCHEDULERS
 
 # A value for each option other than its default, valid on the tiny engines (limits 256/256/16).
 NON_DEFAULT = {
@@ -123,7 +123,7 @@ def test_llm_overrides_are_validated_by_the_same_dataclass(tiny_engines):
 
 
 def test_kvflow_serve_writes_one_triton_parameter_per_option(tiny_engines, tmp_path):
-    from kvflow.triton_backend.server import ServeError, ServerConfig, prepare_workspace
+    from kvflow.triton_backend.launcher import ServeError, ServerConfig, prepare_workspace
 
     engine = tiny_engines["llama-gqa4", "onnxruntime"]
     cfg = ServerConfig(engine, engine_args={"max_num_seqs": 4, "enable_prefix_caching": False})

@@ -33,17 +33,20 @@ from kvflow.triton_backend.params import (
     ParsedRequest,
     parse_request,
 )
+from kvflow.triton_backend.protocol import (
+    ENGINE_FAILED_FILE,
+    SERVE_FILE,
+    SERVED_MODEL_NAME_PARAMETER,
+    TRACE_SIGNAL_FILE,
+)
 from kvflow.triton_backend.signals import SignalWatch
 
 # The backend's own model parameters (a hand-written repository's; `kvflow serve` writes the
 # paths into SERVE_FILE instead, out of clients' sight, and the name the OpenAI frontend serves
 # as a parameter); every other parameter is an engine option.
-BACKEND_PARAMETERS = ("engine_dir", "python_paths", "served_model_name")
-SERVE_FILE = "serve.json"
-# Written beside it when the engine loop fails: what failed (`kvflow serve` then exits 1).
-ENGINE_FAILED_FILE = "engine_failed.txt"
-# Beside it: the pids of stubs whose SIGUSR1 writes the step timeline (one line each).
-TRACE_SIGNAL_FILE = "trace_signal.pids"
+# The files beside the model (SERVE_FILE, ENGINE_FAILED_FILE, TRACE_SIGNAL_FILE) are named in
+# .protocol, which the launcher reads too.
+BACKEND_PARAMETERS = ("engine_dir", "python_paths", SERVED_MODEL_NAME_PARAMETER)
 
 
 def _parameter(model_config: dict, key: str, default: str = "") -> str:
