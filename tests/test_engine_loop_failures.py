@@ -226,7 +226,7 @@ def test_a_failing_step_fails_every_waiter_and_reports_once(engine):
 def test_oversized_text_is_refused_by_length_before_tokenizing(engine):
     inputs: InputProcessor = engine.inputs
     limit = inputs.max_prompt_chars
-    assert limit == engine.config.max_model_len * inputs.max_token_chars
+    assert limit == engine.options.max_model_len * inputs.max_token_chars
     with pytest.raises(ValueError, match=rf"prompt is {limit + 1} characters.*the limit is "
                                          rf"{limit}"):
         inputs.prepare("x" * (limit + 1), SamplingParams())

@@ -124,7 +124,7 @@ def test_a_timed_out_request_returns_its_partial_text_and_frees_its_blocks(llm):
 
     base = llm.engine
     clock = FakeClock()
-    engine = LLMEngine(base.runner, base.tokenizer, base.config, base.eos_token_ids,
+    engine = LLMEngine(base.runner, base.tokenizer, base.options, base.eos_token_ids,
                        clock=clock)
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, timeout_ms=5000)
     engine.add_request("Once upon a time", params, request_id="slow")

@@ -184,12 +184,12 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         engine = self.engine = await asyncio.to_thread(create_engine, str(self.engine_dir),
                                                        **self.overrides)
         self._registry, self._collector = MetricsRegistry(), EngineMetrics()
-        if self.args.kv_events and engine.config.enable_prefix_caching:
+        if self.args.kv_events and engine.options.enable_prefix_caching:
             engine.kv.pool.record_events()
             self.events = ZmqEventPublisher(engine.kv.block_size)
         self.aengine = AsyncLLMEngine(engine, step_hook=self._on_step,
                                       on_failure=self._on_engine_failure)
-        opts = engine.config
+        opts = engine.options
         log.info("kvflow worker %s: %s, %d KV blocks of %d tokens", worker_id, self.model_name,
                  engine.kv.pool.num_usable_blocks, engine.kv.block_size)
         return DynamoEngineConfig(

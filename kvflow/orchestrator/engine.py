@@ -72,7 +72,7 @@ class LLMEngine:
                  trace_source: str = "engine") -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        self.config = options
+        self.options = options
         self.clock = clock
         self.eos_token_ids = tuple(eos_token_ids)
         self.kv = KVCacheManager(runner.num_blocks, runner.block_size,
@@ -128,7 +128,7 @@ class LLMEngine:
         arrival = self.clock() if arrival_time is None else arrival_time
         n = params.n
         seqs = [Request(request_id if n == 1 else f"{request_id}#{j}", prompt_ids, params,
-                        arrival, priority, self.eos_token_ids, self.config.max_model_len,
+                        arrival, priority, self.eos_token_ids, self.options.max_model_len,
                         cache_salt, tenant, parent_id=request_id, index=j) for j in range(n)]
         request = seqs[0]
         if kv_transferred:  # the leader's; the other sequences of a group fork off its blocks
@@ -179,7 +179,7 @@ class LLMEngine:
         timed_out = [self._timeout_output(request, phase, t0)
                      for request, phase in sched.timed_out]
         if sched.is_empty:
-            if timed_out and self.config.debug_checks:
+            if timed_out and self.options.debug_checks:
                 self.scheduler.check_integrity()
             return timed_out
         t1 = self.clock()
@@ -190,7 +190,7 @@ class LLMEngine:
         outputs = self._postprocess(sched, sampled)
         self._record(sched, outputs, sampled, StepTimes(t0, t1, t2, t3, self.clock()))
         outputs = timed_out + outputs
-        if self.config.debug_checks:
+        if self.options.debug_checks:
             self.scheduler.check_integrity()
         return outputs
 

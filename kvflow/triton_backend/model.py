@@ -223,7 +223,7 @@ class KvflowTritonModel:
             self.engine = create_engine(engine_dir, **overrides)
         except ValueError as e:
             raise pb_utils.TritonModelException(f"model parameters: {e}") from None
-        self.max_model_len = self.engine.config.max_model_len
+        self.max_model_len = self.engine.options.max_model_len
         self.metrics = TritonMetrics(pb_utils, args.get("model_name", "kvflow"))
         self.loop = EngineLoop(self.engine, step_hook=self.metrics.on_step,
                                on_failure=self._on_engine_failure)
