@@ -15,11 +15,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from kvflow.openai_api.protocol import (  # noqa: E402
-    OpenAIError,
-    error_from_backend,
-    parse_completion_request,
-)
+from kvflow.openai_api.errors import OpenAIError, error_from_backend  # noqa: E402
+from kvflow.openai_api.protocol import parse_completion_request  # noqa: E402
 from tests.test_serving import (  # noqa: E402
     http_post,
     metric,

@@ -1,7 +1,10 @@
 """The OpenAI-compatible API in front of tritonserver (``kvflow openai``).
 
-- ``protocol``: an OpenAI request body -> one Triton request per choice; backend errors ->
-  OpenAI errors.
+- ``fields``: the OpenAI body fields kvflow knows, their JSON types, those it ignores or
+  does not serve.
+- ``checks``: the body's JSON, fields, types and text, checked before it is translated.
+- ``protocol``: an OpenAI request body -> one Triton request per choice.
+- ``errors``: OpenAI's error shape; backend errors -> OpenAI errors.
 - ``responses``: Triton responses -> OpenAI bodies, SSE chunks, logprobs and usage.
 - ``pool``: the gRPC aio clients of the servers, one stream per request.
 - ``app``: the FastAPI app and the ``kvflow openai`` command line.

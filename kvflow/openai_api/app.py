@@ -9,9 +9,10 @@ flight, so any number of frontends can stand in front of any number of servers.
 - ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
   Server-Sent Events, or whole), ``GET /health``, ``GET /metrics`` (the servers' Prometheus
   text, then the frontend's own counters).
-- The request translation is :mod:`.protocol`'s and the response shapes :mod:`.responses`';
-  validation is the backend's. :mod:`.pool` holds the gRPC clients; :mod:`.process` runs this
-  server as a child process.
+- The request translation is :mod:`.protocol`'s (after :mod:`.checks`' body checks), the
+  response shapes :mod:`.responses`' and the errors :mod:`.errors`'; validation is the
+  backend's. :mod:`.pool` holds the gRPC clients; :mod:`.process` runs this server as a
+  child process.
 - A client that disconnects, mid-stream or while waiting for a whole response, cancels its
   gRPC streams; Triton tells the backend, which aborts the requests and frees their KV blocks.
 """
@@ -28,15 +29,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.openai_api.checks import load_body
+from kvflow.openai_api.errors import OpenAIError, bad_request, error_from_backend
 from kvflow.openai_api.pool import BackendError, TritonPool
-from kvflow.openai_api.protocol import (
-    CompletionRequest,
-    OpenAIError,
-    bad_request,
-    error_from_backend,
-    load_body,
-    parse_completion_request,
-)
+from kvflow.openai_api.protocol import CompletionRequest, parse_completion_request
 from kvflow.openai_api.responses import (
     ChoiceState,
     choice_chunk,
