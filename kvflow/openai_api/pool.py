@@ -11,8 +11,8 @@ from typing import Any
 
 from kvflow.client import infer_inputs
 from kvflow.openai_api.protocol import ChoiceRequest
-from kvflow.triton_backend.params import ERROR_OUTPUT_PARAMETER
 from kvflow.triton_backend.protocol import (
+    ERROR_OUTPUT_PARAMETER,
     GRPC_API_KEY_HEADER,
     MODEL_NAME,
     SERVED_MODEL_NAME_PARAMETER,

@@ -27,7 +27,6 @@ from kvflow.orchestrator.options import options_from_parameters
 from kvflow.orchestrator.outputs import CompletionOutput, ErrorCode, RequestOutput
 from kvflow.triton_backend.metrics import TritonMetrics
 from kvflow.triton_backend.params import (
-    ERROR_OUTPUT_PARAMETER,
     INPUT_NAMES,
     BadRequestError,
     ParsedRequest,
@@ -35,6 +34,7 @@ from kvflow.triton_backend.params import (
 )
 from kvflow.triton_backend.protocol import (
     ENGINE_FAILED_FILE,
+    ERROR_OUTPUT_PARAMETER,
     SERVE_FILE,
     SERVED_MODEL_NAME_PARAMETER,
     TRACE_SIGNAL_FILE,

@@ -38,6 +38,7 @@ from kvflow.orchestrator.sampling.params import (
     short_repr,
 )
 from kvflow.text.tokenizer import ChatPrompt, Prompt
+from kvflow.triton_backend.protocol import ERROR_OUTPUT_PARAMETER
 
 # Triton's vLLM backend clients send every sampling parameter as a JSON string ("0.7"); these
 # are the keys whose strings are converted, and to what.
@@ -62,11 +63,6 @@ MAX_CACHE_SALT_CHARS = 1024
 # Request parameters Triton itself sets on a request (KServe's reserved names).
 TRITON_REQUEST_PARAMETERS = ("priority", "timeout", "sequence_id", "sequence_start",
                              "sequence_end", "headers", "triton_enable_empty_final_response")
-# The request parameter (a bool) by which a client asks for a failed request's error as a final
-# response carrying the outputs ``error`` (the message) and ``error_code`` (bad_request,
-# overloaded or engine_error) instead of a Triton error: over gRPC streams a Triton error is a
-# message alone, and the code must cross as data (the OpenAI frontend asks for it).
-ERROR_OUTPUT_PARAMETER = "kvflow_error_output"
 REQUEST_PARAMETERS = (*TRITON_REQUEST_PARAMETERS, ERROR_OUTPUT_PARAMETER)
 
 

@@ -1,5 +1,7 @@
 """The names that both sides of tritonserver share: the launcher (:mod:`.launcher`), the
-backend (:mod:`.model`) and the clients (:mod:`kvflow.client`, the OpenAI frontend's pool).
+backend (:mod:`.model`) and the clients (:mod:`kvflow.client`, the OpenAI frontend's pool):
+the model's name, the key headers, the request parameters kvflow adds, the files beside the
+model.
 
 Constants only, so that a client imports them without the launcher or the backend.
 """
@@ -16,6 +18,12 @@ API_KEY_APIS = "inference,metadata,model-config,statistics"
 API_KEY_HEADER = "x-api-key"
 # Triton prefixes a restricted protocol's header over gRPC.
 GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
+
+# The request parameter (a bool) by which a client asks for a failed request's error as a final
+# response carrying the outputs ``error`` (the message) and ``error_code`` (bad_request,
+# overloaded or engine_error) instead of a Triton error: over gRPC streams a Triton error is a
+# message alone, and the code must cross as data (the OpenAI frontend asks for it).
+ERROR_OUTPUT_PARAMETER = "kvflow_error_output"
 
 # The model parameter that names the model for the OpenAI frontend (the launcher writes it).
 SERVED_MODEL_NAME_PARAMETER = "served_model_name"
