@@ -13,12 +13,13 @@ chrome://tracing open. Pure Python.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the ring imports this renderer: its types are for the checker only
-    from kvflow.observability.trace import Finish, StepRecord
+    from kvflow.observability.trace import Entry, Finish, StepRecord
 
-# The slices between a StepRecord's five ``times``, in order.
+# The slices between a StepRecord's five ``times.boundaries``, in order.
 PHASES = ("schedule", "model", "sample", "postprocess")
 REQUEST_PHASES = ("waiting", "prefill", "recompute", "decode", "preempted")
 MAX_LISTED = 64  # requests named in one step's args, at most
@@ -35,10 +36,10 @@ def trace_events(steps: list[StepRecord],
     ]
     pending = pending or []
     ends = [f for rec in steps for f in rec.finished] + pending
-    times = [t for f in ends for t in (f[2], f[3]) if t is not None]
-    times += [e[3] for rec in steps for e in rec.entries if e[3] is not None]
+    times = [t for f in ends for t in (f.time, f.arrival) if t is not None]
+    times += [e.arrival for rec in steps for e in rec.entries if e.arrival is not None]
     if steps:
-        times.append(steps[0].times[0])
+        times.append(steps[0].times.start)
     if not times:
         return events
     # Time 0: the earliest moment shown (the first step kept, an arrival, an end before it).
@@ -50,11 +51,11 @@ def trace_events(steps: list[StepRecord],
     tids: dict[str, int] = {}
     tracks = _RequestTracks(events, us)
     for rec in steps:
-        t0, *_, t4 = rec.times
-        prefill = sum(n for _, kind, n, _, _ in rec.entries if kind != "decode")
-        decode = sum(1 for _, kind, _, _, _ in rec.entries if kind == "decode")
+        t0, t4 = rec.times.start, rec.times.end
+        prefill = sum(e.num_tokens for e in rec.entries if e.kind != "decode")
+        decode = sum(1 for e in rec.entries if e.kind == "decode")
         name = "mixed" if prefill and decode else "prefill" if prefill else "decode"
-        listed = [f"{rid} {kind} {n}" for rid, kind, n, _, _ in rec.entries[:MAX_LISTED]]
+        listed = [f"{e.seq_id} {e.kind} {e.num_tokens}" for e in rec.entries[:MAX_LISTED]]
         events.append({
             "ph": "X", "pid": ENGINE_PID, "tid": 1, "name": name, "cat": "step",
             "ts": us(t0), "dur": us(t4) - us(t0),
@@ -64,8 +65,8 @@ def trace_events(steps: list[StepRecord],
                      "preempted": rec.preempted, **rec.transfers,
                      "kv_usage": round(rec.kv_usage, 4), "kv_blocks_used": rec.kv_blocks_used,
                      "running": rec.running, "waiting": rec.waiting,
-                     "finished": [f"{f[0]} {f[1]}" for f in rec.finished]}})
-        for phase, (a, b) in zip(PHASES, zip(rec.times, rec.times[1:], strict=False), strict=True):
+                     "finished": [f"{f.seq_id} {f.reason}" for f in rec.finished]}})
+        for phase, (a, b) in zip(PHASES, pairwise(rec.times.boundaries), strict=True):
             events.append({"ph": "X", "pid": ENGINE_PID, "tid": 1, "name": phase,
                            "cat": "phase", "ts": us(a), "dur": us(b) - us(a)})
         events += [
@@ -77,13 +78,13 @@ def trace_events(steps: list[StepRecord],
              "args": {"prefill": prefill, "decode": decode}}]
         for rid in rec.preempted:
             tracks.preempt(_tid(tids, events, rid), t0)
-        for rid, kind, n, arrival, sampled in rec.entries:
-            tracks.run(_tid(tids, events, rid), rec, kind, n, arrival, sampled)
-        for rid, reason, t, arrival in rec.finished:
-            tracks.finish(_tid(tids, events, rid), reason, t, arrival)
-    for rid, reason, t, arrival in pending:
-        tracks.finish(_tid(tids, events, rid), reason, t, arrival)
-    tracks.close_all(steps[-1].times[-1] if steps else origin)
+        for e in rec.entries:
+            tracks.run(_tid(tids, events, e.seq_id), rec, e)
+        for f in rec.finished:
+            tracks.finish(_tid(tids, events, f.seq_id), f)
+    for f in pending:
+        tracks.finish(_tid(tids, events, f.seq_id), f)
+    tracks.close_all(steps[-1].times.end if steps else origin)
     return events
 
 
@@ -131,28 +132,28 @@ class _RequestTracks:
         self._end_decode(tid)
         self.since[tid] = ("preempted", t)
 
-    def run(self, tid: int, rec: StepRecord, kind: str, n: int, arrival: float | None,
-            sampled: bool) -> None:
-        t0, t4 = rec.times[0], rec.times[-1]
-        if arrival is not None:
-            self.since[tid] = ("waiting", arrival)
+    def run(self, tid: int, rec: StepRecord, entry: Entry) -> None:
+        t0, t4 = rec.times.start, rec.times.end
+        if entry.arrival is not None:
+            self.since[tid] = ("waiting", entry.arrival)
         self._end_wait(tid, t0)
-        if kind == "decode":
+        if entry.kind == "decode":
             run = self.decoding.setdefault(tid, [t0, t4, 0])
             run[1] = t4
             run[2] += 1
             return
         self._end_decode(tid)
-        self._slice(tid, kind, t0, t4, tokens=n, step=rec.index, sampled=sampled)
+        self._slice(tid, entry.kind, t0, t4, tokens=entry.num_tokens, step=rec.index,
+                    sampled=entry.sampled)
 
-    def finish(self, tid: int, reason: str, t: float, arrival: float | None) -> None:
-        if arrival is not None and tid not in self.since:
-            self.since[tid] = ("waiting", arrival)
+    def finish(self, tid: int, end: Finish) -> None:
+        if end.arrival is not None and tid not in self.since:
+            self.since[tid] = ("waiting", end.arrival)
         self._end_decode(tid)
-        self._end_wait(tid, t)
+        self._end_wait(tid, end.time)
         self.events.append({"ph": "i", "s": "t", "pid": REQUESTS_PID, "tid": tid,
-                            "name": "finished", "cat": "request", "ts": self.us(t),
-                            "args": {"reason": reason}})
+                            "name": "finished", "cat": "request", "ts": self.us(end.time),
+                            "args": {"reason": end.reason}})
 
     def close_all(self, t: float) -> None:
         for tid in list(self.decoding):

@@ -17,32 +17,67 @@ import json
 import os
 import tempfile
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from kvflow.observability.chrome_trace import trace_events
 
-# One scheduled chunk: (sequence id, kind, tokens, its arrival if first scheduled now, sampled)
-Entry = tuple[str, str, int, float | None, bool]
-# A sequence's end: (sequence id, finish reason, time, its arrival if it never ran)
-Finish = tuple[str, str, float, float | None]
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """When each stage of one step began, and when the step ended (the engine's clock)."""
+
+    start: float
+    scheduled: float  # scheduling done, the runner starts
+    executed: float  # the runner done, sampling starts
+    sampled: float  # sampling done, postprocessing starts
+    end: float
+
+    @property
+    def boundaries(self) -> tuple[float, float, float, float, float]:
+        """The five times in order: the phases lie between consecutive ones."""
+        return self.start, self.scheduled, self.executed, self.sampled, self.end
 
 
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One scheduled chunk of a step."""
+
+    seq_id: str
+    kind: str  # prefill, recompute (a prefill after a preemption) or decode
+    num_tokens: int
+    arrival: float | None  # the sequence's arrival, when it is scheduled for the first time
+    sampled: bool  # the chunk ends its prompt (or is a decode): a token was sampled
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A sequence's end."""
+
+    seq_id: str
+    reason: str  # the finish reason (stop, length, abort, timeout)
+    time: float
+    arrival: float | None  # its arrival, when it never ran (so that its wait is drawn)
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One engine step: its phase boundaries ``times`` (start, scheduled, model done, sampled,
-    end), its chunks, what the scheduler did to get there, and the state after it."""
+    """One engine step: its phase boundaries ``times``, its chunks, what the scheduler did to
+    get there (``preempted`` sequence ids, ``transfers``: blocks copied or swapped, by kind),
+    and the state after it. ``finished`` may grow: the ring puts the ends between steps
+    first."""
 
-    __slots__ = ("index", "times", "entries", "preempted", "transfers", "kv_usage",
-                 "kv_blocks_used", "running", "waiting", "finished")
-
-    def __init__(self, index: int, times: tuple[float, float, float, float, float],
-                 entries: list[Entry], preempted: list[str], transfers: dict[str, int],
-                 kv_usage: float, kv_blocks_used: int, running: int, waiting: int,
-                 finished: list[Finish]) -> None:
-        self.index, self.times, self.entries = index, times, entries
-        self.preempted, self.transfers = preempted, transfers
-        self.kv_usage, self.kv_blocks_used = kv_usage, kv_blocks_used
-        self.running, self.waiting, self.finished = running, waiting, finished
+    index: int
+    times: StepTimes
+    entries: list[Entry]
+    preempted: list[str]
+    transfers: dict[str, int]
+    kv_usage: float
+    kv_blocks_used: int
+    running: int
+    waiting: int
+    finished: list[Finish]
 
 
 class TraceSnapshot(NamedTuple):
@@ -102,12 +137,13 @@ class StepTracer:
                arrival: float | None = None) -> None:
         """A sequence ended outside a step (an abort, a timeout before an empty step);
         ``arrival`` for one that never ran, so that its wait is drawn."""
-        self.pending.append((request_id, reason, t, arrival))
+        self.pending.append(Finish(request_id, reason, t, arrival))
 
     def snapshot(self) -> TraceSnapshot:
         """The ring's contents now (cheap: on the engine's thread, so that :meth:`write` may
         build and write the file on another one without stalling the steps)."""
-        return TraceSnapshot(list(self.steps), list(self.pending), self.dropped_steps)
+        return TraceSnapshot(steps=list(self.steps), pending=list(self.pending),
+                             dropped_steps=self.dropped_steps)
 
     def write(self, path: str | Path | None = None,
               snapshot: TraceSnapshot | None = None) -> Path:

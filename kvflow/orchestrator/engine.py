@@ -13,13 +13,12 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvflow.kv_manager import KVCacheManager
-from kvflow.observability.trace import Entry, Finish, StepRecord, StepTracer
+from kvflow.observability.trace import StepTimes, StepTracer
 from kvflow.orchestrator.input_processor import InputProcessor, PreparedPrompt
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.output_processor import OutputProcessor, SampledTokens, _state
@@ -34,22 +33,12 @@ from kvflow.orchestrator.request import Request, RequestStatus, SequenceGroup
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.orchestrator.sampling.sampler import Sampler, SamplingRow
 from kvflow.orchestrator.sampling.structured import allocate_bitmask, fill_bitmasks
-from kvflow.orchestrator.scheduler.output import TRANSFER_KINDS, Clock, SchedulerOutput
+from kvflow.orchestrator.scheduler.output import Clock, SchedulerOutput
 from kvflow.orchestrator.scheduler.registry import make_scheduler
+from kvflow.orchestrator.step_recorder import StepRecorder
 from kvflow.runtime.base import ModelRunner
 from kvflow.runtime.step_builder import SeqChunk, build_step, build_step_shape
 from kvflow.text.tokenizer import EngineTokenizer, Prompt
-
-
-@dataclass(frozen=True, slots=True)
-class StepTimes:
-    """When each stage of one step began, and when the step ended (the engine's clock)."""
-
-    start: float
-    scheduled: float  # scheduling done, the runner starts
-    executed: float  # the runner done, sampling starts
-    sampled: float  # sampling done, postprocessing starts
-    end: float
 
 
 class LLMEngine:
@@ -81,7 +70,6 @@ class LLMEngine:
                                  bytes_per_block=runner.kv_bytes_per_block)
         self.scheduler = make_scheduler(options, self.kv, clock)
         self.sampler = Sampler(runner.vocab_size, self.eos_token_ids)
-        self.step_stats: deque[StepStats] = deque(maxlen=stats_window)
         self.counters = EngineCounters()  # written by this engine (and its output processor)
         self._ids = itertools.count()
         # Tokenizing and grammar compiling: thread-safe, so the served loop runs it elsewhere.
@@ -90,9 +78,22 @@ class LLMEngine:
                                      check_token_ids=runner.reads_token_ids)
         # Text, logprobs and outputs: the one owner of each live sequence's output state.
         self.outputs = OutputProcessor(tokenizer, self.counters)
-        # The step timeline (trace_steps); None: no step is recorded, tracing costs nothing.
-        self.tracer = (StepTracer(options.trace_steps, options.trace_max_steps, trace_source)
-                       if options.trace_steps else None)
+        # The step statistics, the counters' per-step totals and the step timeline (trace_steps;
+        # without it no step is recorded there, and tracing costs nothing).
+        self.recorder = StepRecorder(
+            self.scheduler, self.kv, self.counters, clock, stats_window,
+            StepTracer(options.trace_steps, options.trace_max_steps, trace_source)
+            if options.trace_steps else None)
+
+    @property
+    def step_stats(self) -> deque[StepStats]:
+        """The recent steps' statistics (the last ``stats_window``)."""
+        return self.recorder.step_stats
+
+    @property
+    def tracer(self) -> StepTracer | None:
+        """The step timeline's ring (None: tracing is off)."""
+        return self.recorder.tracer
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
@@ -152,11 +153,7 @@ class LLMEngine:
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
-        if self.tracer is not None:  # the sequences this abort ended (not those done before)
-            now = self.clock()
-            for seq in request.group.seqs if request.group is not None else [request]:
-                if seq.status == RequestStatus.FINISHED_ABORTED:
-                    self._trace_end(seq, "abort", now)
+        self.recorder.ended(request, RequestStatus.FINISHED_ABORTED)
         return self.outputs.output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -188,7 +185,7 @@ class LLMEngine:
         sampled = self._sample(sched, logits, greedy)
         t3 = self.clock()
         outputs = self._postprocess(sched, sampled)
-        self._record(sched, outputs, sampled, StepTimes(t0, t1, t2, t3, self.clock()))
+        self.recorder.record(sched, outputs, sampled, StepTimes(t0, t1, t2, t3, self.clock()))
         outputs = timed_out + outputs
         if self.options.debug_checks:
             self.scheduler.check_integrity()
@@ -268,70 +265,6 @@ class LLMEngine:
         self.scheduler.update_from_output(sched, result)
         return self.outputs.step_outputs(sampled, deltas)
 
-    def _record(self, sched: SchedulerOutput, outputs: list[RequestOutput],
-                sampled: SampledTokens, times: StepTimes) -> None:
-        t0, t1, t2, t3, t4 = astuple(times)
-        num_decode = sched.num_decode_tokens
-        num_prefill = sched.num_batched_tokens - num_decode
-        c = self.counters
-        c.prompt_tokens += num_prefill
-        c.generation_tokens += len(sampled.token_ids)
-        c.steps += 1
-        c.step_time_s += t4 - t0
-        c.prefix_cache_queries = self.scheduler.prefix_cache_queries
-        c.prefix_cache_hits = self.scheduler.prefix_cache_hits
-        self.scheduler.observe_step(num_prefill, t4 - t0)
-        stats = StepStats(
-            time=t4, num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
-            num_scheduled_seqs=len(sched.scheduled),
-            kv_blocks_used=self.kv.pool.num_used_blocks, kv_usage=self.kv.usage,
-            num_preempted=len(sched.preempted), schedule_time_s=t1 - t0,
-            model_time_s=t2 - t1, sample_time_s=t3 - t2, postprocess_time_s=t4 - t3,
-            num_timed_out=len(sched.timed_out),
-            finished=[o.request_id for o in outputs if o.finished],
-            scheduled=[(s.request.request_id, s.num_new_tokens) for s in sched.scheduled])
-        self.step_stats.append(stats)
-        if self.tracer is not None:
-            self._trace(sched, sampled, times, stats)
-
-    def _trace(self, sched: SchedulerOutput, sampled: SampledTokens, times: StepTimes,
-               stats: StepStats) -> None:
-        """The step's record in the timeline: each chunk (with the arrival of a request
-        scheduled for the first time), the preemptions and transfers, the sequences that
-        ended (a forked member may end on the token it took from its leader's row), and the
-        state after it (from the step's ``stats``)."""
-        t0, t4 = times.start, times.end
-        entries: list[Entry] = []
-        for s in sched.scheduled:
-            r = s.request
-            m = r.metrics
-            if s.is_decode:
-                entries.append((r.request_id, "decode", 1, None, True))
-                continue
-            first = m.first_scheduled_time is not None and m.first_scheduled_time >= t0
-            entries.append((r.request_id, "recompute" if m.num_preemptions else "prefill",
-                            s.num_new_tokens, m.arrival_time if first else None, s.sample))
-        # A sequence ends only on a token it sampled (aborts and timeouts are traced apart).
-        finished: list[Finish] = [(r.request_id, r.status.finish_reason or "", t4, None)
-                                  for r in sampled.requests if r.is_finished]
-        transfers = {f"{kind}_blocks": sum(len(p) for k, p in sched.transfers if k == kind)
-                     for kind in TRANSFER_KINDS}
-        assert self.tracer is not None
-        self.tracer.record(StepRecord(
-            self.counters.steps, astuple(times), entries, [r.request_id for r in sched.preempted],
-            transfers, stats.kv_usage, stats.kv_blocks_used, stats.num_running,
-            stats.num_waiting, finished))
-
-    def _trace_end(self, seq: Request, reason: str, now: float) -> None:
-        """A sequence that ended outside a step (an abort, a timeout), with its arrival if
-        it never ran (so that its wait is drawn)."""
-        assert self.tracer is not None
-        m = seq.metrics
-        self.tracer.finish(seq.request_id, reason, now,
-                           m.arrival_time if m.first_scheduled_time is None else None)
-
     def write_trace(self, path: str | None = None) -> Path | None:
         """Write the step timeline (to ``path``, default ``trace_steps``); None when tracing
         is off."""
@@ -345,10 +278,6 @@ class LLMEngine:
             self.runner.close()
 
     def _timeout_output(self, request: Request, phase: str, now: float) -> RequestOutput:
-        """The final output of a request the scheduler timed out, counted by its phase."""
-        self.counters.timeouts_by_phase[phase] += 1
-        if self.tracer is not None:
-            for seq in request.group.seqs if request.group is not None else [request]:
-                if seq.status == RequestStatus.FINISHED_TIMEOUT:
-                    self._trace_end(seq, "timeout", now)
+        """The final output of a request the scheduler timed out (counted by its phase)."""
+        self.recorder.timed_out(request, phase, now)
         return self.outputs.timeout_output(request)

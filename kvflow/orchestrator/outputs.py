@@ -227,7 +227,7 @@ class RequestOutput:
 @dataclass(slots=True)
 class EngineCounters:
     """Running totals of one :class:`~kvflow.orchestrator.engine.LLMEngine`, written by it
-    alone (the Prometheus counters mirror them).
+    alone (with its output processor and step recorder; the Prometheus counters mirror them).
 
     ``step_time_s`` is the time inside steps, on the engine's clock (simulated seconds in the
     simulator). ``finished_by_reason`` counts every request that ended by its finish reason
