@@ -19,6 +19,7 @@ from kvflow.bench import compare, step
 from kvflow.bench import serve as bench_serve
 from kvflow.build import command as build_command
 from kvflow.dynamo import launcher as dynamo_launcher
+from kvflow.dynamo.worker_args import add_worker_args
 from kvflow.observability import trace_summary
 from kvflow.openai_api import app as openai_app
 from kvflow.orchestrator.options import add_engine_option_args
@@ -65,7 +66,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "dynamo-worker", "run an engine as an NVIDIA Dynamo worker (behind "
                                        "python -m dynamo.frontend)",
-                 dynamo_launcher.add_worker_args, run_dynamo_worker)
+                 add_worker_args, run_dynamo_worker)
     add_engine_option_args(p)  # the same engine options as kvflow serve
     cluster = sub.add_parser("cluster", help="a local Dynamo cluster of kvflow workers")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)

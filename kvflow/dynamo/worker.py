@@ -152,7 +152,7 @@ class KvflowDynamoEngine(DynamoLLMEngine):
     @classmethod
     async def from_args(cls, argv: list[str] | None = None
                         ) -> tuple[KvflowDynamoEngine, WorkerConfig]:
-        from kvflow.dynamo.launcher import add_worker_args
+        from kvflow.dynamo.worker_args import add_worker_args
         from kvflow.orchestrator.options import add_engine_option_args
 
         p = argparse.ArgumentParser(prog="kvflow dynamo-worker")
