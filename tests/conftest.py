@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random-weight HF checkpoints and engines built from them, the
-default model's engines and LLM, the session's tritonserver and OpenAI frontend; and the check
-that tests using the slow ones carry the ``slow`` marker."""
+default model's engines and LLM, the session's tritonserver and OpenAI frontend, a server that
+wants an API key; and the check that tests using the slow ones carry the ``slow`` marker."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ V = TypeVar("V")
 # The fixtures that load the default model or start a server. A test that uses one must carry
 # the ``slow`` marker, so that ``pytest -m "not slow"`` stays the quick run of the pure tests.
 SLOW_FIXTURES = frozenset({"default_engines", "default_hf", "default_llm", "triton_server",
-                           "openai_frontend"})
+                           "openai_frontend", "keyed_server"})
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -253,3 +253,14 @@ def openai_frontend(triton_server, tmp_path_factory):
         raise
     yield frontend
     assert frontend.stop() == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_engines):
+    """A tritonserver of a tiny engine that wants the API key ``s3cret-key``."""
+    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
+
+    cfg = ServerConfig.on_free_ports(tiny_engines["llama-gqa4", "onnxruntime"], {},
+                                     ready_timeout_s=300, api_key="s3cret-key")
+    with TritonServer(cfg) as server:
+        yield server

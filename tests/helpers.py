@@ -1,7 +1,12 @@
-"""Small factories the tests share."""
+"""What the tests share: the scheduler's small factories, the numerics checks, and the
+served tests' HTTP and metrics helpers (fixtures live in conftest.py)."""
 
 from __future__ import annotations
 
+import json
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 
 import numpy as np
@@ -104,3 +109,106 @@ def assert_same_or_near_tie(ours: Sequence[int], ref: Sequence[int],
         f"diverged at token {i}: ours {ours[i]} vs reference {ref[i]}, reference top-2 gap "
         f"{gap:.3g} > {tol} (not a near-tie)"
     )
+
+
+# --- served tests: HTTP requests and the server's metrics -----------------------------------
+
+# How long a wait on the server may take before the test gives up. A deadline only, never an
+# expectation of speed: every wait polls for its condition and returns once it holds.
+DEADLINE_S = 300.0
+
+
+def wait_for(predicate, timeout_s=DEADLINE_S, what="condition"):
+    """Poll ``predicate`` until it returns something true, and return that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def scrape(server) -> dict[str, float]:
+    """The server's kvflow_* series: {'name{labels}': value}."""
+    return kvflow_samples(
+        urllib.request.urlopen(server.metrics_url, timeout=DEADLINE_S).read().decode())
+
+
+def kvflow_samples(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} for the kvflow_* series."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvflow_"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of series ``name`` over the samples whose labels include ``labels``."""
+    total = 0.0
+    for key, value in samples.items():
+        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            total += value
+    return total
+
+
+def wait_idle(server) -> None:
+    """Until no request runs or waits (a previous test's cancelled ones included)."""
+    def idle() -> bool:
+        now = scrape(server)
+        return (metric(now, "kvflow_num_requests_running") == 0
+                and metric(now, "kvflow_num_requests_waiting") == 0)
+
+    wait_for(idle, what="an idle server")
+
+
+def settled_generation_tokens(server, before: dict[str, float]) -> float:
+    """Output tokens generated since ``before``, once the engine is idle (KV free, nothing
+    running or waiting)."""
+    def idle() -> bool:
+        now = scrape(server)
+        return (metric(now, "kvflow_kv_cache_usage_ratio") == 0
+                and metric(now, "kvflow_num_requests_running") == 0
+                and metric(now, "kvflow_num_requests_waiting") == 0)
+
+    wait_for(idle, what="KV usage back to zero, nothing running or waiting")
+    return (metric(scrape(server), "kvflow_generation_tokens_total")
+            - metric(before, "kvflow_generation_tokens_total"))
+
+
+def http_post(server, path: str, body: dict) -> tuple[int, str]:
+    """POST ``body`` as JSON to tritonserver's HTTP ``path``; (HTTP status, body text)."""
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=DEADLINE_S) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def post(server, body: bytes | dict, path: str = "generate",
+         headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    """POST to the model's ``path``; (HTTP status, JSON body)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/kvflow/{path}", data=data,
+                                 headers=headers or {}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=DEADLINE_S) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def post_json(frontend, path: str, body: dict | bytes) -> tuple[int, dict]:
+    """POST ``body`` (a dict, sent as JSON with any lone surrogate escaped as ``\\udc00``, or
+    the raw bytes) to the OpenAI frontend; returns the status and the parsed answer."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(frontend.url + path, data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -22,8 +22,8 @@ from kvflow.dynamo.events import block_id, encode_events
 from kvflow.dynamo.protocol import chunks_of, sampling_params_from
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tests.test_serving import kvflow_samples
-from tests.test_serving import metric as serving_metric
+from tests.helpers import kvflow_samples
+from tests.helpers import metric as serving_metric
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,22 +13,9 @@ import pytest
 tritonclient = pytest.importorskip("tritonclient.grpc")
 
 from kvflow.client import build_inputs  # noqa: E402
-from tests.test_serving import DEADLINE_S, metric, scrape, wait_for  # noqa: E402
+from tests.helpers import DEADLINE_S, metric, post, scrape, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow  # tritonservers and OpenAI frontends
-
-
-def post(server, body: bytes | dict, path: str = "generate",
-         headers: dict[str, str] | None = None) -> tuple[int, dict]:
-    """POST to the model's ``path``; (HTTP status, JSON body)."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/kvflow/{path}", data=data,
-                                 headers=headers or {}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=DEADLINE_S) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
 
 
 def http(server, path: str, body: dict | None = None,
@@ -234,16 +221,6 @@ def test_special_tokens_in_user_text_do_not_forge_a_turn(triton_server, default_
     status, reply = post(triton_server, {"text_input": evil, "apply_chat_template": True,
                                          "max_tokens": 2})
     assert status == 200 and reply["num_input_tokens"] == len(ids)
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tiny_engines):
-    from kvflow.triton_backend.launcher import ServerConfig, TritonServer
-
-    cfg = ServerConfig.on_free_ports(tiny_engines["llama-gqa4", "onnxruntime"], {},
-                                     ready_timeout_s=300, api_key="s3cret-key")
-    with TritonServer(cfg) as server:
-        yield server
 
 
 def test_an_api_key_guards_inference_and_metadata_over_http_and_grpc(keyed_server):

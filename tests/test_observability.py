@@ -18,8 +18,7 @@ import pytest
 from kvflow.kv_manager import KVCacheManager
 from kvflow.observability.metrics import METRICS, MetricsRegistry, all_series, series_key
 from kvflow.observability.trace_summary import load, summarize
-from tests.test_hardening import post
-from tests.test_serving import scrape, wait_for
+from tests.helpers import post, scrape, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 

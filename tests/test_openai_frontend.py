@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 
 from kvflow.openai_api.errors import OpenAIError, error_from_backend  # noqa: E402
 from kvflow.openai_api.protocol import parse_completion_request  # noqa: E402
-from tests.test_serving import (  # noqa: E402
+from tests.helpers import (  # noqa: E402
     http_post,
     metric,
     scrape,
@@ -300,19 +300,6 @@ def test_bad_messages_and_bodies(client, openai_frontend):
         urllib.request.urlopen(req, timeout=60)
     assert http_error.value.code == 400
     assert "not valid JSON" in json.loads(http_error.value.read())["error"]["message"]
-
-
-def post_json(frontend, path: str, body: dict | bytes) -> tuple[int, dict]:
-    """POST ``body`` (a dict, sent as JSON with any lone surrogate escaped as ``\\udc00``, or
-    the raw bytes) to the frontend; returns the status and the parsed answer."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(frontend.url + path, data=data,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def _raw_post(frontend, body: dict, timeout: float = 300):

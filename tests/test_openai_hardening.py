@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.test_openai_frontend import post_json
+from tests.helpers import post_json
 
 pytestmark = pytest.mark.slow  # the OpenAI frontend before tritonserver
 

@@ -20,8 +20,7 @@ openai = pytest.importorskip("openai")
 import numpy as np  # noqa: E402
 
 from kvflow.client import infer_inputs  # noqa: E402
-from tests.test_hardening import keyed_server, post  # noqa: E402, F401  (keyed_server: a fixture)
-from tests.test_serving import DEADLINE_S, wait_for  # noqa: E402
+from tests.helpers import DEADLINE_S, post, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow  # tritonservers and OpenAI frontends
 
@@ -241,7 +240,7 @@ def test_a_batch_runs_a_window_of_its_prompts_so_a_later_request_is_not_behind_i
 
 
 def test_a_frontend_whose_key_triton_refuses_says_so_and_does_not_retry(
-        keyed_server, tmp_path):  # noqa: F811
+        keyed_server, tmp_path):
     """tritonserver refuses a wrong key over gRPC with UNAVAILABLE (its code, not kvflow's),
     which reads as a server that is down. The frontend tells it apart: a 502 naming the key,
     not a 503 to retry; and the server is not passed over afterwards."""

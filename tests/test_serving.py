@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -17,37 +16,19 @@ tritonclient = pytest.importorskip("tritonclient.grpc")
 
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.client import build_inputs, stream_generate  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    DEADLINE_S,
+    http_post,
+    metric,
+    scrape,
+    settled_generation_tokens,
+    wait_for,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow  # a real tritonserver serving the default model
 
 GREEDY = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
-# How long a wait on the server may take before the test gives up. A deadline only, never an
-# expectation of speed: every wait below polls for its condition and returns once it holds.
-DEADLINE_S = 300.0
-
-
-def scrape(server) -> dict[str, float]:
-    """The server's kvflow_* series: {'name{labels}': value}."""
-    return kvflow_samples(
-        urllib.request.urlopen(server.metrics_url, timeout=DEADLINE_S).read().decode())
-
-
-def kvflow_samples(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} for the kvflow_* series."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("kvflow_"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    total = 0.0
-    for key, value in samples.items():
-        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            total += value
-    return total
 
 
 def settled_scrape(server, before: dict[str, float], finished: int) -> dict[str, float]:
@@ -60,26 +41,6 @@ def settled_scrape(server, before: dict[str, float], finished: int) -> dict[str,
 
     wait_for(counted, what=f"{finished} finished requests in the metrics")
     return scrape(server)
-
-
-def wait_for(predicate, timeout_s=DEADLINE_S, what="condition"):
-    """Poll ``predicate`` until it returns something true, and return that."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def http_post(server, path: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=DEADLINE_S) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def test_streamed_greedy_equals_offline_generate(triton_server, default_engines):
@@ -115,16 +76,6 @@ def test_http_generate_and_generate_stream(triton_server):
     assert "".join(e["text_output"] for e in events) == out["text_output"][len(
         "Hello, my name is"):]
     assert events[-1]["finish_reason"] == "length"
-
-
-def wait_idle(server) -> None:
-    """Until no request runs or waits (a previous test's cancelled ones included)."""
-    def idle() -> bool:
-        now = scrape(server)
-        return (metric(now, "kvflow_num_requests_running") == 0
-                and metric(now, "kvflow_num_requests_waiting") == 0)
-
-    wait_for(idle, what="an idle server")
 
 
 def test_thirty_two_concurrent_streaming_clients(triton_server):
@@ -204,20 +155,6 @@ def test_requests_held_running_together_share_every_step(triton_server):
     assert settled_generation_tokens(triton_server, before) < 32 * 100  # cancelled, not done
     assert metric(scrape(triton_server), "kvflow_num_preemptions_total") == metric(
         before, "kvflow_num_preemptions_total"), "the held requests did not fit the KV pool"
-
-
-def settled_generation_tokens(server, before: dict[str, float]) -> float:
-    """Output tokens generated since ``before``, once the engine is idle (KV free, nothing
-    running or waiting)."""
-    def idle() -> bool:
-        now = scrape(server)
-        return (metric(now, "kvflow_kv_cache_usage_ratio") == 0
-                and metric(now, "kvflow_num_requests_running") == 0
-                and metric(now, "kvflow_num_requests_waiting") == 0)
-
-    wait_for(idle, what="KV usage back to zero, nothing running or waiting")
-    return (metric(scrape(server), "kvflow_generation_tokens_total")
-            - metric(before, "kvflow_generation_tokens_total"))
 
 
 def test_cancelling_mid_stream_frees_the_kv_cache(triton_server):

@@ -10,7 +10,7 @@ import pytest
 tritonclient = pytest.importorskip("tritonclient.grpc")
 
 from kvflow.client import build_inputs, stream_generate  # noqa: E402
-from tests.test_serving import DEADLINE_S, metric, scrape, wait_for  # noqa: E402
+from tests.helpers import DEADLINE_S, metric, scrape, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow  # tritonservers of the default model
 

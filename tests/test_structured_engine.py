@@ -132,7 +132,7 @@ def test_each_of_n_sequences_follows_the_grammar(llm):
 # --- through tritonserver --------------------------------------------------------------------
 
 def test_served_schema_and_n3_requests(triton_server):
-    from tests.test_serving import http_post
+    from tests.helpers import http_post
 
     schema = PERSON
     status, body = http_post(triton_server, "/v2/models/kvflow/generate", {
