@@ -280,6 +280,8 @@ class StepStats:
     num_scheduled_seqs: int
     kv_blocks_used: int
     kv_usage: float
+    # Preempted by this step's scheduling. A step that runs nothing is not recorded, so the
+    # steps' sum may fall short: the one count is EngineCounters.preemptions.
     num_preempted: int
     schedule_time_s: float
     model_time_s: float

@@ -200,7 +200,8 @@ def windowed_fairness(timings: Sequence[RequestTiming], tenants: Sequence[str | 
     arrived = {k: cumulative(v) for k, v in arrive.items()}
     served = {k: cumulative(v) for k, v in serve.items()}
     sends = [t.send_s for t in timings]
-    edges = np.linspace(min(sends), max(sends), num_windows + 1) if sends else []
+    edges = (np.linspace(min(sends), max(sends), num_windows + 1) if sends
+             else np.empty(0))
     indexes, ratio_sums = [], dict.fromkeys(arrived, 0.0)
     for a, b in zip(edges[:-1], edges[1:], strict=True):
         demand = {k: upto(arrived[k], b) - upto(served[k], a) for k in arrived}

@@ -75,7 +75,7 @@ def _time_grid(runner: Any, grid: list[tuple[str, Shape]], repeats: int, vocab: 
 
     rng = np.random.default_rng(0)
     bs = runner.engine.limits.block_size
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i, (name, seqs) in enumerate(grid):
         kv = KVCacheManager(runner.num_blocks, bs)
         chunks = []
@@ -251,7 +251,7 @@ def calibrate(engine_dir: str | Path, runner_name: str | None = None, repeats: i
     cost, grid_only, overhead = fit_step_costs(
         [(r["shape"], r["time_s"]) for r in grid_rows],
         [(r["shape"], r["model_s"], r["overhead_s"]) for r in run_rows])
-    meta = {
+    meta: dict[str, Any] = {
         "engine": str(engine_dir), "runner": runner_name or engine.backend,
         "engine_run_rates": rates,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,

@@ -52,7 +52,7 @@ def plot_cluster(out: Path, result: ClusterResult) -> str:
     usage over time."""
     plt = pyplot()
     stats = result.instances
-    names = [f"{s['instance']} ({s['role'][0]})" for s in stats]
+    names = [f"{s['instance']} ({str(s['role'])[0]})" for s in stats]
     x = np.arange(len(stats))
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     axes[0].bar(x - 0.2, [s["requests"] for s in stats], 0.4, label="requests")
@@ -71,10 +71,9 @@ def plot_cluster(out: Path, result: ClusterResult) -> str:
         ax.set_xticks(x, names)
         ax.set_xlabel("instance (r replica, p prefill, d decode)")
     t = [r["t_s"] for r in result.series]
-    for s in stats:
-        k = s["instance"]
-        axes[2].plot(t, [r.get(f"kv_usage_{k}", np.nan) for r in result.series],
-                     label=names[k], linewidth=0.8)
+    for name, s in zip(names, stats, strict=True):
+        axes[2].plot(t, [r.get(f"kv_usage_{s['instance']}", np.nan) for r in result.series],
+                     label=name, linewidth=0.8)
     axes[2].set_ylim(0, 1.02)
     axes[2].set_xlabel("simulated time (s)")
     axes[2].set_ylabel("KV blocks used")

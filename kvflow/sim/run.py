@@ -206,15 +206,15 @@ def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse
     series = thin(result.series)
     frag = [r["kvflow_kv_cache_fragmentation_ratio"] for r in result.series]
     usage = [r["kvflow_kv_cache_usage_ratio"] for r in result.series]
-    preempted = sum(s.num_preempted for s in result.steps)
+    preempted, steps = result.counters.preemptions, result.counters.steps
     sim_info = {"mode": mode, "scheduler": options, "num_kv_blocks": num_blocks,
-                "block_size": args.block_size, "steps": len(result.steps),
+                "block_size": args.block_size, "steps": steps,
                 "preemptions": preempted, "wall_time_s": wall,
                 "kv_usage_mean": float(np.mean(usage)), "kv_usage_max": float(np.max(usage)),
                 "kv_fragmentation_mean": float(np.mean(frag))}
     queue = [q for q in result.queue_s if q is not None]
     lines = ["", f"Simulated {MODE_LABELS[mode]} ({config['cost_model']} cost model) in "
-             f"{wall:.1f} s of wall time: {len(result.steps)} steps, {preempted} preemptions, "
+             f"{wall:.1f} s of wall time: {steps} steps, {preempted} preemptions, "
              f"{num_blocks} KV blocks of {args.block_size} tokens; mean KV usage "
              f"{sim_info['kv_usage_mean']:.0%} (max {sim_info['kv_usage_max']:.0%}), mean "
              f"fragmentation {sim_info['kv_fragmentation_mean']:.0%}; queue time mean "

@@ -78,7 +78,7 @@ def served_slowdown(engine_dir: str | Path, cost: LinearCostModel, rate: float,
         scaled = LinearCostModel({k: v * factor for k, v in cost.coefficients.items()})
         result = simulate(specs, scaled, plan.scheduler, plan.num_blocks,
                           plan.engine.limits.block_size, prompts=prompts)
-        return float(np.mean([t.e2e_s for t in result.timings]))
+        return float(np.mean([t.e2e_s for t in result.timings if t.e2e_s is not None]))
 
     return {"workload": workload, "rate": rate, "requests": len(specs),
             **fit_slowdown(sim_e2e, real)}

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from kvflow.observability.metrics import MetricsRegistry
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
-from kvflow.orchestrator.outputs import RequestOutput, StepStats
+from kvflow.orchestrator.outputs import EngineCounters, RequestOutput, StepStats
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.reports.metrics import RequestTiming
 from kvflow.sim.cluster import ClusterSpec, Instance, RequestRoute
@@ -49,8 +49,8 @@ from kvflow.workloads.specs import RequestSpec
 class ClusterResult:
     """Per-request timings (first token included, as a client sees them), queue times (at
     the instance a request entered) and routes; each instance's statistics, steps (every
-    one with ``keep_steps``, else none) and server metrics at the end; the sampled series and
-    the simulated duration."""
+    one with ``keep_steps``, else none), engine counters and server metrics at the end; the
+    sampled series and the simulated duration."""
 
     timings: list[RequestTiming]
     routes: list[RequestRoute]
@@ -60,6 +60,7 @@ class ClusterResult:
     steps: int
     queue_s: list[float | None]
     instance_steps: list[list[StepStats]]
+    counters: list[EngineCounters]
     metrics: list[MetricsRegistry]
 
 
@@ -201,19 +202,23 @@ def simulate_cluster(specs: Sequence[RequestSpec], cost: CostModel, options: Eng
                          [x.stats(duration) for x in instances], series, duration,
                          sum(x.engine.counters.steps for x in instances), queue_s,
                          [list(x.engine.step_stats) if keep_steps else [] for x in instances],
+                         [x.engine.counters.copy() for x in instances],
                          [x.metrics for x in instances])
 
 
 @dataclass
 class SimResult:
     """One engine's run: per-request timings and queue times (on the simulated clock), the
-    engine's per-step stats, the sampled server series and the server's metrics at the end."""
+    engine's per-step stats, the sampled server series, and the engine's counters and the
+    server's metrics at the end (``counters.preemptions`` is the one count of preemptions:
+    summing the steps' misses those of steps that ran nothing)."""
 
     timings: list[RequestTiming]
     queue_s: list[float | None]
     steps: list[StepStats]
     series: list[dict[str, float]]
     duration_s: float
+    counters: EngineCounters
     metrics: MetricsRegistry
 
     @property
@@ -233,7 +238,7 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions
     result = simulate_cluster(specs, cost, sched, num_blocks, ClusterSpec(), block_size,
                               prompts, series_period_s, progress, priorities, keep_steps=True)
     return SimResult(result.timings, result.queue_s, result.instance_steps[0], result.series,
-                     result.duration_s, result.metrics[0])
+                     result.duration_s, result.counters[0], result.metrics[0])
 
 
 def _sample(instances: list[Instance], now: float) -> dict[str, float]:

@@ -170,7 +170,9 @@ def tenants_workload(lengths: list[RequestSpec], n: int, rate: float, seed: int,
     rng = np.random.default_rng([seed, 4])
     num_heavy = max(1, round(n * heavy_share))
     specs: list[RequestSpec] = []
-    streams = [(HEAVY_TENANT, num_heavy, long_pool, None, 1)]
+    # (tenant, requests, prompt pool, output cap: None keeps the sampled one, priority)
+    streams: list[tuple[str, int, np.ndarray, int | None, int]] = [
+        (HEAVY_TENANT, num_heavy, long_pool, None, 1)]
     per_light = [(n - num_heavy) // num_light + (k < (n - num_heavy) % num_light)
                  for k in range(num_light)]
     streams += [(f"light-{k}", m, short_pool, short_output, 0)
