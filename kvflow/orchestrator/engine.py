@@ -21,7 +21,7 @@ from kvflow.kv_manager import KVCacheManager
 from kvflow.observability.trace import StepTimes, StepTracer
 from kvflow.orchestrator.input_processor import InputProcessor, PreparedPrompt
 from kvflow.orchestrator.options import EngineOptions
-from kvflow.orchestrator.output_processor import OutputProcessor, SampledTokens, _state
+from kvflow.orchestrator.output_processor import OutputProcessor, SampledTokens
 from kvflow.orchestrator.outputs import (
     EngineCounters,
     ErrorCode,
@@ -29,10 +29,14 @@ from kvflow.orchestrator.outputs import (
     StepStats,
     error_code_of,
 )
-from kvflow.orchestrator.request import Request, RequestStatus, SequenceGroup
+from kvflow.orchestrator.request import (
+    Request,
+    RequestStatus,
+    SequenceGroup,
+    fan_out_first_tokens,
+)
 from kvflow.orchestrator.sampling.params import SamplingParams
-from kvflow.orchestrator.sampling.sampler import Sampler, SamplingRow
-from kvflow.orchestrator.sampling.structured import allocate_bitmask, fill_bitmasks
+from kvflow.orchestrator.sampling.sampler import Sampler
 from kvflow.orchestrator.scheduler.output import Clock, SchedulerOutput
 from kvflow.orchestrator.scheduler.registry import make_scheduler
 from kvflow.orchestrator.step_recorder import StepRecorder
@@ -167,9 +171,9 @@ class LLMEngine:
         tokens, preempts, swaps), :meth:`_execute` (the runner computes the logits),
         :meth:`_sample` (one token per sequence that reached its end), :meth:`_postprocess`
         (detokenize, then the scheduler appends the tokens and finishes what stopped: the one
-        place a running request finishes, besides an abort). Then the step is recorded in
-        :attr:`step_stats` and :attr:`counters`, and with ``debug_checks`` the invariants of
-        the KV pool and the scheduler are checked.
+        place a running request finishes, besides an abort). Then :attr:`recorder` writes the
+        step down (:attr:`step_stats`, :attr:`counters`, the timeline), and with
+        ``debug_checks`` the invariants of the KV pool and the scheduler are checked.
         """
         t0 = self.clock()
         sched = self._schedule()
@@ -224,18 +228,9 @@ class LLMEngine:
         requests = [s.request for s in sched.scheduled if s.sample]
         if not requests:
             return SampledTokens([], [])
-        # A group's first token: the leader's logits row is every parked member's too (each
-        # samples it with its own stream), and the scheduler forks them when it appends.
-        first = [r for r in requests if r.group is not None and r.group.parked
-                 and r is r.group.leader and not r.output_token_ids]
-        if first:
-            row_of = list(range(len(requests)))
-            for r in first:
-                k = requests.index(r)
-                members = [m for m in r.group.parked  # type: ignore[union-attr]
-                           if not m.output_token_ids]
-                requests.extend(members)
-                row_of.extend([k] * len(members))
+        # A group's first token: its parked members sample from their leader's row.
+        requests, row_of = fan_out_first_tokens(requests)
+        if row_of is not None:
             if logits is not None:
                 logits = logits[row_of]
             else:
@@ -244,16 +239,8 @@ class LLMEngine:
         if logits is None:
             assert greedy is not None
             return SampledTokens(requests, greedy.tolist())
-        states = [_state(r) for r in requests]
-        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                            st.generator) for r, st in zip(requests, states, strict=True)]
-        grammars = [(k, st.grammar) for k, st in enumerate(states) if st.grammar is not None]
-        if grammars:  # the grammars' next-token masks, for their rows alone
-            bitmask = allocate_bitmask(len(grammars), self.sampler.vocab_size)
-            fill_bitmasks([g for _, g in grammars], bitmask)
-            for j, (k, _) in enumerate(grammars):
-                rows[k].bitmask = bitmask[j]
-        out = self.sampler.sample(logits, rows)
+        out = self.sampler.sample(logits,
+                                  self.outputs.sampling_rows(requests, self.sampler.vocab_size))
         return SampledTokens(requests, out.token_ids, out)
 
     def _postprocess(self, sched: SchedulerOutput,

@@ -22,8 +22,8 @@ from kvflow.orchestrator.outputs import (
 )
 from kvflow.orchestrator.request import Request, RequestMetrics, RequestStatus
 from kvflow.orchestrator.sampling.params import MAX_SEED, SamplingParams
-from kvflow.orchestrator.sampling.sampler import SamplerOutput, make_generator
-from kvflow.orchestrator.sampling.structured import Grammar
+from kvflow.orchestrator.sampling.sampler import SamplerOutput, SamplingRow, make_generator
+from kvflow.orchestrator.sampling.structured import Grammar, allocate_bitmask, fill_bitmasks
 from kvflow.orchestrator.scheduler.output import RunnerOutput
 from kvflow.text.detokenizer import IncrementalDetokenizer
 from kvflow.text.tokenizer import EngineTokenizer
@@ -91,6 +91,20 @@ class OutputProcessor:
                                                params.skip_special_tokens, params.stop)
             seq.engine_state = RequestState(detok, _generator(params, seq.index),
                                             params.logprobs is not None, grammars[seq.index])
+
+    def sampling_rows(self, requests: list[Request], vocab_size: int) -> list[SamplingRow]:
+        """The sampling stage's rows: each sequence's params, tokens so far and random stream
+        (its state's), and for a sequence with a grammar, that grammar's next-token mask."""
+        states = [_state(r) for r in requests]
+        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
+                            st.generator) for r, st in zip(requests, states, strict=True)]
+        grammars = [(k, st.grammar) for k, st in enumerate(states) if st.grammar is not None]
+        if grammars:  # the grammars' next-token masks, for their rows alone
+            bitmask = allocate_bitmask(len(grammars), vocab_size)
+            fill_bitmasks([g for _, g in grammars], bitmask)
+            for j, (k, _) in enumerate(grammars):
+                rows[k].bitmask = bitmask[j]
+        return rows
 
     def check_stops(self, sampled: SampledTokens) -> tuple[RunnerOutput, list[str]]:
         """Before the scheduler appends the step's tokens: each row's new text, and the

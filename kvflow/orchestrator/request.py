@@ -251,3 +251,22 @@ class SequenceGroup:
     @property
     def unfinished(self) -> list[Request]:
         return [s for s in self.seqs if not s.is_finished]
+
+
+def fan_out_first_tokens(requests: list[Request]) -> tuple[list[Request], list[int] | None]:
+    """The sequences that sample this step, given those whose logits the runner computes:
+    when a group's leader samples its first token, its logits row is every parked member's
+    too (each samples it with its own stream; the scheduler forks them when it appends).
+    Returns the sequences, and the logits row each reads (None: each its own)."""
+    first = [r for r in requests if r.group is not None and r.group.parked
+             and r is r.group.leader and not r.output_token_ids]
+    if not first:
+        return requests, None
+    requests, row_of = list(requests), list(range(len(requests)))
+    for r in first:
+        assert r.group is not None
+        k = requests.index(r)
+        members = [m for m in r.group.parked if not m.output_token_ids]
+        requests.extend(members)
+        row_of.extend([k] * len(members))
+    return requests, row_of
