@@ -7,8 +7,8 @@ Two engines, each run with tracing off and on, alternating, ``--repeats`` times:
   every microsecond the tracer adds is a share of pure-Python bookkeeping;
 * ``model``: the default model on ONNX Runtime, 16 requests of 48 output tokens: a real step.
 
-For each: the median step time off and on, the tracer's own time per step (``_trace``, timed
-directly), and the time and size of writing the ring. Writes a markdown report, a JSON file
+For each: the median step time off and on, the tracer's own time per step (``StepRecorder._trace``,
+timed directly), and the time and size of writing the ring. Writes a markdown report, a JSON file
 and a PNG.
 
     python benchmarks/trace_overhead.py --engine engines/smollm2-135m
@@ -35,16 +35,16 @@ from kvflow.reports.writers import pyplot, save_figure, write_report  # noqa: E4
 
 
 def timed_trace(engine: LLMEngine) -> list[float]:
-    """Wrap the engine's ``_trace`` to time each call; returns the list it fills."""
+    """Wrap the engine's ``recorder._trace`` to time each call; returns the list it fills."""
     times: list[float] = []
-    inner = engine._trace
+    inner = engine.recorder._trace
 
     def traced(*args, **kwargs):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
         inner(*args, **kwargs)
         times.append(time.perf_counter() - t0)
 
-    engine._trace = traced  # type: ignore[method-assign]
+    engine.recorder._trace = traced  # type: ignore[method-assign]
     return times
 
 
