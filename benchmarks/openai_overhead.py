@@ -20,7 +20,7 @@ from pathlib import Path
 from kvflow.loadgen.clients import OpenAIClient, TritonGrpcClient
 from kvflow.loadgen.sender import run_load
 from kvflow.openai_api import FrontendConfig, FrontendProcess
-from kvflow.reports.metrics import summarize
+from kvflow.reports.summary import summarize
 from kvflow.reports.writers import pyplot, save_figure, write_report
 from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 from kvflow.utils.procs import free_port

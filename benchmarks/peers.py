@@ -246,7 +246,7 @@ def run_served(args: argparse.Namespace, engines: dict[str, str], build: LlamaCp
     from kvflow.loadgen.clients import OpenAIClient
     from kvflow.loadgen.sender import run_load
     from kvflow.openai_api import FrontendConfig, FrontendProcess
-    from kvflow.reports.metrics import summarize
+    from kvflow.reports.summary import summarize
     from kvflow.triton_backend.launcher import ServerConfig, TritonServer
     from kvflow.utils.procs import free_port
     from kvflow.workloads.prompts import make_prompts

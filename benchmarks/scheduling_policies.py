@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvflow.reports.metrics import summarize, tenant_summary
+from kvflow.reports.summary import summarize, tenant_summary
 from kvflow.reports.writers import pyplot, save_figure, write_report
 from kvflow.workloads.azure import default_trace, load_azure_trace
 from kvflow.workloads.specs import RequestSpec

@@ -90,7 +90,7 @@ def test_failed_requests_are_reported_by_index_and_kind_and_fail_the_command(
     refused with a 400; each is named in report.json and summary.md, the others are served,
     and the command exits 1."""
     from kvflow.cli import make_parser
-    from kvflow.workloads.options import build_workload
+    from kvflow.workloads.flags import build_workload
 
     out = tmp_path / "report"
     args = make_parser().parse_args([
@@ -134,8 +134,8 @@ def test_max_sustained_rate_is_the_last_rate_of_an_unbroken_run_under_the_slo():
 @pytest.mark.slow
 def test_compare_arguments_are_checked_by_name(default_engines, tmp_path):
     from kvflow.cli import make_parser
+    from kvflow.workloads.flags import parse_rates
     from kvflow.workloads.modes import parse_modes
-    from kvflow.workloads.options import parse_rates
 
     assert parse_rates("inf,1,0.5,1") == [0.5, 1.0, float("inf")]
     with pytest.raises(ValueError, match="--rates"):

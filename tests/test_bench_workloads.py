@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvflow.reports.metrics import RequestTiming, summarize
+from kvflow.reports.summary import RequestTiming, summarize
 from kvflow.workloads.arrivals import gamma_arrivals, poisson_arrivals, retime
 from kvflow.workloads.azure import default_trace, load_azure_trace
 from kvflow.workloads.prompts import CORPUS, make_prompt_ids, make_prompt_text
@@ -339,7 +339,7 @@ def test_tenants_workload_has_a_heavy_tenant_with_long_prompts_and_light_chats()
 
 
 def test_max_min_shares_give_a_small_demand_all_it_asks():
-    from kvflow.reports.metrics import max_min_shares
+    from kvflow.reports.summary import max_min_shares
 
     assert max_min_shares({"a": 10.0, "b": 100.0, "c": 100.0}, 110.0) == {
         "a": 10.0, "b": 50.0, "c": 50.0}
@@ -347,7 +347,7 @@ def test_max_min_shares_give_a_small_demand_all_it_asks():
 
 
 def test_fairness_is_one_when_each_tenant_gets_its_share_and_lower_when_one_is_starved():
-    from kvflow.reports.metrics import tenant_summary
+    from kvflow.reports.summary import tenant_summary
 
     def timing(send, first, n):
         return RequestTiming(send, [first + 0.01 * k for k in range(n)], 10, n)

@@ -229,7 +229,7 @@ def test_a_transferred_request_waits_for_blocks_and_computes_only_its_last_token
 # --- goodput -----------------------------------------------------------------------------------
 
 def test_slo_attainment_needs_both_slos_together():
-    from kvflow.reports.metrics import RequestTiming
+    from kvflow.reports.summary import RequestTiming
 
     timings = [RequestTiming(0.0, [0.1, 0.2, 0.3], 8, 3),  # TTFT 100 ms, TPOT 100 ms: good
                RequestTiming(0.0, [0.5, 0.6], 8, 2),  # TTFT 500 ms: misses TTFT

@@ -11,7 +11,7 @@ from kvflow.orchestrator.request import RequestStatus
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.orchestrator.scheduler.output import RunnerOutput
 from kvflow.orchestrator.scheduler.policies import FairShare
-from kvflow.reports.metrics import jain_index
+from kvflow.reports.summary import jain_index
 from tests.helpers import (
     FakeClock,
     chunks,

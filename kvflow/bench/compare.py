@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.loadgen.sender import MetricsScraper, run_load
-from kvflow.reports.metrics import parse_slo, summarize
+from kvflow.reports.summary import parse_slo, summarize
 from kvflow.reports.sweep import fmt_value, max_sustained_rate, plot_sweep
 from kvflow.reports.writers import write_report
+from kvflow.workloads.flags import add_workload_args, build_workload, parse_rates
 from kvflow.workloads.modes import MODE_LABELS, MODES, mode_scheduler_options, parse_modes
-from kvflow.workloads.options import add_workload_args, build_workload, parse_rates
 from kvflow.workloads.prompts import make_prompts
 from kvflow.workloads.specs import RequestSpec
 
@@ -183,7 +183,8 @@ def bench_compare(args: argparse.Namespace) -> dict[str, Any]:
     hf_model = None if args.no_hf else (args.hf_model or hf_model_of(args.engine))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    workloads, info = {}, {}
+    workloads: dict[float, list[RequestSpec]] = {}
+    info: dict[str, Any] = {}
     for rate in rates:
         workloads[rate], info = _workload_at(args, rate)
     first = workloads[rates[0]]
@@ -192,7 +193,7 @@ def bench_compare(args: argparse.Namespace) -> dict[str, Any]:
     results = {mode: run_mode(mode, args, workloads, texts, slo, out) for mode in modes}
 
     hf = None
-    if not args.no_hf:
+    if hf_model is not None:
         print(f"[bench compare] HF transformers generate baseline ({hf_model}) ...", flush=True)
         hf = hf_static_generate(hf_model, args.engine, texts, first, args.hf_batch_size,
                                 not args.no_progress)

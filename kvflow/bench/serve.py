@@ -17,9 +17,9 @@ from typing import Any
 
 from kvflow.loadgen.clients import OpenAIClient
 from kvflow.loadgen.sender import MetricsScraper, load_client, run_load
-from kvflow.reports.metrics import parse_slo, tenant_summary
 from kvflow.reports.serve_report import failure_line, tenant_line, write_serve_report
-from kvflow.workloads.options import add_workload_args, build_workload
+from kvflow.reports.summary import parse_slo, tenant_summary
+from kvflow.workloads.flags import add_workload_args, build_workload
 from kvflow.workloads.prompts import make_prompts
 
 

@@ -12,7 +12,7 @@ import urllib.request
 from typing import Any
 
 from kvflow.loadgen.clients import LoadClient, OpenAIClient, TritonGrpcClient
-from kvflow.reports.metrics import RequestTiming
+from kvflow.reports.summary import RequestTiming
 from kvflow.workloads.specs import RequestSpec
 
 SERIES = ("kvflow_num_requests_running", "kvflow_num_requests_waiting",

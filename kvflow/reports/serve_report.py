@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kvflow.reports.metrics import RequestTiming, summarize
+from kvflow.reports.summary import RequestTiming, summarize
 from kvflow.reports.writers import pyplot, save_figure, write_report
 
 SHOWN_ERRORS = 10  # failed requests listed in summary.md (report.json lists every one)
@@ -52,7 +52,7 @@ def _plots(out: Path, timings: list[RequestTiming], series: list[dict[str, float
 
 
 def tenant_line(ts: dict[str, Any]) -> str:
-    """One summary line of :func:`~kvflow.reports.metrics.tenant_summary`."""
+    """One summary line of :func:`~kvflow.reports.summary.tenant_summary`."""
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.0f} ms"
 

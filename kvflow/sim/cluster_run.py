@@ -23,8 +23,8 @@ import numpy as np
 
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
-from kvflow.reports.metrics import parse_slo, tenant_summary
 from kvflow.reports.serve_report import tenant_line, write_serve_report
+from kvflow.reports.summary import parse_slo, tenant_summary
 from kvflow.reports.writers import write_report
 from kvflow.sim.cluster import LINKS, ClusterSpec, Link
 from kvflow.sim.cluster_report import cluster_lines, fmt, plot_cluster, plot_goodput

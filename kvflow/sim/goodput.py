@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvflow.reports.metrics import RequestTiming
+from kvflow.reports.summary import RequestTiming
 
 
 def slo_attainment(timings: Sequence[RequestTiming], ttft_ms: float | None,

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from kvflow.orchestrator.options import EngineOptions
-from kvflow.reports.metrics import parse_slo, tenant_summary
 from kvflow.reports.serve_report import tenant_line, write_serve_report
+from kvflow.reports.summary import parse_slo, tenant_summary
 from kvflow.reports.writers import pyplot, save_figure, write_report
 from kvflow.sim.cluster_run import add_cluster_args, cluster_main, is_cluster_run
 from kvflow.sim.cost_model import HARDWARE, MODELS, CostModel, LinearCostModel, RooflineCostModel
@@ -30,8 +30,8 @@ from kvflow.sim.run_options import mode_options, request_priorities, thin
 from kvflow.sim.runner import SIM_TOKEN
 from kvflow.sim.simulator import SimResult, simulate
 from kvflow.workloads.azure import load_azure_trace
+from kvflow.workloads.flags import add_workload_args, build_workload, parse_rates
 from kvflow.workloads.modes import MODE_LABELS, MODES
-from kvflow.workloads.options import add_workload_args, build_workload, parse_rates
 from kvflow.workloads.specs import RequestSpec
 from kvflow.workloads.synthetic import sessions_workload
 

@@ -38,7 +38,7 @@ from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import EngineCounters, RequestOutput, StepStats
 from kvflow.orchestrator.sampling.params import SamplingParams
-from kvflow.reports.metrics import RequestTiming
+from kvflow.reports.summary import RequestTiming
 from kvflow.sim.cluster import ClusterSpec, Instance, RequestRoute
 from kvflow.sim.cost_model import CostModel
 from kvflow.sim.router import make_router

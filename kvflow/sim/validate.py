@@ -18,14 +18,14 @@ from typing import Any
 
 from kvflow.loadgen.sender import MetricsScraper, run_load
 from kvflow.observability.trace_summary import summarize
-from kvflow.reports.metrics import RequestTiming, parse_slo
 from kvflow.reports.serve_report import write_serve_report
+from kvflow.reports.summary import RequestTiming, parse_slo
 from kvflow.reports.writers import write_report
 from kvflow.sim.calibrate import COST_MODEL_FILE
 from kvflow.sim.cost_model import LinearCostModel
 from kvflow.sim.simulator import run_in_real_time, simulate, timing_of
+from kvflow.workloads.flags import add_workload_args, build_workload
 from kvflow.workloads.modes import MODE_LABELS, MODES, mode_scheduler_options
-from kvflow.workloads.options import add_workload_args, build_workload
 from kvflow.workloads.prompts import make_prompts
 from kvflow.workloads.specs import RequestSpec
 
