@@ -69,6 +69,7 @@ def export_onnx(model: LlamaForCausalLM, block_size: int, out_path: Path) -> onn
             verbose=False,
             optimize=True,
         )
+    assert program is not None  # dynamo=True always returns an ONNXProgram
     program.save(str(out_path), external_data=True)
     graph = onnx.load(str(out_path), load_external_data=False)
     count = sum(n.op_type == ONNX_OP_TYPE and n.domain == ONNX_DOMAIN for n in graph.graph.node)

@@ -155,8 +155,8 @@ class ZmqEventPublisher:
                 self._subscribed = True
                 self._stored.clear()
                 self._send([["AllBlocksCleared"]])
-                for events in self._held:
-                    self._publish(events)
+                for held in self._held:
+                    self._publish(held)
                 self._held.clear()
             elif msg[:1] == b"\x00":  # it left: the next one starts from a cleared view
                 self._subscribed = False

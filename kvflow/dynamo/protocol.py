@@ -134,13 +134,14 @@ def chunks_of(out: RequestOutput, ended: set[int]) -> list[dict[str, Any]]:
     keeps it across a request's outputs). The request's last chunk has ``completion_usage``."""
     chunks: list[dict[str, Any]] = []
     for seq in out.outputs:
-        ends = seq.finish_reason is not None and seq.index not in ended
-        if not seq.delta_token_ids and not ends:
+        # The reason this output ends the sequence with, None if it does not (or was told).
+        ends = seq.finish_reason if seq.index not in ended else None
+        if not seq.delta_token_ids and ends is None:
             continue
         chunk: dict[str, Any] = {"token_ids": list(seq.delta_token_ids), "index": seq.index}
-        if ends:
+        if ends is not None:
             ended.add(seq.index)
-            chunk["finish_reason"] = FINISH_REASONS[seq.finish_reason]
+            chunk["finish_reason"] = FINISH_REASONS[ends]
         if seq.logprobs and seq.delta_token_ids:
             recent = seq.token_logprobs(seq.num_tokens - len(seq.delta_token_ids))
             if recent and all(lp.logprob is not None for lp in recent):

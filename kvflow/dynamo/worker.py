@@ -240,7 +240,9 @@ class KvflowDynamoEngine(DynamoLLMEngine):
             self._fpm.shutdown()
 
     # --- requests -------------------------------------------------------------------------
-    async def generate(self, request: dict[str, Any],
+    # Dynamo's LLMEngine types requests and chunks as TypedDicts (GenerateRequest,
+    # GenerateChunk); ours are the same wire dicts, built and read as plain dicts.
+    async def generate(self, request: dict[str, Any],  # type: ignore[override]
                        context: Any) -> AsyncGenerator[dict[str, Any], None]:
         normalize_request_token_ids(request)  # a packed buffer (DYN_TOKEN_IDS_AS_BYTES) too
         try:

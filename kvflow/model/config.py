@@ -100,7 +100,7 @@ class ModelConfig:
         if arch is None:
             model_type = hf.get("model_type")
             if model_type in SUPPORTED_ARCHITECTURES.values():
-                arch = model_type
+                arch = str(model_type)  # one of the values: already a str
             else:
                 raise UnsupportedModelError(
                     f"unknown architecture {archs or model_type!r}: kvflow runs "

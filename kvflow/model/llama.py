@@ -156,6 +156,10 @@ class LlamaForCausalLM(nn.Module):
         max_positions: size of the RoPE tables; positions beyond it are out of contract.
     """
 
+    # Buffers registered in __init__: declared so that indexing them type-checks as a Tensor.
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, block_size: int, max_positions: int) -> None:
         super().__init__()
         self.config = cfg

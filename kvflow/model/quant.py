@@ -67,9 +67,13 @@ class QuantizedWeight:
 
     def rows(self, order: np.ndarray) -> QuantizedWeight:
         """The same weight with its output rows reordered (blocks run along ``in``)."""
-        pick = lambda a: None if a is None else np.ascontiguousarray(a[order])  # noqa: E731
-        return QuantizedWeight(self.scheme, self.bits, self.block_size, pick(self.q),
-                               pick(self.scale), pick(self.zero_point), pick(self.minimum))
+        def pick(a: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(a[order])
+
+        return QuantizedWeight(
+            self.scheme, self.bits, self.block_size, pick(self.q), pick(self.scale),
+            None if self.zero_point is None else pick(self.zero_point),
+            None if self.minimum is None else pick(self.minimum))
 
 
 def dequantize(w: QuantizedWeight) -> np.ndarray:

@@ -133,7 +133,9 @@ def _check_unicode(value: Any, where: str) -> None:
         try:
             check_text(value, where)
         except ValueError as e:
-            raise bad_request(str(e), re.match(r"\w*", where).group()) from None
+            field = re.match(r"\w*", where)
+            assert field is not None  # \w* matches every string, if only its empty prefix
+            raise bad_request(str(e), field.group()) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_unicode(key, f"{where} (a key)")

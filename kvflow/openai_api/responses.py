@@ -74,7 +74,7 @@ def completion_logprobs(entries: list[TokenLogprobs], k: int, offset: int) -> di
 def usage(request: CompletionRequest, states: list[ChoiceState]) -> dict[str, Any]:
     """OpenAI usage: each prompt counted once (its first choice's counts), every choice's
     completion tokens summed."""
-    firsts = {}
+    firsts: dict[int, ChoiceState] = {}
     for choice, state in zip(request.choices, states, strict=True):
         firsts.setdefault(choice.prompt_index, state)
     prompt = sum(s.prompt_tokens for s in firsts.values())

@@ -86,7 +86,11 @@ def paged_attention(
     if k_dev is not None:  # a device pool: the Triton kernels
         from kvflow.plugins.paged_attention_triton import paged_attention_triton
 
-        out = paged_attention_triton(*args, k_dev, kv_registry.lookup_device(v_addr),
+        v_dev = kv_registry.lookup_device(v_addr)
+        if v_dev is None:  # a layer's K and V pools are registered together
+            raise KeyError(f"kv_cache_ptrs holds a device K pool but V address {v_addr:#x}, "
+                           "which is no registered device pool")
+        out = paged_attention_triton(*args, k_dev, v_dev,
                                      slot_mapping, block_tables, seq_lens, query_start_loc,
                                      scale, max_query_len=kv_registry.max_query_len_hint())
     else:
