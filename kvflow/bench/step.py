@@ -65,7 +65,7 @@ def bench_runner(engine: Path, runner_name: str, batches, context: int, prefill:
     need = max(max(batches) * (-(-(context + 1) // block)), -(-prefill // block)) + 2
     runner = create_runner(runner_name, engine, need)
     rng = np.random.default_rng(0)
-    vocab = runner.engine.model.vocab_size
+    vocab = runner.vocab_size
     out: dict[str, float] = {}
     try:
         for b in batches:

@@ -74,7 +74,7 @@ def _time_grid(runner: Any, grid: list[tuple[str, Shape]], repeats: int, vocab: 
     from kvflow.runtime.step_builder import SeqChunk, build_step
 
     rng = np.random.default_rng(0)
-    bs = runner.engine.limits.block_size
+    bs = runner.block_size
     rows: list[dict[str, Any]] = []
     for i, (name, seqs) in enumerate(grid):
         kv = KVCacheManager(runner.num_blocks, bs)
@@ -137,7 +137,7 @@ def _engine_run(runner: Any, engine_dir: str | Path, num_requests: int, seed: in
         return execute_argmax(step)
 
     rng = np.random.default_rng(seed)
-    vocab = runner.engine.model.vocab_size
+    vocab = runner.vocab_size
     longest = max(min(512, max_len - 160), 17)
     requests = [(rng.integers(10, vocab, size=int(rng.integers(16, longest))).tolist(),
                  int(rng.integers(8, min(128, max_len - longest))))
