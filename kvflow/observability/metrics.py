@@ -141,6 +141,10 @@ METRICS: dict[str, Metric] = dict((
        source="prefix_cache_queries"),
     _m("kvflow_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache",
        source="prefix_cache_hits"),
+    _m("kvflow_prompt_logprobs_recomputed_tokens_total", "counter",
+       "Prompt tokens found in the prefix cache but recomputed, since their request asked "
+       "for prompt logprobs (a cached block has no logits)",
+       source="prompt_logprobs_recomputed_tokens"),
     _m("kvflow_engine_steps_total", "counter", "Engine steps run", source="steps"),
     _m("kvflow_engine_step_seconds_total", "counter",
        "Engine-thread seconds inside engine steps", source="step_time_s"),

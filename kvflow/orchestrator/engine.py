@@ -120,8 +120,16 @@ class LLMEngine:
         prefilled prompt followed by the token the prefill instance sampled). Admission then
         allocates blocks for it, waiting like any request while the pool lacks room, and
         computes only the last token; the transferred tokens count as no prefix-cache hit.
+        Prompt logprobs need the prompt computed here, and a runner that reads its tokens.
         """
         params = params or SamplingParams()
+        if params.prompt_logprobs is not None and (kv_transferred
+                                                   or not self.runner.reads_token_ids):
+            why = ("the prompt's KV was transferred, not computed here" if kv_transferred
+                   else f"the {self.runner.name} runner computes no logits of real tokens")
+            error = ValueError(f"prompt_logprobs cannot be given here: {why}")
+            self.count_refused(error)
+            raise error
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(prompt, PreparedPrompt):
             try:
@@ -211,17 +219,41 @@ class LLMEngine:
         return sched
 
     def _execute(self, sched: SchedulerOutput) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """The logits, or, when every row to sample is plain greedy, only their argmax (taken
-        by the runner: no vocabulary-wide row crosses to the sampler)."""
-        chunks = [SeqChunk(s.request.request_id, s.request.token_ids, s.start, s.num_new_tokens,
-                           s.sample) for s in sched.scheduled]
+        """The logits of the rows to sample, or, when every one is plain greedy and no
+        sequence wants prompt logprobs, only their argmax (taken by the runner: no
+        vocabulary-wide row crosses to the sampler). Prompt logprobs are taken here, from
+        the chunk's own rows, and go to :attr:`outputs`."""
+        chunks = []
+        prompt_rows = False
+        for s in sched.scheduled:
+            request = s.request
+            rows = (self.outputs.prompt_rows(request, s.start, s.num_new_tokens)
+                    if request.sampling_params.prompt_logprobs is not None else range(0))
+            prompt_rows = prompt_rows or bool(rows)
+            chunks.append(SeqChunk(request.request_id, request.token_ids, s.start,
+                                   s.num_new_tokens, s.sample, rows))
         step = (build_step(self.kv, chunks) if self.runner.needs_inputs
                 else build_step_shape(chunks))
         plain = self.sampler.is_plain_greedy
-        if all(plain(s.request.sampling_params, len(s.request.output_token_ids))
-               for s in sched.scheduled if s.sample):
+        if not prompt_rows and all(plain(s.request.sampling_params,
+                                         len(s.request.output_token_ids))
+                                   for s in sched.scheduled if s.sample):
             return None, self.runner.execute_argmax(step)
-        return self.runner.execute(step), None
+        logits = self.runner.execute(step)
+        if not prompt_rows:
+            return logits, None
+        sample_rows, row = [], 0
+        vocab = self.runner.vocab_size
+        for s, chunk in zip(sched.scheduled, chunks, strict=True):
+            if chunk.prompt_rows:
+                end = row + len(chunk.prompt_rows)
+                self.outputs.add_prompt_logprobs(s.request, chunk.prompt_rows,
+                                                 logits[row:end, :vocab])
+                row = end
+            if s.sample:
+                sample_rows.append(row)
+                row += 1
+        return logits[sample_rows], None
 
     def _sample(self, sched: SchedulerOutput, logits: np.ndarray | None,
                 greedy: np.ndarray | None) -> SampledTokens:

@@ -104,6 +104,8 @@ class LLM:
         prompt order, each with its ``n`` sequences in ``outputs[j]`` (vLLM's shape).
 
         ``cache_salts``: per prompt; prompts with different salts share no prefix-cache blocks.
+        A request's ``prompt_logprobs`` (it asked: ``SamplingParams.prompt_logprobs``) are on
+        its final output, as vLLM's.
         """
         if isinstance(prompts, str | ChatPrompt):
             prompts = [prompts]
@@ -123,10 +125,15 @@ class LLM:
             order.append(request.parent_id)
             if rejected is not None:
                 results[request.parent_id] = rejected
+        prompt_logprobs = {}  # the engine's come on a request's first output with a token
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     results[out.request_id] = out
+        for rid, entries in prompt_logprobs.items():
+            results[rid].prompt_logprobs = entries
         return [results[rid] for rid in order]
 
     def chat(self, messages: list[dict[str, str]],

@@ -21,6 +21,7 @@ from kvflow.orchestrator.outputs import (
     RequestOutput,
 )
 from kvflow.orchestrator.request import Request, RequestMetrics, RequestStatus
+from kvflow.orchestrator.sampling.kernels import logprobs_of
 from kvflow.orchestrator.sampling.params import MAX_SEED, SamplingParams
 from kvflow.orchestrator.sampling.sampler import SamplerOutput, SamplingRow, make_generator
 from kvflow.orchestrator.sampling.structured import Grammar, allocate_bitmask, fill_bitmasks
@@ -28,20 +29,34 @@ from kvflow.orchestrator.scheduler.output import RunnerOutput
 from kvflow.text.detokenizer import IncrementalDetokenizer
 from kvflow.text.tokenizer import EngineTokenizer
 
+# Prompt rows whose logprobs are computed at once: bounds the temporaries of the
+# log-softmax to this many vocabulary-wide rows, whatever the chunk's length.
+PROMPT_LOGPROBS_ROWS = 256
+_NO_ROWS = range(0)
+
 
 class RequestState:
     """What the engine keeps for one live sequence beside the scheduler's fields: its random
-    stream and grammar (read by the sampling stage), and its text and logprobs so far."""
+    stream and grammar (read by the sampling stage), and its text and logprobs so far.
 
-    __slots__ = ("detok", "generator", "grammar", "text", "logprobs")
+    ``prompt_logprobs`` (a request that asked; its first sequence's state alone): one entry
+    per prompt position computed so far, the first None; ``prompt_logprobs_sent`` once an
+    output carried them whole."""
+
+    __slots__ = ("detok", "generator", "grammar", "text", "logprobs", "prompt_logprobs",
+                 "prompt_logprobs_sent")
 
     def __init__(self, detok: IncrementalDetokenizer | None, generator: np.random.Generator,
-                 want_logprobs: bool, grammar: Grammar | None = None) -> None:
+                 want_logprobs: bool, grammar: Grammar | None = None,
+                 want_prompt_logprobs: bool = False) -> None:
         self.detok = detok
         self.generator = generator
         self.grammar = grammar  # the structured output's state, advanced token by token
         self.text = ""
         self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if want_prompt_logprobs else None)
+        self.prompt_logprobs_sent = False
 
     def flush(self) -> str:
         """At the sequence's end: the text the detokenizer held back for a possible stop
@@ -89,8 +104,42 @@ class OutputProcessor:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer.tokenizer, seq.prompt_token_ids,
                                                params.skip_special_tokens, params.stop)
-            seq.engine_state = RequestState(detok, _generator(params, seq.index),
-                                            params.logprobs is not None, grammars[seq.index])
+            # A group's prompt is computed once, by its first sequence: its logprobs too.
+            seq.engine_state = RequestState(
+                detok, _generator(params, seq.index), params.logprobs is not None,
+                grammars[seq.index],
+                want_prompt_logprobs=params.prompt_logprobs is not None and seq.index == 0)
+
+    def prompt_rows(self, request: Request, start: int, num_new: int) -> range:
+        """The positions of a chunk (``num_new`` tokens from ``start``) whose logits give
+        prompt logprobs still missing: position p's give prompt token p + 1's. None once they
+        are whole, nor a position already taken (a prompt recomputed after a preemption)."""
+        state = request.engine_state
+        if state is None or state.prompt_logprobs is None:
+            return _NO_ROWS
+        lo = max(start, len(state.prompt_logprobs) - 1)
+        hi = min(start + num_new, request.num_prompt_tokens - 1)
+        return range(lo, hi) if lo < hi else _NO_ROWS
+
+    def add_prompt_logprobs(self, request: Request, rows: range, logits: np.ndarray) -> None:
+        """Append the prompt logprobs that the logits of positions ``rows`` give (float
+        ``[len(rows), vocab]``, the vocabulary only): per position, the next prompt token's
+        log-probability and the top ``prompt_logprobs``, a few rows at a time."""
+        entries = _state(request).prompt_logprobs
+        # NOTE: the entries grow in order, never skipping a position: no entry is missing
+        # and none is taken twice.
+        assert entries is not None and rows.start == len(entries) - 1, (request, rows)
+        k = request.sampling_params.prompt_logprobs or 0
+        targets = request.prompt_token_ids[rows.start + 1:rows.stop + 1]
+        for i in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+            block = targets[i:i + PROMPT_LOGPROBS_ROWS]
+            values, tops = logprobs_of(
+                np.asarray(logits[i:i + len(block)], dtype=np.float32), block,
+                [k] * len(block))
+            for token, value, top in zip(block, values, tops, strict=True):
+                entry = dict(top)
+                entry[token] = value
+                entries.append(entry)
 
     def sampling_rows(self, requests: list[Request], vocab_size: int) -> list[SamplingRow]:
         """The sampling stage's rows: each sequence's params, tokens so far and random stream
@@ -181,6 +230,7 @@ class OutputProcessor:
                 else [added.token_id],
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
                 logprobs=state.logprobs if state is not None else None))
+        prompt_logprobs = self._take_prompt_logprobs(seqs[0])
         finished = all(seq.is_finished for seq in seqs)
         if finished:
             for seq in seqs:
@@ -197,7 +247,19 @@ class OutputProcessor:
             request_id=request.parent_id, outputs=outputs, finished=finished,
             num_prompt_tokens=request.num_prompt_tokens, metrics=_request_metrics(seqs),
             error=request.reject_reason, error_code=None if code is None else ErrorCode(code),
-            cached_tokens=request.metrics.cached_tokens)
+            cached_tokens=request.metrics.cached_tokens,
+            prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _take_prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:
+        """The request's prompt logprobs for the first output once they are whole (None
+        before, and after it)."""
+        state = first.engine_state
+        if (state is None or state.prompt_logprobs is None or state.prompt_logprobs_sent
+                or len(state.prompt_logprobs) < first.num_prompt_tokens):
+            return None
+        state.prompt_logprobs_sent = True
+        return state.prompt_logprobs
 
 
 def _seqs(request: Request) -> list[Request]:

@@ -79,6 +79,13 @@ class TokenLogprobs:
                    None if texts is None else {int(t): s for t, s in texts.items()})
 
 
+def _typed(token: int, alternatives: dict[int, float]) -> TokenLogprobs:
+    """One logprobs entry (token id -> log-probability) as the :class:`TokenLogprobs` of
+    ``token``, its alternatives most likely first."""
+    return TokenLogprobs(token, alternatives.get(token), tuple(
+        sorted(alternatives.items(), key=lambda kv: (-kv[1], kv[0]))))
+
+
 class CompletionOutput:
     """One sequence of a request (vLLM's ``CompletionOutput``): ``index`` in ``0 .. n-1``.
 
@@ -127,12 +134,7 @@ class CompletionOutput:
         if self.logprobs is None:
             return []
         ids, end = self._token_ids, min(len(self.logprobs), self.num_tokens)
-        out = []
-        for i in range(start, end):
-            token, alternatives = ids[i], self.logprobs[i]
-            out.append(TokenLogprobs(token, alternatives.get(token), tuple(
-                sorted(alternatives.items(), key=lambda kv: (-kv[1], kv[0])))))
-        return out
+        return [_typed(ids[i], self.logprobs[i]) for i in range(start, end)]
 
     def _fields(self) -> tuple[Any, ...]:
         return (self.index, self.text, self.token_ids, self.delta_text, self.delta_token_ids,
@@ -161,6 +163,13 @@ class RequestOutput:
     ``text``, ``token_ids``, ``delta_text``, ``delta_token_ids``, ``finish_reason``,
     ``stop_reason`` and ``logprobs`` are those of ``outputs[0]``: the whole answer of an
     ``n = 1`` request.
+
+    ``prompt_token_ids``: the prompt (the request's own list: do not change it).
+    ``prompt_logprobs`` (``SamplingParams.prompt_logprobs``; vLLM's): one entry per prompt
+    token, the first None, each other token id -> log-probability holding the prompt token
+    and the top ``prompt_logprobs`` at its position, as ``CompletionOutput.logprobs``' entries
+    do. A request's prompt logprobs come once, for all its sequences, on its first output that
+    carries a token; None on every other output, and when not asked for.
     """
 
     request_id: str
@@ -172,6 +181,17 @@ class RequestOutput:
     # With ``error``: whose fault (an ErrorCode; it compares equal to its string).
     error_code: ErrorCode | None = None
     cached_tokens: int = 0
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def prompt_token_logprobs(self) -> list[TokenLogprobs | None]:
+        """:attr:`prompt_logprobs` typed: per prompt token (the first None) its
+        log-probability and its position's likeliest tokens; empty when it has none."""
+        if self.prompt_logprobs is None or self.prompt_token_ids is None:
+            return []
+        return [None if entry is None else _typed(token, entry)
+                for token, entry in zip(self.prompt_token_ids, self.prompt_logprobs,
+                                        strict=True)]
 
     @property
     def text(self) -> str:
@@ -246,6 +266,9 @@ class EngineCounters:
     # Mirrors of the scheduler's counts, refreshed at each step.
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     prefix_cache_hits: int = 0  # of which found cached
+    # Prompt tokens found cached but recomputed, since their request asked for prompt
+    # logprobs (counted apart from the queries and hits above).
+    prompt_logprobs_recomputed_tokens: int = 0
     step_time_s: float = 0.0
     finished_by_reason: Counter[str] = field(default_factory=Counter)
     rejected_by_cause: Counter[str] = field(default_factory=Counter)

@@ -55,6 +55,7 @@ class StepRecorder:
         c.step_time_s += step_time_s
         c.prefix_cache_queries = self.scheduler.prefix_cache_queries
         c.prefix_cache_hits = self.scheduler.prefix_cache_hits
+        c.prompt_logprobs_recomputed_tokens = self.scheduler.prompt_logprobs_recomputed_tokens
         self.scheduler.observe_step(num_prefill, step_time_s)
         stats = StepStats(
             time=times.end, num_running=self.scheduler.num_running,

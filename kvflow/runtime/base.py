@@ -33,7 +33,9 @@ class StepInput:
         block_tables: int32 ``[S, max_blocks]`` each sequence's blocks, padded with block 0.
         seq_lens: int32 ``[S]`` tokens of each sequence once this step's are written.
         query_start_loc: int32 ``[S + 1]`` where each sequence's new tokens start in the batch.
-        logits_indices: int64 ``[N]`` packed rows whose next-token logits to return.
+        logits_indices: int64 ``[N]`` packed rows whose next-token logits to return, in
+            ascending order: each sampled sequence's last row, and for a sequence that asks for
+            prompt logprobs, its chunk's prompt rows before it (so ``N`` may exceed ``S``).
     """
 
     input_ids: np.ndarray
@@ -104,7 +106,9 @@ class ModelRunner(ABC):
 
     @abstractmethod
     def execute(self, step: StepInput) -> np.ndarray:
-        """Run one step; returns fp32 logits ``[len(step.logits_indices), vocab_size]``."""
+        """Run one step; returns fp32 logits ``[len(step.logits_indices), vocab_size]``
+        (every row asked for: a step's rows are at most its tokens, so memory stays
+        O(chunk x vocab))."""
 
     def execute_argmax(self, step: StepInput) -> np.ndarray:
         """Run one step whose every sampled row is plain greedy; returns int64

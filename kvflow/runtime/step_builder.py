@@ -18,7 +18,8 @@ class SeqChunk:
 
     ``token_ids`` is the sequence's whole known token list (prompt + output so far); the KV of
     positions ``0 .. start-1`` is already in the pool. ``sample`` asks for the logits of the
-    chunk's last token.
+    chunk's last token; ``prompt_rows`` for those of these positions (inside the chunk, before
+    its last token: prompt logprobs), returned before the sampled row.
     """
 
     request_id: Hashable
@@ -26,6 +27,14 @@ class SeqChunk:
     start: int
     num_new: int
     sample: bool
+    prompt_rows: range = range(0)
+
+    def logits_rows(self, offset: int) -> list[int]:
+        """The packed rows whose logits this chunk wants, its tokens starting at ``offset``."""
+        rows = [offset + p - self.start for p in self.prompt_rows]
+        if self.sample:
+            rows.append(offset + self.num_new - 1)
+        return rows
 
 
 def build_step(kv: KVCacheManager, chunks: Sequence[SeqChunk]) -> StepInput:
@@ -57,10 +66,12 @@ def build_step(kv: KVCacheManager, chunks: Sequence[SeqChunk]) -> StepInput:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
         rows.append(table[: -(-end // bs)])
         seq_lens.append(end)
+        if c.prompt_rows:
+            logits_indices.extend(c.logits_rows(offset))
+        elif c.sample:
+            logits_indices.append(offset + c.num_new - 1)
         offset += c.num_new
         query_start_loc.append(offset)
-        if c.sample:
-            logits_indices.append(offset - 1)
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     block_tables = np.zeros((len(rows), int(lens.max())), dtype=np.int32)
     # One scatter of every row's blocks (row i fills its first lens[i] columns).
@@ -83,10 +94,12 @@ def build_step_shape(chunks: Sequence[SeqChunk]) -> StepInput:
     offset = 0
     for c in chunks:
         seq_lens.append(c.start + c.num_new)
+        if c.prompt_rows:
+            logits_indices.extend(c.logits_rows(offset))
+        elif c.sample:
+            logits_indices.append(offset + c.num_new - 1)
         offset += c.num_new
         query_start_loc.append(offset)
-        if c.sample:
-            logits_indices.append(offset - 1)
     return StepInput(_EMPTY_I64, _EMPTY_I64, _EMPTY_I64,
                      np.zeros((len(seq_lens), 0), dtype=np.int32),
                      np.array(seq_lens, dtype=np.int32),

@@ -10,6 +10,7 @@ host copy the plugin is given, so a step reads no address back from the device).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +57,19 @@ class TensorRTRunner(PoolRunner):
         tensorrt_plugin.bind_pool_addresses(self._ptrs)
         self._stream = torch.cuda.Stream()
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> np.ndarray:
+        most = self.engine.limits.max_batch_size  # the profile's most logits_indices
+        num_logits = len(step.logits_indices)
+        if num_logits <= most:
+            return self._execute(step)
+        # More rows than the plan takes (prompt logprobs): a pass per slice of rows; each
+        # pass writes the step's KV again, the same values.
+        return np.concatenate([
+            self._execute(replace(step, logits_indices=step.logits_indices[i:i + most]))
+            for i in range(0, num_logits, most)])
+
+    @torch.inference_mode()
+    def _execute(self, step: StepInput) -> np.ndarray:
         num_logits = len(step.logits_indices)
         inputs = {
             "input_ids": step.input_ids, "positions": step.positions,

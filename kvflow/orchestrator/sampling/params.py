@@ -123,6 +123,10 @@ class SamplingParams:
         ignore_eos: Keep generating after EOS.
         logprobs: Return the log-probability of the sampled token and of the top ``logprobs``
             tokens (0..20), or None for none.
+        prompt_logprobs: Return, for each prompt token after the first, its log-probability
+            and the top ``prompt_logprobs`` tokens at its position (0..20; 0: the prompt
+            token's alone), or None for none (vLLM's). A request that asks recomputes its
+            whole prompt: cached blocks hold no logits.
         skip_special_tokens: Leave special tokens out of the detokenized text.
         structured: What the output must match (a JSON schema, a regex, a choice, a
             grammar, any JSON object), or None; :meth:`from_dict` also takes vLLM's
@@ -151,6 +155,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None
     timeout_ms: int | None = None
@@ -173,6 +178,8 @@ class SamplingParams:
         self._set("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
         self._set("ignore_eos", _as_bool("ignore_eos", self.ignore_eos))
         self._set("logprobs", _as_int("logprobs", self.logprobs, optional=True))
+        self._set("prompt_logprobs", _as_int("prompt_logprobs", self.prompt_logprobs,
+                                             optional=True))
         self._set("skip_special_tokens", _as_bool("skip_special_tokens", self.skip_special_tokens))
         self._set("timeout_ms", _as_int("timeout_ms", self.timeout_ms, optional=True))
         if isinstance(self.structured, Mapping):
@@ -263,10 +270,10 @@ class SamplingParams:
         if self.timeout_ms is not None and not 1 <= self.timeout_ms <= MAX_TIMEOUT_MS:
             raise ValueError(f"timeout_ms must be in [1, {MAX_TIMEOUT_MS}] (a week) or None, "
                              f"got {self.timeout_ms}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
 
     @property
     def is_greedy(self) -> bool:

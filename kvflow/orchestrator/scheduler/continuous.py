@@ -178,13 +178,16 @@ class ContinuousScheduler(Scheduler):
         """What admitting ``request`` under ``budget`` would run: (tokens, its cached blocks,
         its cached tokens). A swapped-out request resumes from its computed tokens and reuses
         no cache; one whose KV was transferred in starts after it (in blocks of its own: it is
-        no cache hit); any other starts after its longest cached prefix."""
+        no cache hit); one that asks for prompt logprobs, and has not had them, uses no cache
+        (a cached block has no logits); any other starts after its longest cached prefix."""
         if request.num_transferred_tokens:
             num_done = request.num_transferred_tokens
             return self._chunk(request.num_tokens - num_done, budget, prefill=True), [], num_done
         if self.kv.is_swapped(request.request_id):
             remaining = request.num_tokens - request.num_computed_tokens
             return self._chunk(remaining, budget, prefill=remaining > 1), [], 0
+        if _needs_prompt_logits(request):
+            return self._chunk(request.num_tokens, budget, prefill=True), [], 0
         hits, num_cached = self.kv.get_computed_blocks(request.request_id, request.token_ids,
                                                        request.cache_salt)
         num_new = self._chunk(request.num_tokens - num_cached, budget, prefill=True,
@@ -220,9 +223,20 @@ class ContinuousScheduler(Scheduler):
         request.num_computed_tokens = num_cached
         if request.num_transferred_tokens:
             request.num_transferred_tokens = 0  # in its blocks now; a recompute redoes them
+        elif self.kv.enable_caching and _needs_prompt_logits(request):
+            _, num_skipped = self.kv.get_computed_blocks(rid, request.token_ids,
+                                                         request.cache_salt)
+            self.prompt_logprobs_recomputed_tokens += num_skipped
         elif self.kv.enable_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
             if request.metrics.first_scheduled_time is None:
                 request.metrics.cached_tokens = num_cached
         return num_new
+
+
+def _needs_prompt_logits(request: Request) -> bool:
+    """Whether admitting ``request`` must compute its prompt whole, cache or not: it asks for
+    prompt logprobs, and has not had them (they are whole once it has an output token)."""
+    return (request.sampling_params.prompt_logprobs is not None
+            and not request.output_token_ids)

@@ -53,6 +53,8 @@ class Scheduler:
         self.groups: dict[str, SequenceGroup] = {}  # requests with n > 1, by the client's id
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of which found cached
+        # Prompt tokens found cached but recomputed: their request asked for prompt logprobs.
+        self.prompt_logprobs_recomputed_tokens = 0
         # The longest sequence that can ever be resident: the context limit or the whole pool.
         self.max_seq_len = min(config.max_model_len,
                                kv.pool.num_usable_blocks * kv.block_size)
