@@ -72,7 +72,7 @@ def test_each_prompt_is_one_engine_request_of_n_sequences():
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": "x", "model": "gpt-4o"}, 404, "model"),
-    ({"prompt": [1, 2], "echo": True}, 400, "echo"),
+    ({"prompt": "x", "echo": True, "prompt_logprobs": "2"}, 400, "prompt_logprobs"),
 ])
 def test_malformed_bodies_are_refused_naming_the_field(body, status, param):
     with pytest.raises(OpenAIError) as info:

@@ -172,7 +172,7 @@ def create_app(cfg: FrontendConfig) -> Any:
             generators = [g for c in parsed.choices if c.index % parsed.n == 0
                           for g in pool.generate_n(c, f"{parsed.id}-{c.prompt_index}",
                                                    parsed.n, avoid, window)]
-            states = [ChoiceState(c.index) for c in parsed.choices]
+            states = [ChoiceState(c.index, generate=parsed.generate) for c in parsed.choices]
             try:
                 if parsed.stream:
                     # The first response of every choice before the status line: a rejected

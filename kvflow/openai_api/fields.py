@@ -16,8 +16,10 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_p
                    *GUIDED_FIELDS)
 # Body fields sent as request tensors of their own.
 TENSOR_FIELDS = ("user", "priority", "cache_salt")
+# prompt_logprobs (vLLM's extra) goes to the backend under its name too; on completions, echo
+# with logprobs asks for it as well (see protocol._prompt_logprobs).
 COMMON_FIELDS = ("model", "max_tokens", "n", "stream", "stream_options", "logprobs",
-                 "response_format", *SAMPLING_FIELDS, *TENSOR_FIELDS)
+                 "prompt_logprobs", "response_format", *SAMPLING_FIELDS, *TENSOR_FIELDS)
 COMPLETION_FIELDS = ("prompt", "echo", *COMMON_FIELDS)
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", *COMMON_FIELDS)
 # Fields packed for the backend: their text must be Unicode (UTF-8 cannot carry a lone
@@ -39,7 +41,8 @@ FIELD_TYPES: dict[str, str] = {
     **dict.fromkeys(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"), "a number"),
     **dict.fromkeys(("max_tokens", "max_completion_tokens", "n", "top_k", "seed", "min_tokens",
-                     "timeout_ms", "priority", "top_logprobs"), "an integer"),
+                     "timeout_ms", "priority", "top_logprobs", "prompt_logprobs"),
+                    "an integer"),
     **dict.fromkeys(("echo", "stream", "ignore_eos", "skip_special_tokens",
                      "guided_json_object"), "a boolean"),
     **dict.fromkeys(("model", "user", "cache_salt", "guided_regex", "guided_grammar"),

@@ -31,7 +31,7 @@ from kvflow.openai_api.fields import (
     SAMPLING_FIELDS,
     STREAM_OPTIONS,
 )
-from kvflow.orchestrator.sampling.params import GUIDED_FIELDS, short_repr
+from kvflow.orchestrator.sampling.params import GUIDED_FIELDS, MAX_LOGPROBS, short_repr
 from kvflow.triton_backend.params import (
     MAX_MESSAGES_JSON_BYTES,
     MAX_MESSAGES_JSON_DEPTH,
@@ -55,12 +55,15 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 @dataclass(frozen=True)
 class ChoiceRequest:
     """One choice of one prompt; ``inputs``: the Triton input tensors of the prompt's engine
-    request (the same for the prompt's ``n`` choices, whose sequences it holds)."""
+    request (the same for the prompt's ``n`` choices, whose sequences it holds). ``echo``: the
+    prompt goes before the text; ``echo_text`` is a text prompt's own text ("" for token ids,
+    whose text is their tokens', from the backend's ``prompt_logprobs``)."""
 
     index: int
     prompt_index: int
     inputs: dict[str, np.ndarray]
     echo_text: str = ""
+    echo: bool = False
 
 
 @dataclass
@@ -76,6 +79,12 @@ class CompletionRequest:
     choices: list[ChoiceRequest]
     renamed: dict[str, str] = field(default_factory=dict)  # kvflow field -> the client's
     n: int = 1  # choices per prompt: the sequences of one engine request
+    # vLLM's prompt_logprobs field: its k, or None (the answer then has no such field).
+    prompt_logprobs: int | None = None
+    # The k the backend was asked for (at least each of the client's): None when not asked.
+    backend_prompt_logprobs: int | None = None
+    # False for echo with max_tokens 0: the engine generates one token, which is dropped.
+    generate: bool = True
     id: str = ""
     created: int = 0
 
@@ -126,11 +135,24 @@ def parse_completion_request(body: Any, served_model: str, chat: bool) -> Comple
         max_tokens, renamed["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
     if max_tokens is None and not chat:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
-    sampling["max_tokens"] = max_tokens  # None: as many as the context holds
+    echo = body.get("echo") is True and not chat
+    # Echo with max_tokens 0 (lm-evaluation-harness's loglikelihood requests) generates
+    # nothing: the engine makes at least one token, so it makes one and the answer drops it (as
+    # vLLM's server does). Without echo, 0 goes on and the backend refuses it, naming it.
+    generate = not (echo and max_tokens == 0)
+    sampling["max_tokens"] = max_tokens if generate else 1  # None: as the context holds
     logprobs = _logprobs(body, chat, renamed)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     sampling.update(_response_format(body.get("response_format"), sampling, renamed))
+    prompts = _chat_prompt(body) if chat else _completion_prompts(body)
+    # A token-id prompt's echo is its tokens' text: the backend's prompt_logprobs carry it.
+    echo_ids = echo and any(not text for _, text in prompts)
+    backend_k = _prompt_logprobs(body.get("prompt_logprobs"),
+                                 logprobs if echo and logprobs is not None
+                                 else 0 if echo_ids else None, renamed)
+    if backend_k is not None:
+        sampling["prompt_logprobs"] = backend_k
 
     extra: dict[str, np.ndarray] = {
         name: _bytes_tensor(body[name]) for name in ("user", "cache_salt")
@@ -143,25 +165,36 @@ def parse_completion_request(body: Any, served_model: str, chat: bool) -> Comple
     extra["sampling_parameters"] = _sampling_tensor({**sampling, "n": n} if n > 1 else sampling,
                                                     renamed)
 
-    prompts = _chat_prompt(body) if chat else _completion_prompts(body)
     if len(prompts) * n > MAX_SEQUENCES:
         raise bad_request(f"prompt holds {len(prompts)} prompts and n is {n}: "
                           f"{len(prompts) * n} sequences; the limit is {MAX_SEQUENCES} "
                           "(prompts x n)", "n")
-    echo = body.get("echo") is True and not chat
     choices = []
     for p, (prompt_inputs, prompt_text) in enumerate(prompts):
-        if echo and not prompt_text:
-            raise bad_request("echo needs a text prompt (token-id prompts have no text to "
-                              "echo)", "echo")
         inputs = {**prompt_inputs, **extra,
                   "stream": np.array([True]),
                   "exclude_input_in_output": np.array([True])}
         for j in range(n):  # choice p * n + j is sequence j of prompt p's request
-            choices.append(ChoiceRequest(p * n + j, p, inputs, prompt_text if echo else ""))
+            choices.append(ChoiceRequest(p * n + j, p, inputs, prompt_text if echo else "",
+                                         echo))
     return CompletionRequest(chat, served_model, stream, bool(options.get("include_usage")),
                              bool(options.get("continuous_usage_stats")), logprobs, choices,
-                             renamed, n=n)
+                             renamed, n=n, prompt_logprobs=body.get("prompt_logprobs"),
+                             backend_prompt_logprobs=backend_k, generate=generate)
+
+
+def _prompt_logprobs(own: int | None, echoed: int | None, renamed: dict[str, str]) -> int | None:
+    """The ``prompt_logprobs`` the backend is asked for: the client's own (vLLM's field), or
+    ``echoed``, the alternatives an echoed prompt's logprobs list (``logprobs``; 0 for an
+    echoed token-id prompt, for its tokens' text); both: the larger. A value out of range goes
+    on as it is, for the backend to refuse, naming the client's field."""
+    if echoed is None:
+        return own
+    if own is None or (0 <= own <= MAX_LOGPROBS and echoed > own):
+        if own is None or echoed > MAX_LOGPROBS:
+            renamed["prompt_logprobs"] = "logprobs"  # the backend's errors name the client's
+        return echoed
+    return own
 
 
 def _sampling_tensor(sampling: dict[str, Any], renamed: dict[str, str]) -> np.ndarray:

@@ -1,6 +1,9 @@
 """kvflow's Triton responses -> OpenAI's response bodies, streamed chunks, logprobs and usage.
 
-Pure Python.
+A prompt's logprobs (the backend's ``prompt_logprobs`` output) go two ways: before the
+generated tokens' in a completion's ``logprobs`` when it echoes the prompt (OpenAI's legacy
+shape, the first token's logprob null), and as vLLM's ``prompt_logprobs`` field when asked for
+by name. Pure Python.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "timeout": "timeout
 
 @dataclass
 class ChoiceState:
-    """What one choice has produced so far, from its Triton responses."""
+    """What one choice has produced so far, from its Triton responses. ``generate`` False
+    (echo with max_tokens 0): the one token the backend generated is dropped, text, logprobs
+    and count, and the choice ends with ``length``."""
 
     index: int
     text: str = ""
@@ -28,22 +33,40 @@ class ChoiceState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    generate: bool = True
+    # Per prompt token (the first's logprob None), once the backend sent them.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_new: bool = False  # they came with the last update
 
     def update(self, outputs: dict[str, Any]) -> tuple[str, list[TokenLogprobs]]:
         """Apply one response's outputs (name -> decoded value); returns its new text and
         logprob entries (``output_logprobs``' JSON, parsed once, here)."""
-        delta = outputs.get("text_output", "")
-        self.text += delta
+        self.prompt_logprobs_new = bool(outputs.get("prompt_logprobs"))
+        if self.prompt_logprobs_new:
+            self.prompt_logprobs = [TokenLogprobs.from_wire(e)
+                                    for e in json.loads(outputs["prompt_logprobs"])]
         self.prompt_tokens = outputs.get("num_input_tokens", self.prompt_tokens)
-        self.completion_tokens = outputs.get("num_output_tokens", self.completion_tokens)
         self.cached_tokens = outputs.get("cached_tokens", self.cached_tokens)
         reason = outputs.get("finish_reason") or None
         if reason:
-            self.finish_reason = OPENAI_FINISH_REASONS.get(reason, "stop")
+            self.finish_reason = (OPENAI_FINISH_REASONS.get(reason, "stop") if self.generate
+                                  else "length")
+        if not self.generate:
+            return "", []
+        delta = outputs.get("text_output", "")
+        self.text += delta
+        self.completion_tokens = outputs.get("num_output_tokens", self.completion_tokens)
         entries = [TokenLogprobs.from_wire(e) for e in json.loads(outputs["output_logprobs"])
                    ] if outputs.get("output_logprobs") else []
         self.logprobs += entries
         return delta, entries
+
+    def echo_text(self, choice: ChoiceRequest) -> str:
+        """The text an echoing choice puts first: its prompt's text, or a token-id prompt's
+        tokens' text (from its prompt logprobs)."""
+        if not choice.echo or choice.echo_text:
+            return choice.echo_text
+        return "".join(e.token or "" for e in self.prompt_logprobs or ())
 
 
 def _top(entry: TokenLogprobs, k: int) -> list[tuple[str, float]]:
@@ -61,14 +84,43 @@ def chat_logprobs(entries: list[TokenLogprobs], k: int) -> dict[str, Any]:
                         for e in entries]}
 
 
-def completion_logprobs(entries: list[TokenLogprobs], k: int, offset: int) -> dict[str, Any]:
-    tokens = [e.token or "" for e in entries]
-    offsets, at = [], offset
-    for t in tokens:
+def completion_logprobs(entries: list[TokenLogprobs], k: int, offset: int,
+                        prompt: list[TokenLogprobs] | None = None) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs``; ``prompt``: an echoed prompt's entries, first (their
+    offsets from 0, the first token's logprob and top_logprobs null), as vLLM returns them."""
+    prompt = prompt or []
+    tokens = [e.token or "" for e in prompt + entries]
+    offsets, at = [], 0
+    for i, t in enumerate(tokens):
+        if i == len(prompt):
+            at = offset
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(_top(e, k)) for e in entries], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in prompt + entries],
+            "top_logprobs": [None if e.logprob is None and i < len(prompt)
+                             else dict(_top(e, k)) for i, e in enumerate(prompt + entries)],
+            "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprobs], k: int,
+                         asked: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first None) its top ``k`` and itself,
+    token id (a string) -> ``{"logprob", "rank", "decoded_token"}``. ``asked``: the top the
+    backend listed (at least ``k``); a token below it has a rank it never saw: null."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for i, e in enumerate(entries):
+        if i == 0 or e.logprob is None:
+            out.append(None)
+            continue
+        texts = e.top_tokens or {}
+        item: dict[str, dict[str, Any]] = {}
+        for rank, (token, logprob) in enumerate(e.top, start=1):
+            if rank <= k or token == e.token_id:
+                item[str(token)] = {"logprob": logprob, "rank": rank if rank <= asked else None,
+                                    "decoded_token": texts.get(token, e.token
+                                                               if token == e.token_id else None)}
+        out.append(item)
+    return out
 
 
 def usage(request: CompletionRequest, states: list[ChoiceState]) -> dict[str, Any]:
@@ -85,31 +137,46 @@ def usage(request: CompletionRequest, states: list[ChoiceState]) -> dict[str, An
                                                            for s in firsts.values())}}
 
 
-def _choice_logprobs(request: CompletionRequest, entries: list[TokenLogprobs],
-                     offset: int) -> dict[str, Any] | None:
+def _choice_logprobs(request: CompletionRequest, entries: list[TokenLogprobs], offset: int,
+                     prompt: list[TokenLogprobs] | None = None) -> dict[str, Any] | None:
     if request.logprobs is None:
         return None
     if request.chat:
         return chat_logprobs(entries, request.logprobs)
-    return completion_logprobs(entries, request.logprobs, offset)
+    return completion_logprobs(entries, request.logprobs, offset, prompt)
+
+
+def _prompt_field(request: CompletionRequest, state: ChoiceState) -> dict[str, Any]:
+    """vLLM's ``prompt_logprobs`` field, where the client asked for it (and it has come)."""
+    if request.prompt_logprobs is None or state.prompt_logprobs is None:
+        return {}
+    asked = request.backend_prompt_logprobs
+    return {"prompt_logprobs": vllm_prompt_logprobs(
+        state.prompt_logprobs, request.prompt_logprobs,
+        request.prompt_logprobs if asked is None else asked)}
 
 
 def final_response(request: CompletionRequest, states: list[ChoiceState]) -> dict[str, Any]:
     """The whole (non-streamed) response body."""
     choices = []
     for choice, state in zip(request.choices, states, strict=True):
-        text = choice.echo_text + state.text
-        logprobs = _choice_logprobs(request, state.logprobs, len(choice.echo_text))
+        echo = state.echo_text(choice)
+        logprobs = _choice_logprobs(request, state.logprobs, len(echo),
+                                    state.prompt_logprobs if choice.echo else None)
         if request.chat:
             choices.append({"index": choice.index, "logprobs": logprobs,
                             "finish_reason": state.finish_reason,
-                            "message": {"role": "assistant", "content": text}})
+                            "message": {"role": "assistant", "content": state.text}})
         else:
-            choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": state.finish_reason})
-    return {"id": request.id, "object": "chat.completion" if request.chat
+            choices.append({"index": choice.index, "text": echo + state.text,
+                            "logprobs": logprobs, "finish_reason": state.finish_reason,
+                            **_prompt_field(request, state)})
+    body = {"id": request.id, "object": "chat.completion" if request.chat
             else "text_completion", "created": request.created, "model": request.model,
             "choices": choices, "usage": usage(request, states)}
+    if request.chat and states:  # vLLM's: the one prompt's, beside the choices
+        body.update(_prompt_field(request, states[0]))
+    return body
 
 
 def chunk(request: CompletionRequest, choices: list[dict[str, Any]],
@@ -125,14 +192,21 @@ def chunk(request: CompletionRequest, choices: list[dict[str, Any]],
 
 def choice_chunk(request: CompletionRequest, choice: ChoiceRequest, state: ChoiceState,
                  delta: str, entries: list[TokenLogprobs], first: bool) -> dict[str, Any]:
-    """The streamed delta of one choice; ``first`` carries the role (chat) or the echo."""
-    offset = len(choice.echo_text) + len(state.text) - len(delta)
-    logprobs = _choice_logprobs(request, entries, offset) if entries else None
+    """The streamed delta of one choice; ``first`` carries the role (chat) or the echo (and
+    the echoed prompt's logprobs, first). vLLM's ``prompt_logprobs`` field goes on the choice
+    of the chunk they came with (the first)."""
+    echo = state.echo_text(choice)
+    offset = len(echo) + len(state.text) - len(delta)
+    prompt = state.prompt_logprobs if choice.echo and first else None
+    logprobs = (_choice_logprobs(request, entries, offset, prompt) if entries or prompt
+                else None)
     finish = state.finish_reason
+    extra = _prompt_field(request, state) if state.prompt_logprobs_new else {}
     if request.chat:
         message: dict[str, Any] = ({"role": "assistant", "content": delta} if first
                                    else {"content": delta} if delta else {})
         return {"index": choice.index, "delta": message, "logprobs": logprobs,
-                "finish_reason": finish}
-    text = (choice.echo_text if first else "") + delta
-    return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                "finish_reason": finish, **extra}
+    text = (echo if first else "") + delta
+    return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+            **extra}

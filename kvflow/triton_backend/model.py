@@ -24,7 +24,12 @@ import numpy as np
 
 from kvflow.orchestrator.engine_loop import EngineLoop
 from kvflow.orchestrator.options import options_from_parameters
-from kvflow.orchestrator.outputs import CompletionOutput, ErrorCode, RequestOutput
+from kvflow.orchestrator.outputs import (
+    CompletionOutput,
+    ErrorCode,
+    RequestOutput,
+    TokenLogprobs,
+)
 from kvflow.triton_backend.metrics import TritonMetrics
 from kvflow.triton_backend.params import (
     INPUT_NAMES,
@@ -104,6 +109,22 @@ def logprob_entries(out: CompletionOutput, start: int = 0,
     return entries
 
 
+def prompt_logprob_entries(out: RequestOutput,
+                           decode: Callable[[int], str] | None = None) -> list[dict[str, Any]]:
+    """``prompt_logprobs``: per prompt token, the :meth:`TokenLogprobs.to_wire` object of
+    ``output_logprobs``' entries (with ``decode``, each token's text too). The first token has
+    no logprob (nothing precedes it): its entry is ``{"token_id": ..., "logprob": null,
+    "top_logprobs": {}}``, so that a client that echoes the prompt has all its tokens."""
+    entries = []
+    for token, lp in zip(out.prompt_token_ids or (), out.prompt_token_logprobs(), strict=True):
+        lp = lp or TokenLogprobs(token, None)
+        if decode is not None:
+            lp = replace(lp, token=decode(lp.token_id),
+                         top_tokens={t: decode(t) for t, _ in lp.top})
+        entries.append(lp.to_wire())
+    return entries
+
+
 class _ResponseStream:
     """Turns one request's engine outputs into Triton responses.
 
@@ -112,9 +133,14 @@ class _ResponseStream:
     entry per sequence, entry ``j`` being sequence ``j``'s (its new text when streaming, ""
     when it added none; its finish reason, "" while it runs). A stream sends a response each
     step that added text to some sequence, and the final one when all have finished.
+
+    ``prompt_logprobs`` (asked for in ``sampling_parameters``) is the request's, not a
+    sequence's: one JSON list, sent once, in the first response after the prompt was computed
+    (the engine's output that carries them may add no text yet: they wait for the next).
     """
 
-    __slots__ = ("pb", "sender", "parsed", "lock", "logprobs_sent", "decode", "error_output")
+    __slots__ = ("pb", "sender", "parsed", "lock", "logprobs_sent", "decode", "error_output",
+                 "prompt_logprobs")
 
     def __init__(self, pb_utils: Any, sender: Any, parsed: ParsedRequest,
                  decode: Callable[[int], str] | None = None,
@@ -126,6 +152,7 @@ class _ResponseStream:
         self.parsed = parsed
         self.lock = threading.Lock()
         self.logprobs_sent: dict[int, int] = {}  # per sequence: tokens whose logprobs went
+        self.prompt_logprobs: bytes | None = None  # JSON not sent yet
 
     def on_output(self, out: RequestOutput) -> None:
         pb = self.pb
@@ -136,6 +163,8 @@ class _ResponseStream:
         if out.aborted:  # the client cancelled: just close the stream
             self._send(None, final)
             return
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = json.dumps(prompt_logprob_entries(out, self.decode)).encode()
         if self.parsed.stream:
             if out.finished or any(c.delta_text for c in out.outputs):
                 self._send(self._response(out, [c.delta_text for c in out.outputs]),
@@ -166,6 +195,10 @@ class _ResponseStream:
                                                           self.decode)).encode())
                 self.logprobs_sent[c.index] = len(c.logprobs or ())
             tensors.append(pb.Tensor("output_logprobs", np.array(entries, dtype=np.object_)))
+        if self.prompt_logprobs is not None:
+            tensors.append(pb.Tensor("prompt_logprobs", np.array([self.prompt_logprobs],
+                                                                 dtype=np.object_)))
+            self.prompt_logprobs = None
         return pb.InferenceResponse(output_tensors=tensors)
 
     def _send(self, response: Any, flags: int) -> None:

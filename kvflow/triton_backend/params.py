@@ -15,7 +15,8 @@ for ``/v1/chat/completions``). ``user`` (or ``tenant`` in ``sampling_parameters`
 tenant the request is accounted to (the ``fair`` policy's unit). ``timeout_ms`` in
 ``sampling_parameters`` is the request's deadline.
 
-Integer tensors are INT64, so that no value is wrapped before kvflow can check its range.
+Integer tensors are INT64, so that no value is wrapped before kvflow can check its range
+(under ``kvflow serve``, INT32 tensors for them arrive widened to INT64: ``preload.c``).
 Any other key (over HTTP ``generate``, Triton passes unknown JSON keys on as request
 parameters) is refused with the list of known ones. Pure Python + NumPy: testable without
 Triton.
@@ -44,6 +45,7 @@ from kvflow.triton_backend.protocol import ERROR_OUTPUT_PARAMETER
 # are the keys whose strings are converted, and to what.
 _NUMERIC_KEYS: dict[str, type] = {
     "n": int, "max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "logprobs": int,
+    "prompt_logprobs": int,
     "temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
     "presence_penalty": float, "frequency_penalty": float, "timeout_ms": int,
 }
