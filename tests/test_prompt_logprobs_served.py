@@ -11,7 +11,12 @@ import pytest
 
 from kvflow.openai_api.errors import OpenAIError
 from kvflow.openai_api.protocol import parse_completion_request
-from kvflow.openai_api.responses import ChoiceState, final_response, vllm_prompt_logprobs
+from kvflow.openai_api.responses import (
+    ChoiceState,
+    choice_chunk,
+    final_response,
+    vllm_prompt_logprobs,
+)
 from kvflow.orchestrator.outputs import TokenLogprobs
 from tests.helpers import http_post, post_json, wait_for
 
@@ -286,3 +291,19 @@ def test_a_bad_k_is_a_400_naming_the_field(openai_frontend, body, param):
         "model": MODEL, "messages": [{"role": "user", "content": "x"}],
         "prompt_logprobs": 25})
     assert status == 400 and answer["error"]["param"] == "prompt_logprobs", answer
+
+
+def test_a_streamed_echo_with_max_tokens_zero_is_the_prompt_alone():
+    parsed = parse_completion_request({"prompt": [1, 2, 4], "echo": True, "logprobs": 1,
+                                       "max_tokens": 0, "stream": True,
+                                       "prompt_logprobs": 1}, MODEL, chat=False)
+    state = ChoiceState(0, generate=parsed.generate)
+    delta, entries = state.update({
+        "text_output": " ok", "finish_reason": "length", "num_input_tokens": 3,
+        "num_output_tokens": 1, "prompt_logprobs": json.dumps(PROMPT_WIRE),
+        "output_logprobs": json.dumps([_wire(7, -0.2, {7: -0.2}, " ok")])})
+    chunk = choice_chunk(parsed, parsed.choices[0], state, delta, entries, first=True)
+    assert chunk["text"] == "Hi there!" and chunk["finish_reason"] == "length"
+    assert chunk["logprobs"]["tokens"] == ["Hi", " there", "!"]
+    assert chunk["prompt_logprobs"][0] is None and len(chunk["prompt_logprobs"]) == 3
+    assert state.completion_tokens == 0
