@@ -173,6 +173,8 @@ def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], di
         config += (f'parameters {{ key: "{key}", value: {{ string_value: '
                    f'"{_pbtxt_escape(value)}" }} }}\n')
     (model_dir / "config.pbtxt").write_text(config)
+    # INT32 tensors sent for these become INT64 on the way in (preload.c, part 3).
+    env[preload.WIDEN_VARIABLE] = ",".join(preload.int64_inputs(config))
 
     cmd = [
         str(binary), f"--model-repository={models}", f"--backend-directory={backend_dir}",
@@ -292,7 +294,8 @@ class TritonServer(ManagedProcess):
             print("[kvflow serve] WARNING: the library that keeps keys off tritonserver's "
                   f"command line could not be built ({e}). Every local user can read the "
                   "admin key (ps) and open the backend's /dev/shm regions (mode 0644), and "
-                  "with either read other clients' requests. Install a C compiler (e.g. "
+                  "with either read other clients' requests, and INT32 tensors for the "
+                  "integer inputs are refused. Install a C compiler (e.g. "
                   "apt-get install gcc) and run `make install`.", file=sys.stderr, flush=True)
             return subprocess.Popen(cmd, env=env, **options)
 

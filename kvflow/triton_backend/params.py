@@ -15,7 +15,8 @@ for ``/v1/chat/completions``). ``user`` (or ``tenant`` in ``sampling_parameters`
 tenant the request is accounted to (the ``fair`` policy's unit). ``timeout_ms`` in
 ``sampling_parameters`` is the request's deadline.
 
-Integer tensors are INT64, so that no value is wrapped before kvflow can check its range.
+Integer tensors are INT64, so that no value is wrapped before kvflow can check its range
+(under ``kvflow serve``, INT32 tensors for them arrive widened to INT64: ``preload.c``).
 Any other key (over HTTP ``generate``, Triton passes unknown JSON keys on as request
 parameters) is refused with the list of known ones. Pure Python + NumPy: testable without
 Triton.

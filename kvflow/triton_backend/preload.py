@@ -6,12 +6,18 @@ mode 0644 whatever the umask. :func:`popen` starts it with ``preload.c`` (an ``L
 library, built here with the machine's C compiler on first use, or by ``make install``): each
 argument holding a secret becomes a placeholder on the command line, and the real arguments reach
 the process through a pipe, read before ``main()``; and the regions keep the umask (0077).
+
+The library also widens INT32 tensors sent for the inputs named in ``WIDEN_VARIABLE`` (the
+model's INT64 inputs, :func:`int64_inputs`) to INT64, so that clients written for TensorRT-LLM
+(INT32) and those that send INT64 are both served, and Triton's HTTP JSON parser, which wraps a
+value that does not fit a 32-bit input, only ever fills 64-bit ones.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +28,8 @@ from typing import Any
 SOURCE = Path(__file__).with_name("preload.c")
 PLACEHOLDER = "@kvflow-secret"  # NOTE: the same in preload.c
 FD_VARIABLE = "KVFLOW_SECRET_ARGS_FD"
+WIDEN_VARIABLE = "KVFLOW_WIDEN_INPUTS"  # NOTE: the same in preload.c
+_INT64_INPUT = re.compile(r'\{\s*name:\s*"(\w+)",\s*data_type:\s*TYPE_INT64\b')
 # What tritonserver and its backend stubs create (their /dev/shm regions included) is private.
 UMASK = 0o077
 
@@ -77,6 +85,12 @@ def _build(folder: Path, name: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return folder / name
+
+
+def int64_inputs(config: str) -> list[str]:
+    """The inputs a ``config.pbtxt`` (its text) declares TYPE_INT64: those the library widens."""
+    inputs = config[config.index("input ["):config.index("output [")]
+    return _INT64_INPUT.findall(inputs)
 
 
 def hide_secrets(cmd: list[str], secrets: list[str]) -> tuple[list[str], list[str]]:
