@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from kvflow import client
-from kvflow.bench import compare, step
+from kvflow.bench import compare, quality, step
 from kvflow.bench import serve as bench_serve
 from kvflow.build import command as build_command
 from kvflow.dynamo import launcher as dynamo_launcher
@@ -63,6 +63,9 @@ def make_parser() -> argparse.ArgumentParser:
     _module(bench_sub, "compare", "serve one engine with static batching, continuous batching "
                                   "and chunked prefill; sweep request rates against each; HF "
                                   "generate as the baseline", compare)
+    _module(bench_sub, "quality", "sliding-window perplexity, KL divergence and top-1 "
+                                  "agreement per engine and quantized_matmul mode, beside HF "
+                                  "transformers and llama.cpp", quality)
 
     p = _command(sub, "dynamo-worker", "run an engine as an NVIDIA Dynamo worker (behind "
                                        "python -m dynamo.frontend)",

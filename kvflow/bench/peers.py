@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import tarfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from kvflow.utils.procs import ManagedProcess, free_port
 SDIST_PACKAGE = "llama-cpp-python"
 VENDORED = "vendor/llama.cpp"
 REQUIRED_TOOLS = ("llama-batched-bench", "llama-server")
-OPTIONAL_TOOLS = ("llama-quantize",)
+OPTIONAL_TOOLS = ("llama-quantize", "llama-perplexity")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CUDA=OFF",
@@ -40,6 +40,7 @@ class LlamaCppBuild:
     """A llama.cpp checkout under ``root``: the source in ``src/``, the build in ``build/``."""
 
     root: Path
+    bin_override: Path | None = None  # a bin folder of llama.cpp tools built elsewhere
 
     @property
     def src_dir(self) -> Path:
@@ -50,13 +51,13 @@ class LlamaCppBuild:
         return self.root / "build"
 
     def tool(self, name: str) -> Path:
-        return self.build_dir / "bin" / name
+        return (self.bin_override or self.build_dir / "bin") / name
 
     def has(self, name: str) -> bool:
         return self.tool(name).is_file()
 
-    def missing(self) -> list[str]:
-        return [t for t in REQUIRED_TOOLS if not self.has(t)]
+    def missing(self, tools: Sequence[str] = REQUIRED_TOOLS) -> list[str]:
+        return [t for t in tools if not self.has(t)]
 
     def version(self) -> str:
         """Which sdist the source came from, and ``llama-server --version``'s first line."""
@@ -94,25 +95,25 @@ def _fetch_source(build: LlamaCppBuild, log: Callable[[str], None]) -> None:
         tar.extractall(build.src_dir, members=members, filter="data")
 
 
-def ensure_build(root: str | Path, jobs: int = 2,
-                 log: Callable[[str], None] = print) -> LlamaCppBuild:
-    """The llama.cpp build cached under ``root``, built first if a required tool is missing
-    (about ten minutes on two cores; progress is printed, the full log is ``root/build.log``).
-    """
+def ensure_build(root: str | Path, jobs: int = 2, log: Callable[[str], None] = print,
+                 require: Sequence[str] = REQUIRED_TOOLS) -> LlamaCppBuild:
+    """The llama.cpp build cached under ``root``, built first if a tool of ``require`` is
+    missing (about ten minutes on two cores; progress is printed, the full log is
+    ``root/build.log``)."""
     build = LlamaCppBuild(Path(root).resolve())
-    if not build.missing():
+    if not build.missing(require):
         log(f"[llama.cpp] reusing the cached build in {build.build_dir / 'bin'}")
         return build
     if not (build.src_dir / "CMakeLists.txt").is_file():
         _fetch_source(build, log)
-    log(f"[llama.cpp] building {', '.join(build.missing())} in {build.build_dir} "
+    log(f"[llama.cpp] building {', '.join(build.missing(require))} in {build.build_dir} "
         f"(-j{jobs}; about 10 minutes on 2 cores; log: {build.root / 'build.log'})")
     with open(build.root / "build.log", "a") as out:
         subprocess.run(["cmake", "-S", str(build.src_dir), "-B", str(build.build_dir),
                         *CMAKE_FLAGS], stdout=out, stderr=subprocess.STDOUT, check=True)
         listing = subprocess.run(["cmake", "--build", str(build.build_dir), "--target", "help"],
                                  capture_output=True, text=True, check=True).stdout
-        targets = [t for t in (*REQUIRED_TOOLS, *OPTIONAL_TOOLS)
+        targets = [t for t in dict.fromkeys((*REQUIRED_TOOLS, *OPTIONAL_TOOLS, *require))
                    if re.search(rf"\b{re.escape(t)}\b", listing)]
         proc = subprocess.Popen(["cmake", "--build", str(build.build_dir), f"-j{jobs}",
                                  "--target", *targets], stdout=subprocess.PIPE,
@@ -127,8 +128,8 @@ def ensure_build(root: str | Path, jobs: int = 2,
                 log(f"[llama.cpp] build {shown}%")
         if proc.wait() != 0:
             raise RuntimeError(f"the llama.cpp build failed (see {build.root / 'build.log'})")
-    if build.missing():
-        raise RuntimeError(f"the llama.cpp build did not produce {build.missing()}")
+    if build.missing(require):
+        raise RuntimeError(f"the llama.cpp build did not produce {build.missing(require)}")
     return build
 
 
@@ -239,3 +240,44 @@ class LlamaServerClient(OpenAIClient):
         # Keep-Alive header); closed here, the next request opens a new one.
         conn.close()
 
+
+
+def parse_perplexity(text: str) -> dict[str, float]:
+    """``llama-perplexity``'s figures: ``perplexity`` (its final estimate, or ``Mean PPL(Q)``
+    with ``--kl-divergence``), ``chunks``, and with ``--kl-divergence`` ``mean_kl`` and
+    ``top1_agreement`` (its "Same top p", as a fraction)."""
+    out: dict[str, float] = {}
+    for key, pattern in (("perplexity", r"Final estimate: PPL = ([0-9.]+)"),
+                         ("perplexity", r"Mean PPL\(Q\)\s*:\s*([0-9.]+)"),
+                         ("chunks", r"calculating perplexity over (\d+) chunks"),
+                         ("mean_kl", r"Mean\s+KLD:\s*(-?[0-9.]+)"),
+                         ("top1_agreement", r"Same top p:\s*([0-9.]+)")):
+        m = re.search(pattern, text)
+        if m:
+            out[key] = float(m.group(1))
+    if "top1_agreement" in out:
+        out["top1_agreement"] /= 100.0
+    if "perplexity" not in out:
+        raise RuntimeError(f"no perplexity in llama-perplexity's output: {text.strip()[-500:]}")
+    return out
+
+
+def llama_perplexity(build: LlamaCppBuild, model: str | Path, text_file: str | Path,
+                     context: int, threads: int, kl_base: Path, compare: bool,
+                     log_path: Path | None = None) -> dict[str, float]:
+    """``llama-perplexity`` on ``model`` over ``text_file`` in chunks of ``context`` tokens
+    (each scoring its second half). Without ``compare`` it saves its logits to ``kl_base``; with
+    it, it reads them back and reports the KL divergence from them (``--kl-divergence``)."""
+    cmd = [str(build.tool("llama-perplexity")), "-m", str(model), "-f", str(text_file),
+           "-c", str(context), "-b", str(context), "-t", str(threads), "-tb", str(threads),
+           "--kl-divergence-base", str(kl_base)]
+    if compare:
+        cmd.append("--kl-divergence")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    if log_path is not None:
+        log_path.write_text(" ".join(cmd) + "\n" + text)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-perplexity exited with {proc.returncode}: "
+                           f"{text.strip()[-500:]}")
+    return parse_perplexity(text)
