@@ -141,7 +141,7 @@ LLAMA_PPL = """perplexity: calculating perplexity over 3 chunks, n_ctx=512, batc
 [1]12.3456,[2]13.0000,[3]14.1000,
 Final estimate: PPL = 14.1000 +/- 0.51234
 """
-LLAMA_KL = """perplexity: calculating perplexity over 3 chunks, n_ctx=512, batch_size=512
+LLAMA_KL = """kl_divergence: computing over 3 chunks, n_ctx=512, batch_size=512, n_seq=1
 ====== Perplexity statistics ======
 Mean PPL(Q)                   :  14.523400 ±   0.520000
 Mean PPL(base)                :  14.100000 ±   0.510000

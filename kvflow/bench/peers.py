@@ -249,7 +249,7 @@ def parse_perplexity(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, pattern in (("perplexity", r"Final estimate: PPL = ([0-9.]+)"),
                          ("perplexity", r"Mean PPL\(Q\)\s*:\s*([0-9.]+)"),
-                         ("chunks", r"calculating perplexity over (\d+) chunks"),
+                         ("chunks", r"(?:calculating perplexity|computing) over (\d+) chunks"),
                          ("mean_kl", r"Mean\s+KLD:\s*(-?[0-9.]+)"),
                          ("top1_agreement", r"Same top p:\s*([0-9.]+)")):
         m = re.search(pattern, text)
@@ -270,7 +270,11 @@ def llama_perplexity(build: LlamaCppBuild, model: str | Path, text_file: str | P
     it, it reads them back and reports the KL divergence from them (``--kl-divergence``)."""
     cmd = [str(build.tool("llama-perplexity")), "-m", str(model), "-f", str(text_file),
            "-c", str(context), "-b", str(context), "-t", str(threads), "-tb", str(threads),
-           "--kl-divergence-base", str(kl_base)]
+           "--kl-divergence-base", str(kl_base),
+           # NOTE: this build's repacked Q4_1 CPU buffers (AVX512/AMX) crash on load, with a
+           # segfault (llama_cpp_python 0.3.36's llama.cpp); unpacked, it runs ggml's own
+           # Q4_1 x Q8_1 dot products: int8 activations still.
+           "--no-repack"]
     if compare:
         cmd.append("--kl-divergence")
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -328,7 +328,7 @@ def llama_cpp_rows(args: argparse.Namespace, engine_dir: str, text: str,
                                    compare, log_path=out / f"{name.replace(' ', '-')}.log")
             chunks = int(res.pop("chunks", 0))
             rows.append({"name": name, "gguf": str(model), **res,
-                         "tokens": chunks * (args.context - args.context // 2),
+                         "tokens": chunks * (args.context - 1 - args.context // 2),
                          "seconds": round(time.perf_counter() - t0, 2)})
     finally:
         kl_base.unlink(missing_ok=True)  # its logits: vocab x 2 bytes per scored token
