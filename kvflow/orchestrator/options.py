@@ -126,11 +126,15 @@ class EngineOptions:
                                              "on a CUDA GPU)", flag="--enforce-eager",
                                        flag_value=False, flag_help="the triton runner launches "
                                        "decode steps eagerly, without CUDA graphs")
-    quantized_matmul: str = _option("int8", "quantized engines on the onnxruntime runner: int8 "
-                                    "(the quantized weights multiplied with activations "
-                                    "quantized to int8 per block, as llama.cpp does), fp32 "
+    # NOTE: the default follows `kvflow bench quality` (docs/benchmarks.md): int8 activations
+    # cost 4.6x the KL divergence llama.cpp's own do, fp32 is exact and, from 8 sequences up,
+    # no slower end to end.
+    quantized_matmul: str = _option("fp32", "quantized engines on the onnxruntime runner: fp32 "
                                     "(weights dequantized at load: exact to HF on the same "
-                                    "weights, fp32 speed and memory), or auto (int8 for steps "
+                                    "weights, fp32 speed and memory), int8 (the quantized "
+                                    "weights multiplied with activations quantized to int8 "
+                                    "per block, as llama.cpp does: faster single streams, "
+                                    "at a cost in quality), or auto (int8 for steps "
                                     "of at most 16 tokens, where reading 4-bit weights wins; "
                                     "fp32 for larger steps, where fp32 GEMM does: faster on "
                                     "big batches, both weight copies in memory)",

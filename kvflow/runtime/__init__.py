@@ -12,7 +12,7 @@ __all__ = ["QUANTIZED_MATMUL_MODES", "RUNNERS", "ModelRunner", "StepInput", "cre
 
 def create_runner(name: str | None, engine_dir: str | Path, num_blocks: int,
                   num_host_blocks: int = 0, cuda_graphs: bool | None = None,
-                  quantized_matmul: str = "int8") -> ModelRunner:
+                  quantized_matmul: str = "fp32") -> ModelRunner:
     """The runner ``name`` (default: the engine's backend) over a pool of ``num_blocks`` blocks
     and a host swap pool of ``num_host_blocks``. ``cuda_graphs``: the triton runner's decode
     graphs (default: on a CUDA GPU); the other runners have none. ``quantized_matmul``: how the

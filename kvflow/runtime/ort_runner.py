@@ -140,7 +140,7 @@ class OnnxRuntimeRunner(PoolRunner):
 
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
                  num_host_blocks: int = 0, threads: int | None = None,
-                 quantized_matmul: str = "int8") -> None:
+                 quantized_matmul: str = "fp32") -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
         path = Path(engine_dir) / engine.files.get("onnx", ONNX_FILE)
         if not path.is_file():
