@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvflow.client import infer_inputs
 from kvflow.triton_backend.preload import int64_inputs
 from tests.helpers import DEADLINE_S, post
 
@@ -40,20 +41,6 @@ def server(tiny_engines):
         yield srv
 
 
-def tensors(arrays: dict[str, np.ndarray]) -> list:
-    """tritonclient gRPC inputs typed from the arrays' dtypes, as TensorRT-LLM's clients make
-    them (``prepare_tensor``)."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    out = []
-    for name, value in arrays.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
-        tensor.set_data_from_numpy(value)
-        out.append(tensor)
-    return out
-
-
 def stream(server, arrays: dict[str, np.ndarray]) -> tuple[str, int]:
     """One request over its own gRPC stream: (the text, the output token count). Raises
     RuntimeError with the server's error."""
@@ -64,7 +51,9 @@ def stream(server, arrays: dict[str, np.ndarray]) -> tuple[str, int]:
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     text, count = "", 0
     try:
-        client.async_stream_infer("kvflow", tensors(arrays), enable_empty_final_response=True)
+        # infer_inputs types each tensor from its array, as TensorRT-LLM's prepare_tensor does.
+        client.async_stream_infer("kvflow", infer_inputs(arrays),
+                                  enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=DEADLINE_S)
             if error is not None:

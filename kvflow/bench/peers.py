@@ -150,6 +150,19 @@ def ensure_f32_gguf(build: LlamaCppBuild, source: str | Path, out: str | Path,
     return out
 
 
+def _run_tool(cmd: list[str], log_path: Path | None) -> str:
+    """Run one llama.cpp tool to its end; its stdout and stderr together (also written, after
+    the command line, to ``log_path``). A failure raises with the output's tail."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    if log_path is not None:
+        log_path.write_text(" ".join(cmd) + "\n" + text)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} exited with {proc.returncode}: "
+                           f"{text.strip()[-500:]}")
+    return text
+
+
 def parse_batched_bench(text: str) -> list[dict[str, float]]:
     """The rows of ``llama-batched-bench``'s markdown table, keyed by :data:`BENCH_COLUMNS`."""
     rows = []
@@ -178,14 +191,7 @@ def batched_bench(build: LlamaCppBuild, model: str | Path, prompt_tokens: int,
     cmd = [str(build.tool("llama-batched-bench")), "-m", str(model), "-c", str(ctx),
            "-npp", str(prompt_tokens), "-ntg", str(output_tokens),
            "-npl", ",".join(map(str, batches)), "-t", str(threads), "-tb", str(threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    text = proc.stdout + proc.stderr
-    if log_path is not None:
-        log_path.write_text(" ".join(cmd) + "\n" + text)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-batched-bench exited with {proc.returncode}: "
-                           f"{text.strip()[-500:]}")
-    rows = parse_batched_bench(text)
+    rows = parse_batched_bench(_run_tool(cmd, log_path))
     got = sorted(r["batch"] for r in rows)
     if got != sorted(batches):
         raise RuntimeError(f"llama-batched-bench reported batches {got}, asked for {batches}")
@@ -277,11 +283,4 @@ def llama_perplexity(build: LlamaCppBuild, model: str | Path, text_file: str | P
            "--no-repack"]
     if compare:
         cmd.append("--kl-divergence")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    text = proc.stdout + proc.stderr
-    if log_path is not None:
-        log_path.write_text(" ".join(cmd) + "\n" + text)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-perplexity exited with {proc.returncode}: "
-                           f"{text.strip()[-500:]}")
-    return parse_perplexity(text)
+    return parse_perplexity(_run_tool(cmd, log_path))

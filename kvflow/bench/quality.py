@@ -30,18 +30,16 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.workloads.data import shared_data_file
+
 REFERENCE_MODE = "fp32"
 MODES = ("int8", "fp32", "auto")
 LLM_BATCH = 8  # windows per LLM.generate call: a progress line each
 
 
 def default_text() -> Path:
-    """tinyshakespeare: ``../shared/data`` beside the checkout, else ``/work/shared/data`` (as
-    the Azure trace is found); the first candidate when neither exists."""
-    name = "tinyshakespeare.txt"
-    candidates = [Path(__file__).resolve().parents[3] / "shared" / "data" / name,
-                  Path("/work/shared/data") / name]
-    return next((c for c in candidates if c.is_file()), candidates[0])
+    """tinyshakespeare, among the shared data files."""
+    return shared_data_file("tinyshakespeare.txt")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

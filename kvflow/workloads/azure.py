@@ -10,17 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
+from kvflow.workloads.data import shared_data_file
 from kvflow.workloads.specs import RequestSpec
 
 
 def default_trace() -> Path:
-    """The Azure conversation trace: ``../shared/data`` beside the checkout (where the team's
-    machines keep it), else ``/work/shared/data``; the first candidate when neither exists,
-    so that the error names where it was looked for."""
-    name = "AzureLLMInferenceTrace_conv.csv"
-    candidates = [Path(__file__).resolve().parents[3] / "shared" / "data" / name,
-                  Path("/work/shared/data") / name]
-    return next((c for c in candidates if c.is_file()), candidates[0])
+    """The Azure conversation trace, among the shared data files."""
+    return shared_data_file("AzureLLMInferenceTrace_conv.csv")
 
 
 DEFAULT_TRACE = default_trace()
