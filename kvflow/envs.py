@@ -5,15 +5,20 @@
 * ``KVFLOW_API_KEY``: the default ``--api-key`` of ``kvflow serve`` and ``kvflow generate``.
 * ``KVFLOW_FAIL_AFTER_STEPS`` (an integer N): fault injection for tests of failure handling:
   the served engine loop raises instead of running its step N + 1, as a failing runner would.
+* ``KVFLOW_CACHE_DIR``: where kvflow keeps what it builds or measures once per machine (the
+  native ONNX Runtime op library, the CPU runner's thread policy); default
+  ``$XDG_CACHE_HOME/kvflow``, else ``~/.cache/kvflow``.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 DEBUG_CHECKS = "KVFLOW_DEBUG_CHECKS"
 API_KEY = "KVFLOW_API_KEY"
 FAIL_AFTER_STEPS = "KVFLOW_FAIL_AFTER_STEPS"
+CACHE_DIR = "KVFLOW_CACHE_DIR"
 
 
 def debug_checks() -> bool:
@@ -32,3 +37,11 @@ def fail_after_steps() -> int | None:
         raise ValueError(f"{FAIL_AFTER_STEPS} must be a step count (an integer >= 0), got "
                          f"{value!r}")
     return int(value)
+
+
+def cache_dir() -> Path:
+    value = os.environ.get(CACHE_DIR, "").strip()
+    if value:
+        return Path(value)
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvflow"
