@@ -1,0 +1,250 @@
+"""The ONNX Runtime custom-op library: ``kvflow::PagedAttention`` in C++, built on this machine.
+
+``paged_attention_ort.cc`` implements the node of :mod:`kvflow.plugins.torch_op` as an ORT
+kernel, so that one session runs a whole engine step. It is compiled here, with the machine's
+``g++`` and ``-march=native``, against ONNX Runtime's C API headers alone (the API table reaches
+the library through ``RegisterCustomOps``; nothing links against ``libonnxruntime.so``). Headers
+of API 21 load into any newer runtime.
+
+The headers are not in the onnxruntime wheel. ``make install`` runs ``python -m
+kvflow.plugins.ort_custom_ops --fetch-headers``, which downloads Debian 13's
+``libonnxruntime-dev`` with a private apt configuration (the system's sources untouched) and
+unpacks its headers into ``<venv>/onnxruntime-headers``; a system ``/usr/include/onnxruntime``
+serves too.
+
+The built library is cached under a name that hashes everything it depends on: the source, the
+headers' API file, the flags, the compiler's identity and this CPU's feature flags. Any change
+rebuilds it; a venv copied to another CPU does not load a library built for the first.
+
+For the runner: :func:`library` (the path, or None) and :func:`unavailable_reason` (why not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("paged_attention_ort.cc")
+API_HEADER = "onnxruntime_c_api.h"
+HEADERS_DIRNAME = "onnxruntime-headers"
+# Debian 13 (trixie) ships ONNX Runtime 1.21's headers (API 21) in this package.
+HEADERS_PACKAGE = "libonnxruntime-dev"
+HEADERS_SUITE = "trixie"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+DEBIAN_KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
+# -ffast-math minus -ffinite-math-only (the kernel masks with finite values, yet keeps NaN
+# semantics honest) and without its link step: GCC 12 links crtfastmath.o into a -shared
+# library built with -ffast-math, which turns on flush-to-zero for the whole Python process.
+CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+             "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math",
+             "-ffp-contract=fast", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall")
+
+_resolved: dict[Path | None, tuple[Path | None, str | None]] = {}
+
+
+class CustomOpsUnavailable(RuntimeError):
+    """The library cannot be built or loaded here; the message says why."""
+
+
+def header_dirs() -> list[Path]:
+    """Where the headers are looked for: this environment's own copy (``make install``), then
+    a system-wide ``libonnxruntime-dev``."""
+    return [Path(sys.prefix) / HEADERS_DIRNAME, Path("/usr/include/onnxruntime")]
+
+
+def find_headers(headers_dir: Path | None = None) -> Path:
+    """The folder holding ``onnxruntime_c_api.h``: ``headers_dir`` if given, else the first of
+    :func:`header_dirs`. Raises CustomOpsUnavailable naming the folders searched."""
+    folders = [headers_dir] if headers_dir is not None else header_dirs()
+    for folder in folders:
+        if (folder / API_HEADER).is_file():
+            return folder
+    raise CustomOpsUnavailable(
+        f"no ONNX Runtime C API headers ({API_HEADER} is in none of "
+        f"{', '.join(str(f) for f in folders)}); `make install` fetches them "
+        f"(python -m kvflow.plugins.ort_custom_ops --fetch-headers)")
+
+
+def _compiler() -> str:
+    for name in ("g++", "c++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise CustomOpsUnavailable("no C++ compiler (g++, c++ or clang++) on PATH")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
+
+
+def library_name(headers: Path, compiler: str) -> str:
+    """The file name: a hash of the source, the API header, the flags, the compiler's identity
+    (its path and ``--version``) and the CPU's feature flags (``-march=native`` depends on
+    them)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), (headers / API_HEADER).read_bytes(),
+                 " ".join(CXX_FLAGS).encode(), compiler.encode(), version.encode(),
+                 _cpu_flags().encode()):
+        digest.update(hashlib.sha256(part).digest())
+    return f"libkvflow-ortops-{digest.hexdigest()[:16]}.so"
+
+
+def _cache_dirs() -> list[Path]:
+    """This environment's own folder (what ``make install`` fills), then the user's cache (an
+    environment this user cannot write to)."""
+    return [Path(sys.prefix) / "lib" / "kvflow", Path.home() / ".cache" / "kvflow"]
+
+
+def build(headers_dir: Path | None = None) -> Path:
+    """The library, built now unless a cached one matches. Raises CustomOpsUnavailable."""
+    headers = find_headers(headers_dir)
+    compiler = _compiler()
+    name = library_name(headers, compiler)
+    for folder in _cache_dirs():
+        if (folder / name).is_file():
+            return folder / name
+    errors = []
+    for folder in _cache_dirs():
+        try:
+            return _compile(compiler, headers, folder, name)
+        except OSError as e:
+            errors.append(f"{folder}: {e}")
+    raise CustomOpsUnavailable("cannot write the library: " + "; ".join(errors))
+
+
+def _compile(compiler: str, headers: Path, folder: Path, name: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True, mode=0o755)
+    # NOTE: built beside its final name, then renamed: processes starting together never load
+    # a half-written file.
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *CXX_FLAGS, f"-I{headers}", "-o", tmp, str(SOURCE)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise CustomOpsUnavailable(f"{compiler} failed on {SOURCE.name}: "
+                                       f"{result.stderr.strip()[-1500:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, folder / name)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return folder / name
+
+
+def _check_loads(path: Path) -> None:
+    import onnxruntime as ort
+
+    try:
+        ort.SessionOptions().register_custom_ops_library(str(path))
+    except Exception as e:  # ORT raises its own pybind error types
+        raise CustomOpsUnavailable(f"onnxruntime {ort.__version__} cannot load {path}: {e}") \
+            from e
+
+
+def _resolve(headers_dir: Path | None) -> tuple[Path | None, str | None]:
+    if headers_dir not in _resolved:
+        try:
+            path = build(headers_dir)
+            _check_loads(path)
+            _resolved[headers_dir] = (path, None)
+        except CustomOpsUnavailable as e:
+            _resolved[headers_dir] = (None, str(e))
+    return _resolved[headers_dir]
+
+
+def library(headers_dir: Path | None = None) -> Path | None:
+    """The custom-op library for ``SessionOptions.register_custom_ops_library``, built if need
+    be (at most once a process), or None when it cannot be: :func:`unavailable_reason` says
+    why. ``headers_dir`` replaces the folders searched for the headers."""
+    return _resolve(headers_dir)[0]
+
+
+def unavailable_reason(headers_dir: Path | None = None) -> str | None:
+    """Why :func:`library` is None (headers missing, no compiler, the compiler's error, the
+    runtime refusing the library), or None when it is available."""
+    return _resolve(headers_dir)[1]
+
+
+def fetch_headers(dest: Path | None = None) -> Path:
+    """Download Debian 13's ``libonnxruntime-dev`` with a private apt configuration (the
+    system's sources, lists and cache untouched) and put its headers in ``dest`` (default:
+    this environment's ``onnxruntime-headers``). Needs apt-get, dpkg-deb and the network.
+    Raises CustomOpsUnavailable saying which step failed."""
+    dest = dest or Path(sys.prefix) / HEADERS_DIRNAME
+    for tool in ("apt-get", "dpkg-deb", "dpkg"):
+        if shutil.which(tool) is None:
+            raise CustomOpsUnavailable(f"cannot fetch {HEADERS_PACKAGE}: no {tool} (not Debian?)")
+    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True,
+                          text=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="kvflow-apt-") as tmp:
+        root = Path(tmp)
+        for sub in ("lists/partial", "cache/archives/partial", "etc/sources.list.d",
+                    "etc/preferences.d", "deb", "x"):
+            (root / sub).mkdir(parents=True)
+        (root / "etc/sources.list").write_text(
+            f"deb [signed-by={DEBIAN_KEYRING}] {DEBIAN_MIRROR} {HEADERS_SUITE} main\n")
+        options = [f"-oDir::Etc::SourceList={root}/etc/sources.list",
+                   f"-oDir::Etc::SourceParts={root}/etc/sources.list.d",
+                   f"-oDir::State::Lists={root}/lists", f"-oDir::Cache={root}/cache",
+                   f"-oDir::Etc::Preferences={root}/etc/preferences",
+                   f"-oDir::Etc::PreferencesParts={root}/etc/preferences.d",
+                   f"-oAPT::Architecture={arch}", "-oDebug::NoLocking=1", "-q"]
+        for step, cwd in ((["update"], root), (["download", HEADERS_PACKAGE], root / "deb")):
+            result = subprocess.run(["apt-get", *options, *step], cwd=cwd, capture_output=True,
+                                    text=True)
+            if result.returncode != 0:
+                raise CustomOpsUnavailable(f"`apt-get {' '.join(step)}` ({HEADERS_SUITE}) "
+                                           f"failed: {result.stderr.strip()[-800:]}")
+        debs = sorted((root / "deb").glob("*.deb"))
+        if not debs:
+            raise CustomOpsUnavailable(f"apt-get download left no {HEADERS_PACKAGE} .deb")
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(root / "x")], check=True)
+        found = root / "x/usr/include/onnxruntime"
+        if not (found / API_HEADER).is_file():
+            raise CustomOpsUnavailable(f"{debs[0].name} holds no {API_HEADER}")
+        staged = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(staged, ignore_errors=True)
+        shutil.copytree(found, staged)
+        shutil.rmtree(dest, ignore_errors=True)
+        staged.rename(dest)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvflow.plugins.ort_custom_ops [--fetch-headers]``: build the library now
+    (``make install``), fetching the headers first when asked and absent."""
+    args = sys.argv[1:] if argv is None else argv
+    if "--fetch-headers" in args:
+        try:
+            find_headers()
+        except CustomOpsUnavailable:
+            try:
+                print(f"kvflow: ONNX Runtime headers in {fetch_headers()}", file=sys.stderr)
+            except (CustomOpsUnavailable, OSError, subprocess.CalledProcessError) as e:
+                print(f"kvflow: could not fetch the ONNX Runtime headers ({e})", file=sys.stderr)
+    path = library()
+    if path is None:
+        print(f"kvflow: the ONNX Runtime custom-op library is unavailable "
+              f"({unavailable_reason()}); the CPU runner falls back to one ORT session per "
+              "layer", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
