@@ -1,12 +1,13 @@
 """kvflow against its peers on one model, SmolLM2-135M-Instruct, in one run.
 
-    python benchmarks/peers.py --engine fp32=engines/smollm2-135m \\
-        --engine q4=engines/smollm2-135m-q4
+    python benchmarks/peers.py --engine q4=engines/smollm2-135m \\
+        --engine q4-int8=engines/smollm2-135m,quantized_matmul=int8
 
 Every system runs the same weights (the shipped Q4_1 GGUF, or its F32 dequantization) on
 ``--threads`` CPU threads:
 
-* kvflow ``LLM.generate`` on each ``--engine NAME=DIR`` (prefix caching off);
+* kvflow ``LLM.generate`` on each ``--engine NAME=DIR[,KEY=VALUE...]`` (prefix caching off;
+  the KEY=VALUE engine options are that engine's own, on top of ``--kvflow-option``'s);
 * HF transformers ``generate`` in fp32 on the GGUF (left-padded batch, greedy);
 * llama.cpp ``llama-batched-bench`` on the Q4_1 and the F32 GGUF;
 
@@ -21,8 +22,10 @@ client (``/v1/completions``, SSE), at ``--served-concurrency``, alternating roun
 server is stopped on exit, on Ctrl-C and on SIGTERM.
 
 llama.cpp is built once (about 10 minutes on 2 cores) under ``--llamacpp-dir`` and reused; the
-F32 GGUF is made from the Q4_1 file without any download. Writes ``report.json``,
-``summary.md``, ``peers_tok_s.png`` and ``served_latency.png`` to ``--out``.
+F32 GGUF is made from the Q4_1 file without any download. Its tools run with
+``--no-repack`` (:data:`kvflow.bench.peers.NO_REPACK`). Writes ``report.json``, ``summary.md``
+(with a table of issue 32's targets: each ratio, its bound, met or not), ``peers_tok_s.png``
+and ``served_latency.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -45,9 +48,13 @@ from kvflow.bench.peers import (
     LlamaCppBuild,
     LlamaServer,
     LlamaServerClient,
+    Target,
     batched_bench,
     ensure_build,
     ensure_f32_gguf,
+    parse_engine_options,
+    parse_engine_specs,
+    targets_table,
 )
 from kvflow.reports.writers import memory_bandwidth_gb_s, pyplot, save_figure, write_report
 
@@ -201,7 +208,8 @@ def run_offline(args: argparse.Namespace, engines: dict[str, str], build: LlamaC
             for name, engine_dir in engines.items():
                 print(f"[peers] loading kvflow engine {name} ({engine_dir})", flush=True)
                 workers.append(stack.enter_context(Worker(
-                    f"kvflow-{name}", "kvflow", engine_dir, args.threads, args.kvflow_options)))
+                    f"kvflow-{name}", "kvflow", engine_dir, args.threads,
+                    {**args.kvflow_options, **args.engine_options[name]})))
         if not args.skip_hf:
             print("[peers] loading HF transformers (fp32, from the GGUF)", flush=True)
             workers.append(stack.enter_context(Worker(HF_NAME, "hf", args.gguf, args.threads,
@@ -263,7 +271,8 @@ def run_served(args: argparse.Namespace, engines: dict[str, str], build: LlamaCp
             for name, engine_dir in engines.items():
                 print(f"[peers] starting kvflow serve on {name} ({engine_dir})", flush=True)
                 cfg = ServerConfig.on_free_ports(engine_dir, {"enable_prefix_caching": False,
-                                                              **args.kvflow_options})
+                                                              **args.kvflow_options,
+                                                              **args.engine_options[name]})
                 server = stack.enter_context(
                     TritonServer(cfg, log_path=out / f"tritonserver_{name}.log"))
                 frontend = stack.enter_context(FrontendProcess(
@@ -275,10 +284,10 @@ def run_served(args: argparse.Namespace, engines: dict[str, str], build: LlamaCp
         if build is not None:
             for label, gguf in ggufs.items():
                 print(f"[peers] starting llama-server on {gguf.name}", flush=True)
-                server = stack.enter_context(LlamaServer(
+                llama_server = stack.enter_context(LlamaServer(
                     build, gguf, conc, ctx_per_slot, args.threads,
                     log_path=out / f"llama_server_{label}.log"))
-                client = LlamaServerClient(server.url)
+                client = LlamaServerClient(llama_server.url)
                 client.name = f"llama-server-{label}"
                 clients.append(client)
         for client in clients:  # warm-up: first requests, connections
@@ -367,6 +376,44 @@ def greedy_agreement(offline: dict[str, Any], batch: str) -> str:
     return ", ".join(parts)
 
 
+def targets(report: dict[str, Any]) -> list[Target]:
+    """Issue 32's targets that this run measured, one row per kvflow engine: single-stream
+    decode and end to end at B=1 against llama.cpp Q4_1, end to end at the largest batch
+    against HF fp32, served throughput and mean ITL against llama-server Q4_1 and F32."""
+    cfg, offline, served = report["config"], report["offline"], report["served"]
+    io = f"{cfg['input_tokens']}/{cfg['output_tokens']} tokens"
+    b_max = str(max(cfg["batches"]))
+    conc = cfg["served_concurrency"]
+    rows: list[Target] = []
+    for name in [n for n in offline if n.startswith("kvflow-")]:
+        mine, q4 = offline[name], offline.get("llama.cpp-q4_1", {})
+        if "1" in mine and "1" in q4:
+            if mine["1"].get("decode_tok_s") and q4["1"].get("decode_tok_s"):
+                rows.append(Target(f"{name}: single-stream decode tok/s / llama.cpp Q4_1 "
+                                   "S_TG (B=1)", max(mine["1"]["decode_tok_s"])
+                                   / max(q4["1"]["decode_tok_s"]), 1.0))
+            rows.append(Target(f"{name}: end to end B=1, {io}, tok/s / llama.cpp Q4_1",
+                               mine["1"]["output_tok_s"] / q4["1"]["output_tok_s"], 1.2))
+        hf = offline.get(HF_NAME, {})
+        if b_max in mine and b_max in hf:
+            rows.append(Target(f"{name}: end to end B={b_max}, {io}, tok/s / HF fp32",
+                               mine[b_max]["output_tok_s"] / hf[b_max]["output_tok_s"], 2.0))
+    for name in [n for n in served if n.startswith("kvflow-")]:
+        s = served[name]["summary"]
+        for label, bound in (("q4_1", 1.5), ("f32", 1.2)):
+            peer = served.get(f"llama-server-{label}")
+            if peer is None:
+                continue
+            p = peer["summary"]
+            rows.append(Target(f"{name}: served c={conc}, output tok/s / llama-server "
+                               f"{label.upper()}", s["output_token_throughput"]
+                               / p["output_token_throughput"], bound))
+            rows.append(Target(f"{name}: served c={conc}, mean ITL / llama-server "
+                               f"{label.upper()}'s", s["itl_ms"]["mean"] / p["itl_ms"]["mean"],
+                               1.0, at_most=True))
+    return rows
+
+
 def summary_lines(report: dict[str, Any], plots: list[str]) -> list[str]:
     cfg, offline, served = report["config"], report["offline"], report["served"]
     batches = [str(b) for b in cfg["batches"]]
@@ -375,6 +422,11 @@ def summary_lines(report: dict[str, Any], plots: list[str]) -> list[str]:
              f"memory bandwidth (numpy copy of 512 MB, read + write, one thread, best of 5): "
              f"**{report['memory_bandwidth_gb_s']:.1f} GB/s**.",
              f"llama.cpp: {report['llama_cpp'].get('version') or 'not run'}.", ""]
+    goals = [Target(**{k: v for k, v in t.items() if k != "met"}) for t in report["targets"]]
+    if goals:
+        lines += ["## Targets (issue 32)", "", *targets_table(goals), "",
+                  "Ratios are kvflow's over the peer's, from the best round of each. Issue 32 "
+                  "sets the end-to-end HF target at B=32 and the served ones at c=8.", ""]
     if offline:
         lines += [f"## Offline: B prompts x {cfg['input_tokens']} tokens, {cfg['output_tokens']} "
                   f"greedy tokens each (EOS ignored), best of {cfg['rounds']} alternating rounds",
@@ -435,28 +487,6 @@ def summary_lines(report: dict[str, Any], plots: list[str]) -> list[str]:
     return lines
 
 
-def parse_engines(specs: list[str] | None) -> dict[str, str]:
-    engines = {}
-    for spec in specs or ["fp32=engines/smollm2-135m"]:
-        name, sep, folder = spec.partition("=")
-        if not sep or not name or not folder:
-            raise SystemExit(f"--engine must be NAME=DIR, got {spec!r}")
-        if not (Path(folder) / "engine_config.json").is_file():
-            raise SystemExit(f"--engine {spec}: {folder} is not an engine folder")
-        engines[name] = folder
-    return engines
-
-
-def parse_kvflow_options(specs: list[str] | None) -> dict[str, Any]:
-    from kvflow.orchestrator.options import parse_option
-
-    options = {}
-    for spec in specs or []:
-        key, _, value = spec.partition("=")
-        options[key] = parse_option(key, value)
-    return options
-
-
 def on_sigterm(signum: int, _frame: object) -> None:
     """SIGTERM unwinds like Ctrl-C: every ``with`` block stops its server or worker."""
     raise KeyboardInterrupt(f"signal {signum}")
@@ -468,7 +498,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", action="append", metavar="NAME=DIR",
-                   help="a kvflow engine folder (repeatable; default fp32=engines/smollm2-135m)")
+                   help="a kvflow engine folder, optionally with engine options of its own: "
+                   "NAME=DIR[,KEY=VALUE...] (repeatable; default q4=engines/smollm2-135m, "
+                   "the default 4-bit engine)")
     p.add_argument("--kvflow-option", action="append", metavar="KEY=VALUE",
                    help="an engine option for kvflow, offline and served (repeatable)")
     p.add_argument("--gguf", default=str(default_model_path()), help="the Q4_1 GGUF")
@@ -499,8 +531,8 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     args.batches = [int(b) for b in args.batches.split(",")]
-    engines = parse_engines(args.engine)
-    args.kvflow_options = parse_kvflow_options(args.kvflow_option)
+    args.kvflow_options = parse_engine_options(args.kvflow_option, "--kvflow-option")
+    engines, args.engine_options = parse_engine_specs(args.engine, "q4=engines/smollm2-135m")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -530,6 +562,7 @@ def main() -> int:
               "llama_cpp": {"version": version, "bin": str(build.build_dir / "bin") if build
                             else None, "ggufs": {k: str(v) for k, v in ggufs.items()}},
               "offline": offline, "served": served}
+    report["targets"] = [t.as_dict() for t in targets(report)]
     (out / "report.json").write_text(json.dumps(report, indent=1))
     plots = []
     if offline:

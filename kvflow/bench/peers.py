@@ -1,5 +1,6 @@
-"""llama.cpp as a peer: a cached CPU build of its tools, an F32 GGUF, ``llama-batched-bench``
-and ``llama-server``.
+"""llama.cpp as a peer: a cached CPU build of its tools, an F32 GGUF, ``llama-batched-bench``,
+``llama-server``; and what the peer benchmarks share: their ``--engine`` specs and the table
+of a comparison's targets.
 
 The source is the llama.cpp that the ``llama-cpp-python`` sdist vendors (``vendor/llama.cpp``),
 fetched with pip (a package, no weights) and built once with cmake (Release, CPU only,
@@ -31,6 +32,10 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CUDA=OFF",
                "-DGGML_METAL=OFF")
+# NOTE: this build's repacked Q4_1 CPU buffers crash on load with a segfault (llama_cpp_python
+# 0.3.36's llama.cpp), in every tool. Unpacked, ggml runs its own Q4_1 x Q8_1 dot products (int8
+# activations still). Every tool runner below passes it; the F32 GGUF is not affected either way.
+NO_REPACK = ("--no-repack",)
 BENCH_COLUMNS = ("pp", "tg", "batch", "n_kv", "t_pp_s", "s_pp_tok_s", "t_tg_s", "s_tg_tok_s",
                  "t_s", "s_tok_s")
 
@@ -150,6 +155,71 @@ def ensure_f32_gguf(build: LlamaCppBuild, source: str | Path, out: str | Path,
     return out
 
 
+@dataclass(frozen=True)
+class Target:
+    """One figure of a benchmark's targets: kvflow's measure over a peer's (``ratio``), and the
+    bound it should meet: ``ratio >= bound``, or ``ratio <= bound`` when ``at_most``."""
+
+    figure: str
+    ratio: float
+    bound: float
+    at_most: bool = False
+
+    @property
+    def met(self) -> bool:
+        return self.ratio <= self.bound if self.at_most else self.ratio >= self.bound
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"figure": self.figure, "ratio": self.ratio, "bound": self.bound,
+                "at_most": self.at_most, "met": self.met}
+
+
+def targets_table(targets: Sequence[Target]) -> list[str]:
+    """The markdown table of ``targets``: figure, measured ratio, target, met or not."""
+    lines = ["| figure | measured | target | met |", "|---|---|---|---|"]
+    for t in targets:
+        lines.append(f"| {t.figure} | {t.ratio:.2f} | {'<=' if t.at_most else '>='} "
+                     f"{t.bound:g} | {'yes' if t.met else '**no**'} |")
+    return lines
+
+
+def parse_engine_specs(specs: Sequence[str] | None, default: str,
+                       ) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+    """``--engine NAME=DIR[,KEY=VALUE...]`` specs (``default`` when none): each engine's folder
+    by name, and the engine options of its own. A bad spec exits naming it."""
+    engines: dict[str, str] = {}
+    options: dict[str, dict[str, Any]] = {}
+    for spec in specs or [default]:
+        head, *extra = spec.split(",")
+        name, sep, folder = head.partition("=")
+        if not sep or not name or not folder:
+            raise SystemExit(f"--engine must be NAME=DIR[,KEY=VALUE...], got {spec!r}")
+        if name in engines:
+            raise SystemExit(f"--engine {spec}: the name {name!r} is given twice")
+        if not (Path(folder) / "engine_config.json").is_file():
+            raise SystemExit(f"--engine {spec}: {folder} is not an engine folder")
+        engines[name] = folder
+        options[name] = parse_engine_options(extra, f"--engine {spec}")
+    return engines, options
+
+
+def parse_engine_options(specs: Sequence[str] | None, where: str) -> dict[str, Any]:
+    """``KEY=VALUE`` engine options, each parsed by its :class:`EngineOptions` field; an
+    unknown key or a bad value exits naming ``where``."""
+    from kvflow.orchestrator.options import parse_option
+
+    options = {}
+    for spec in specs or []:
+        key, sep, value = spec.partition("=")
+        if not sep:
+            raise SystemExit(f"{where}: {spec!r} is not KEY=VALUE")
+        try:
+            options[key] = parse_option(key, value)
+        except ValueError as e:
+            raise SystemExit(f"{where}: {e}") from None
+    return options
+
+
 def _run_tool(cmd: list[str], log_path: Path | None) -> str:
     """Run one llama.cpp tool to its end; its stdout and stderr together (also written, after
     the command line, to ``log_path``). A failure raises with the output's tail."""
@@ -181,20 +251,25 @@ def parse_batched_bench(text: str) -> list[dict[str, float]]:
     return rows
 
 
-def batched_bench(build: LlamaCppBuild, model: str | Path, prompt_tokens: int,
+def batched_bench(build: LlamaCppBuild, model: str | Path, prompt_tokens: int | Sequence[int],
                   output_tokens: int, batches: list[int], threads: int,
                   log_path: Path | None = None) -> list[dict[str, float]]:
     """Run ``llama-batched-bench`` (B independent prompts, no shared prefix) once over all
-    ``batches``; one row per batch size. The context holds the largest batch whole (the tool
-    silently skips a batch whose KV does not fit)."""
-    ctx = max(batches) * (prompt_tokens + output_tokens)
+    ``batches`` and prompt lengths (``prompt_tokens``: one or several); one row per (prompt
+    length, batch size). The context holds the largest case whole (the tool silently skips a
+    case whose KV does not fit)."""
+    lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
+    ctx = max(batches) * (max(lengths) + output_tokens)
     cmd = [str(build.tool("llama-batched-bench")), "-m", str(model), "-c", str(ctx),
-           "-npp", str(prompt_tokens), "-ntg", str(output_tokens),
-           "-npl", ",".join(map(str, batches)), "-t", str(threads), "-tb", str(threads)]
+           "-npp", ",".join(map(str, lengths)), "-ntg", str(output_tokens),
+           "-npl", ",".join(map(str, batches)), "-t", str(threads), "-tb", str(threads),
+           *NO_REPACK]
     rows = parse_batched_bench(_run_tool(cmd, log_path))
-    got = sorted(r["batch"] for r in rows)
-    if got != sorted(batches):
-        raise RuntimeError(f"llama-batched-bench reported batches {got}, asked for {batches}")
+    got = sorted((r["pp"], r["batch"]) for r in rows)
+    want = sorted((pp, b) for pp in lengths for b in batches)
+    if got != want:
+        raise RuntimeError(f"llama-batched-bench reported (prompt, batch) {got}, asked for "
+                           f"{want}")
     return rows
 
 
@@ -211,7 +286,7 @@ class LlamaServer(ManagedProcess):
             [str(build.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
              "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
              "-c", str(slots * ctx_per_slot), "--no-cache-prompt", "--cache-reuse", "0",
-             "--cache-ram", "0", "--no-webui"],
+             "--cache-ram", "0", "--no-webui", *NO_REPACK],
             log_path=log_path or Path(os.devnull), port=port, stop_timeout_s=20.0)
         self.ready_timeout_s = ready_timeout_s
 
@@ -276,11 +351,7 @@ def llama_perplexity(build: LlamaCppBuild, model: str | Path, text_file: str | P
     it, it reads them back and reports the KL divergence from them (``--kl-divergence``)."""
     cmd = [str(build.tool("llama-perplexity")), "-m", str(model), "-f", str(text_file),
            "-c", str(context), "-b", str(context), "-t", str(threads), "-tb", str(threads),
-           "--kl-divergence-base", str(kl_base),
-           # NOTE: this build's repacked Q4_1 CPU buffers (AVX512/AMX) crash on load, with a
-           # segfault (llama_cpp_python 0.3.36's llama.cpp); unpacked, it runs ggml's own
-           # Q4_1 x Q8_1 dot products: int8 activations still.
-           "--no-repack"]
+           "--kl-divergence-base", str(kl_base), *NO_REPACK]
     if compare:
         cmd.append("--kl-divergence")
     return parse_perplexity(_run_tool(cmd, log_path))
