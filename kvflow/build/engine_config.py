@@ -90,7 +90,8 @@ class EngineConfig:
     files: dict[str, str]
     kvflow_version: str = "0.1.0"
     # Block-quantized weights, if any: the schemes kept (``Q4_1+Q8_0`` from a GGUF, ``int4-g32``
-    # by --quantize); None for weights in ``dtype``. Activations and the KV cache are ``dtype``.
+    # by --quantize); None for weights in ``dtype``. Activations are ``dtype``; the KV cache is
+    # the runner's (EngineOptions.kv_cache_dtype; kvflow.runtime.base.kv_bytes_per_block).
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -108,10 +109,6 @@ class EngineConfig:
     @property
     def dtype_bytes(self) -> int:
         return DTYPES[self.dtype]
-
-    @property
-    def kv_bytes_per_block(self) -> int:
-        return self.model.kv_bytes_per_token(self.dtype_bytes) * self.limits.block_size
 
     def to_dict(self) -> dict[str, Any]:
         return {

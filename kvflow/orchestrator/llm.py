@@ -13,19 +13,22 @@ from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import RequestOutput
 from kvflow.orchestrator.sampling.params import SamplingParams
+from kvflow.runtime.base import KV_CACHE_DTYPE_BYTES, kv_bytes_per_block, resolve_kv_cache_dtype
 from kvflow.text.tokenizer import ChatPrompt, EngineTokenizer, Prompt
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 def kv_blocks_for(engine: EngineConfig, options: EngineOptions) -> int:
-    """Pool size in blocks: ``num_kv_blocks``, or what ``kv_cache_bytes`` holds, capped at what
-    ``max_num_seqs`` full-length sequences could ever use."""
+    """Pool size in blocks: ``num_kv_blocks``, or what ``kv_cache_bytes`` holds in the
+    resolved ``kv_cache_dtype``, capped at what ``max_num_seqs`` full-length sequences could
+    ever use."""
     if options.num_kv_blocks is not None:
         return options.num_kv_blocks
     m, bs = engine.model, engine.limits.block_size
+    kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, engine, options.runner)
     spec = KVCacheSpec(m.num_hidden_layers, m.num_key_value_heads, m.head_dim, bs,
-                       engine.dtype_bytes)
+                       KV_CACHE_DTYPE_BYTES[kv_dtype])
     by_bytes = spec.num_blocks_for_bytes(options.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES)
     needed = options.max_num_seqs * -(-options.max_model_len // bs) + 1
     return min(by_bytes, needed)
@@ -34,13 +37,14 @@ def kv_blocks_for(engine: EngineConfig, options: EngineOptions) -> int:
 @dataclass(frozen=True)
 class EnginePlan:
     """What :func:`create_engine` builds from an engine folder and overrides: the options,
-    the KV pool sizes and the runner. The simulator reads it to model a served engine exactly
-    as configured."""
+    the KV pool sizes, the KV element type (``auto`` resolved) and the runner. The simulator
+    reads it to model a served engine exactly as configured."""
 
     engine: EngineConfig
     scheduler: EngineOptions
     num_blocks: int
     num_host_blocks: int
+    kv_cache_dtype: str
 
     @property
     def runner(self) -> str | None:
@@ -67,8 +71,9 @@ def plan_engine(engine_dir: str | Path, **overrides: Any) -> EnginePlan:
             raise ValueError(f"{name}={getattr(options, name)} exceeds the engine's build limit "
                              f"of {limit}")
     num_blocks = kv_blocks_for(engine, options)
-    num_host_blocks = options.swap_space_bytes // engine.kv_bytes_per_block
-    return EnginePlan(engine, options, num_blocks, num_host_blocks)
+    kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, engine, options.runner)
+    num_host_blocks = options.swap_space_bytes // kv_bytes_per_block(engine, kv_dtype)
+    return EnginePlan(engine, options, num_blocks, num_host_blocks, kv_dtype)
 
 
 def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
@@ -80,7 +85,8 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
     plan = plan_engine(engine_dir, **overrides)
     runner = create_runner(plan.runner, engine_dir, plan.num_blocks, plan.num_host_blocks,
                            cuda_graphs=plan.cuda_graphs,
-                           quantized_matmul=plan.scheduler.quantized_matmul)
+                           quantized_matmul=plan.scheduler.quantized_matmul,
+                           kv_cache_dtype=plan.kv_cache_dtype)
     return LLMEngine(runner, EngineTokenizer(engine_dir), plan.scheduler,
                      plan.engine.model.eos_token_ids)
 

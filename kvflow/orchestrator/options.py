@@ -21,7 +21,13 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
 from kvflow import envs
-from kvflow.runtime.base import QUANTIZED_MATMUL_MODES, RUNNERS
+from kvflow.runtime.base import (
+    HOST_AUTO_KV_CACHE_DTYPE,
+    KV_CACHE_DTYPES,
+    QUANTIZED_MATMUL_MODES,
+    RUNNERS,
+    check_kv_cache_dtype,
+)
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 # The scheduling policies by name; kvflow.orchestrator.scheduler.registry has a class for each.
@@ -139,6 +145,13 @@ class EngineOptions:
                                     "fp32 for larger steps, where fp32 GEMM does: faster on "
                                     "big batches, both weight copies in memory)",
                                     choices=lambda: QUANTIZED_MATMUL_MODES)
+    kv_cache_dtype: str = _option("auto", "the KV cache's element type: fp32, fp16 (half the "
+                                  "bytes: twice the blocks in the same kv_cache_bytes and "
+                                  "swap_space_bytes; attention still sums in fp32) or auto "
+                                  f"({HOST_AUTO_KV_CACHE_DTYPE} on the CPU runners, "
+                                  "onnxruntime and torch; the engine's own dtype on the GPU "
+                                  "runners). int8 is not built yet",
+                                  choices=lambda: KV_CACHE_DTYPES)
     trace_steps: str | None = _option(None, "write a step timeline to this file: Chrome "
                                             "Trace Event JSON that Perfetto opens, the last "
                                             "trace_max_steps steps, written at shutdown "
@@ -151,6 +164,7 @@ class EngineOptions:
                                  default_factory=envs.debug_checks)
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)  # before the generic choices: int8's message
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "max_waiting_requests", "trace_max_steps"):
             value = getattr(self, name)

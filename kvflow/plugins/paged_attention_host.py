@@ -2,7 +2,8 @@
 
 Same semantics as :mod:`kvflow.plugins.paged_attention_ref` (the PyTorch reference), same
 arguments as the ONNX node ``kvflow::PagedAttention``: the pool is reached through
-``kv_cache_ptrs`` and :mod:`kvflow.plugins.kv_registry`, never passed as a tensor.
+``kv_cache_ptrs`` and :mod:`kvflow.plugins.kv_registry`, never passed as a tensor. A float16
+pool is written rounding to nearest even and its gathered blocks read in fp32.
 """
 
 from __future__ import annotations
@@ -42,6 +43,22 @@ def _split(rows: np.ndarray, width: int) -> list[np.ndarray]:
     return np.array_split(rows, n)
 
 
+def write_kv(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+              slot_mapping: np.ndarray) -> None:
+    """Scatter new K/V ``[T, KVH*D]`` into caches ``[num_blocks, block_size, KVH, D]`` at
+    their slots (negative: skipped), converted to the cache's type (NumPy's cast: round to
+    nearest even)."""
+    kvh, d = k_cache.shape[2:]
+    slots = slot_mapping.astype(np.int64, copy=False)
+    k3 = k.reshape(-1, kvh, d)
+    v3 = v.reshape(-1, kvh, d)
+    valid = slots >= 0
+    if not valid.all():
+        slots, k3, v3 = slots[valid], k3[valid], v3[valid]
+    k_cache.reshape(-1, kvh, d)[slots] = k3
+    v_cache.reshape(-1, kvh, d)[slots] = v3
+
+
 def _decode_attention(decode: np.ndarray, q, k_cache, v_cache, block_tables, qsl, lens, out,
                       kvh: int, group: int, d: int, scale: float) -> None:
     """Attention of sequences with one new token each, batched (rows ``decode``)."""
@@ -49,8 +66,10 @@ def _decode_attention(decode: np.ndarray, q, k_cache, v_cache, block_tables, qsl
     dl = lens[decode]
     nb = int(-(-dl.max() // block_size))
     tables = block_tables[decode, :nb]
-    keys = k_cache[tables].reshape(decode.size, nb * block_size, kvh, d)
-    values = v_cache[tables].reshape(decode.size, nb * block_size, kvh, d)
+    keys = k_cache[tables].reshape(decode.size, nb * block_size, kvh, d).astype(
+        np.float32, copy=False)
+    values = v_cache[tables].reshape(decode.size, nb * block_size, kvh, d).astype(
+        np.float32, copy=False)
     rows = qsl[decode]
     qd = q[rows].reshape(decode.size, kvh, group, d).astype(np.float32, copy=False)
     scores = np.matmul(qd, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # [S, KVH, G, K]
@@ -83,15 +102,7 @@ def paged_attention_host(
     block_size = k_cache.shape[1]
     kvh, d, group = num_kv_heads, head_dim, num_heads // num_kv_heads
     num_tokens = q.shape[0]
-
-    slots = slot_mapping.astype(np.int64, copy=False)
-    k3 = k.reshape(num_tokens, kvh, d)
-    v3 = v.reshape(num_tokens, kvh, d)
-    valid = slots >= 0
-    if not valid.all():
-        slots, k3, v3 = slots[valid], k3[valid], v3[valid]
-    k_cache.reshape(-1, kvh, d)[slots] = k3
-    v_cache.reshape(-1, kvh, d)[slots] = v3
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     out = np.empty((num_tokens, num_heads * d), dtype=q.dtype)
     qsl = query_start_loc.astype(np.int64)
@@ -111,8 +122,10 @@ def paged_attention_host(
         n, length = int(q_lens[s]), int(lens[s])
         nb = -(-length // block_size)
         table = block_tables[s, :nb]
-        keys = k_cache[table].reshape(nb * block_size, kvh, d)[:length]
-        values = v_cache[table].reshape(nb * block_size, kvh, d)[:length]
+        keys = k_cache[table].reshape(nb * block_size, kvh, d)[:length].astype(
+            np.float32, copy=False)
+        values = v_cache[table].reshape(nb * block_size, kvh, d)[:length].astype(
+            np.float32, copy=False)
         start = int(qsl[s])
         qs = q[start : start + n].reshape(n, kvh, group, d)
         # [KVH, G*n, D] x [KVH, D, L]: one matmul per KV head

@@ -20,6 +20,64 @@ RUNNERS = ("onnxruntime", "torch", "triton", "tensorrt")
 # How the onnxruntime runner multiplies by a quantized engine's weights (EngineOptions).
 QUANTIZED_MATMUL_MODES = ("auto", "int8", "fp32")
 
+# The KV cache's element type (EngineOptions.kv_cache_dtype): each name a runner may be given,
+# with its bytes. "auto" resolves per runner (resolve_kv_cache_dtype); bf16 is only ever what
+# auto resolves to on a bfloat16 engine's device runner.
+KV_CACHE_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+# The host pools' element types (HostKVPool, the host attention kernels, the ORT custom op's
+# kv_dtype attribute: 0 fp32, 1 fp16).
+KV_CACHE_NUMPY_DTYPES: dict[str, np.dtype] = {"fp32": np.dtype(np.float32),
+                                             "fp16": np.dtype(np.float16)}
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16")  # the option's choices
+KV_CACHE_DTYPES_NOT_BUILT = ("int8",)
+# NOTE: what auto means on the host runners (onnxruntime, torch): the one switch to flip to
+# "fp16" once `kvflow bench quality` shows fp16 KV costs nothing (issue 32). The device
+# runners' auto is the engine's own dtype.
+HOST_AUTO_KV_CACHE_DTYPE = "fp32"
+HOST_RUNNERS = ("onnxruntime", "torch")
+_ENGINE_KV_CACHE_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """Refuse a ``kv_cache_dtype`` that is no choice, naming the choices (and saying so of one
+    that is planned but not built)."""
+    if name in KV_CACHE_DTYPES_NOT_BUILT:
+        raise ValueError(f"kv_cache_dtype {name!r} is not built yet (an int8 cache needs "
+                         f"per-token scales in the KV layout); choose one of {KV_CACHE_DTYPES}")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+
+
+def resolve_kv_cache_dtype(name: str, engine: EngineConfig, runner: str | None) -> str:
+    """The KV element type a runner allocates for option value ``name``: itself, or for
+    ``auto`` :data:`HOST_AUTO_KV_CACHE_DTYPE` on the host runners and the engine's own dtype
+    on the device runners (``runner`` None: the engine's backend)."""
+    check_kv_cache_dtype(name)
+    if name != "auto":
+        return name
+    if (runner or engine.backend) in HOST_RUNNERS:
+        return HOST_AUTO_KV_CACHE_DTYPE
+    return engine_kv_cache_dtype(engine)
+
+
+def engine_kv_cache_dtype(engine: EngineConfig) -> str:
+    """The KV element type of ``engine``'s own dtype (what device runners' auto means)."""
+    return _ENGINE_KV_CACHE_DTYPES[engine.dtype]
+
+
+def kv_cache_numpy_dtype(name: str) -> np.dtype:
+    """The NumPy element type of a host KV pool of ``kv_cache_dtype`` ``name``."""
+    if name not in KV_CACHE_NUMPY_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} cannot be a host KV pool's type; a host pool "
+                         f"holds one of {tuple(KV_CACHE_NUMPY_DTYPES)}")
+    return KV_CACHE_NUMPY_DTYPES[name]
+
+
+def kv_bytes_per_block(engine: EngineConfig, kv_cache_dtype: str) -> int:
+    """Bytes of one KV block (every layer's K and V) of ``engine`` in ``kv_cache_dtype``."""
+    return (engine.model.kv_bytes_per_token(KV_CACHE_DTYPE_BYTES[kv_cache_dtype])
+            * engine.limits.block_size)
+
 
 @dataclass
 class StepInput:
@@ -87,6 +145,9 @@ class ModelRunner(ABC):
         self.engine = engine
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
+        # The KV pool's element type (a KV_CACHE_DTYPE_BYTES name): the engine's own, unless
+        # the runner allocates its pool in another (it then sets this).
+        self.kv_cache_dtype = engine_kv_cache_dtype(engine)
 
     # What the engine needs of the model and the pool, so that it never reads the config.
     @property
@@ -101,8 +162,8 @@ class ModelRunner(ABC):
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Device bytes of one KV block, every layer's K and V."""
-        return self.engine.kv_bytes_per_block
+        """Device bytes of one KV block, every layer's K and V, in :attr:`kv_cache_dtype`."""
+        return kv_bytes_per_block(self.engine, self.kv_cache_dtype)
 
     @abstractmethod
     def execute(self, step: StepInput) -> np.ndarray:

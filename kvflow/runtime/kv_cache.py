@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvflow.plugins import kv_registry
+from kvflow.runtime.base import KV_CACHE_NUMPY_DTYPES
 
 
 class HostKVPool:
@@ -12,12 +13,19 @@ class HostKVPool:
     ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
     The arrays are registered by address so that PagedAttention implementations reach them
-    through ``kv_cache_ptrs`` (int64 ``[num_layers, 2]``), never as graph tensors.
+    through ``kv_cache_ptrs`` (int64 ``[num_layers, 2]``), never as graph tensors. ``dtype``:
+    float32 or float16 (:data:`~kvflow.runtime.base.KV_CACHE_NUMPY_DTYPES`); the swap space
+    has the same, so swaps and block copies move the stored bits unchanged.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: np.dtype | type = np.float32,
                  num_host_blocks: int = 0) -> None:
+        names = {v: k for k, v in KV_CACHE_NUMPY_DTYPES.items()}
+        if np.dtype(dtype) not in names:
+            raise ValueError(f"a host KV pool holds one of "
+                             f"{tuple(str(d) for d in names)}, got {np.dtype(dtype)}")
+        self.kv_cache_dtype = names[np.dtype(dtype)]
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]

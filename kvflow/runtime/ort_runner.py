@@ -22,7 +22,12 @@ from onnx import helper
 from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins.paged_attention_native import paged_attention_native
 from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
-from kvflow.runtime.base import QUANTIZED_MATMUL_MODES, PoolRunner, StepInput
+from kvflow.runtime.base import (
+    QUANTIZED_MATMUL_MODES,
+    PoolRunner,
+    StepInput,
+    kv_cache_numpy_dtype,
+)
 from kvflow.runtime.kv_cache import HostKVPool
 
 ONNX_FILE = "model.onnx"
@@ -140,7 +145,7 @@ class OnnxRuntimeRunner(PoolRunner):
 
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
                  num_host_blocks: int = 0, threads: int | None = None,
-                 quantized_matmul: str = "fp32") -> None:
+                 quantized_matmul: str = "fp32", kv_cache_dtype: str = "fp32") -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
         path = Path(engine_dir) / engine.files.get("onnx", ONNX_FILE)
         if not path.is_file():
@@ -159,10 +164,11 @@ class OnnxRuntimeRunner(PoolRunner):
         # large decode batches) run on the weights dequantized at load instead.
         self.large_segments = (build_segments(model, threads, int8_activations=False)
                                if int8 and quantized_matmul == "auto" else None)
+        kv_dtype = kv_cache_numpy_dtype(kv_cache_dtype)
         m = engine.model
         self.pool = HostKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
-                               m.num_key_value_heads, m.head_dim, np.float32,
-                               num_host_blocks)
+                               m.num_key_value_heads, m.head_dim, kv_dtype, num_host_blocks)
+        self.kv_cache_dtype = kv_cache_dtype
 
     def execute(self, step: StepInput) -> np.ndarray:
         return self._run(step, "logits")

@@ -19,7 +19,7 @@ import torch
 
 from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins import kv_registry
-from kvflow.runtime.base import PoolRunner, StepInput
+from kvflow.runtime.base import PoolRunner, StepInput, engine_kv_cache_dtype
 from kvflow.runtime.triton_runner import TORCH_DTYPES, DeviceKVPool
 
 PLAN_FILE = "model.plan"
@@ -31,10 +31,17 @@ class TensorRTRunner(PoolRunner):
     name = "tensorrt"
 
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, kv_cache_dtype: str | None = None) -> None:
         from kvflow.plugins import tensorrt_plugin  # the plan's PagedAttention plugin
 
         super().__init__(engine, num_blocks, num_host_blocks)
+        own = engine_kv_cache_dtype(engine)
+        if kv_cache_dtype not in (None, own):
+            # NOTE: the plugin's Triton kernels would read another pool type, but no plan has
+            # been checked with one.
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: the tensorrt runner keeps the "
+                             f"KV cache in the engine's dtype ({own}); use auto, or the triton "
+                             "runner")
         plan = Path(engine_dir) / engine.files.get("plan", PLAN_FILE)
         if not plan.is_file():
             raise FileNotFoundError(f"{plan} is missing: build the engine with --backend "

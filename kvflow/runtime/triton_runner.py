@@ -22,20 +22,27 @@ import torch
 from kvflow.build.engine_config import EngineConfig
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.plugins import kv_registry
-from kvflow.runtime.base import PoolRunner, StepInput
+from kvflow.runtime.base import PoolRunner, StepInput, engine_kv_cache_dtype
 from kvflow.runtime.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from kvflow.runtime.torch_runner import load_model
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# kv_cache_dtype names (kvflow.runtime.base.KV_CACHE_DTYPE_BYTES) as torch types.
+KV_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class DeviceKVPool:
     """Per-layer K and V tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` on a
-    device, registered by address; a host swap space of the same layout (pinned on CUDA)."""
+    device, registered by address; a host swap space of the same layout and type (pinned on
+    CUDA). The Triton kernels cast new K/V to the pool's type as they write it."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  num_host_blocks: int = 0) -> None:
+        names = {v: k for k, v in KV_TORCH_DTYPES.items()}
+        if dtype not in names:
+            raise ValueError(f"a device KV pool holds one of {tuple(names)}, got {dtype}")
+        self.kv_cache_dtype = names[dtype]
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -84,7 +91,9 @@ class TritonRunner(PoolRunner):
 
     ``cuda_graphs``: replay decode steps of up to the engine's ``max_batch_size`` sequences
     from CUDA graphs (default: on a CUDA device). True without CUDA runs the graphs' padded
-    static buffers eagerly, which is how CI checks them.
+    static buffers eagerly, which is how CI checks them. ``kv_cache_dtype``: the pool's type
+    (``fp32``, ``fp16`` or ``bf16``; None: the engine's own); the kernels multiply in it and
+    sum in fp32.
     """
 
     pool: DeviceKVPool
@@ -94,8 +103,13 @@ class TritonRunner(PoolRunner):
     def __init__(self, engine_dir: str | Path | None, engine: EngineConfig, num_blocks: int,
                  num_host_blocks: int = 0, device: str | None = None,
                  model: LlamaForCausalLM | None = None, cuda_graphs: bool | None = None,
-                 ) -> None:
+                 kv_cache_dtype: str | None = None) -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
+        kv_name = kv_cache_dtype or engine_kv_cache_dtype(engine)
+        if kv_name not in KV_TORCH_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_name!r}: the triton runner's pool holds one "
+                             f"of {tuple(KV_TORCH_DTYPES)}")
+        self.kv_cache_dtype = kv_name
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("the triton runner needs a CUDA GPU, or TRITON_INTERPRET=1 to run "
@@ -110,7 +124,8 @@ class TritonRunner(PoolRunner):
             param.data = param.data.to(dtype)
         m = engine.model
         self.pool = DeviceKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
-                                 m.num_key_value_heads, m.head_dim, dtype, self.device,
+                                 m.num_key_value_heads, m.head_dim, KV_TORCH_DTYPES[kv_name],
+                                 self.device,
                                  num_host_blocks)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":

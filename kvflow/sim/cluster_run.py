@@ -15,7 +15,6 @@ import copy
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from kvflow.reports.summary import parse_slo, tenant_summary
 from kvflow.reports.writers import write_report
 from kvflow.sim.cluster import LINKS, ClusterSpec, Link
 from kvflow.sim.cluster_report import cluster_lines, fmt, plot_cluster, plot_goodput
-from kvflow.sim.cost_model import MODELS, CostModel
+from kvflow.sim.cost_model import CostModel, model_spec
 from kvflow.sim.goodput import find_goodput, slo_attainment
 from kvflow.sim.router import ROUTERS
 from kvflow.sim.run_options import mode_options, request_priorities, thin
@@ -116,7 +115,7 @@ def make_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
     if args.replicas != 1:
         raise ValueError("--disaggregate P:D sets the instances (P + D); drop --replicas")
     prefill, decode = parse_disaggregate(args.disaggregate)
-    model = replace(MODELS[args.model], tp=args.tp)
+    model = model_spec(args.model, args.tp, args.kv_cache_dtype)
     # Each device holds (and sends) its share of the KV heads; beyond num_kv_heads devices
     # the heads are replicated, so a device's share stops shrinking.
     per_device = model.kv_bytes_per_token / min(args.tp, model.num_kv_heads)

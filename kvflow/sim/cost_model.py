@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvflow.runtime.base import StepInput
+from kvflow.runtime.base import KV_CACHE_DTYPE_BYTES, StepInput, check_kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -110,18 +110,23 @@ class ModelSpec:
     vocab_size: int
     dtype_bytes: int = 2
     tp: int = 1
+    # The KV cache's element bytes (kv_cache_dtype; None: dtype_bytes, the weights').
+    kv_dtype_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.kv_dtype_bytes is not None and self.kv_dtype_bytes < 1:
+            raise ValueError(f"kv_dtype_bytes must be >= 1 (or none), got {self.kv_dtype_bytes}")
         if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
             raise ValueError(f"tp={self.tp} does not divide num_kv_heads={self.num_kv_heads} "
                              "(nor the reverse)")
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers (all devices together)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V of one token over all layers (all devices together), in the KV dtype."""
+        kv_bytes = self.kv_dtype_bytes or self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_bytes
 
     def kv_blocks_for(self, hw: HardwareSpec, block_size: int,
                       memory_utilization: float = 0.9) -> int:
@@ -188,6 +193,16 @@ MODELS = {
     "smollm2-135m": ModelSpec("SmolLM2-135M", 134.5e6, 30, 576, 9, 3, 64, 49152,
                               dtype_bytes=4),
 }
+
+
+def model_spec(name: str, tp: int = 1, kv_cache_dtype: str = "auto") -> ModelSpec:
+    """:data:`MODELS` ``name`` on ``tp`` devices with its KV cache in ``kv_cache_dtype`` (an
+    ``EngineOptions.kv_cache_dtype`` choice; auto: the model's own dtype)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    kv_bytes = None if kv_cache_dtype == "auto" else KV_CACHE_DTYPE_BYTES[kv_cache_dtype]
+    return replace(MODELS[name], tp=tp, kv_dtype_bytes=kv_bytes)
 
 
 ENGINE_FEATURES = ("step", "tokens", "seqs", "attention_pairs", "context_tokens")

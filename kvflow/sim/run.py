@@ -14,7 +14,6 @@ import copy
 import json
 import math
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,16 @@ from kvflow.orchestrator.options import EngineOptions
 from kvflow.reports.serve_report import tenant_line, write_serve_report
 from kvflow.reports.summary import parse_slo, tenant_summary
 from kvflow.reports.writers import pyplot, save_figure, write_report
+from kvflow.runtime.base import KV_CACHE_DTYPES
 from kvflow.sim.cluster_run import add_cluster_args, cluster_main, is_cluster_run
-from kvflow.sim.cost_model import HARDWARE, MODELS, CostModel, LinearCostModel, RooflineCostModel
+from kvflow.sim.cost_model import (
+    HARDWARE,
+    MODELS,
+    CostModel,
+    LinearCostModel,
+    RooflineCostModel,
+    model_spec,
+)
 from kvflow.sim.run_options import mode_options, request_priorities, thin
 from kvflow.sim.runner import SIM_TOKEN
 from kvflow.sim.simulator import SimResult, simulate
@@ -53,6 +60,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", choices=sorted(HARDWARE), default="H100")
     p.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV cache's element type (as kvflow serve's): the roofline's KV "
+                        "bytes, read and written each step, and the KV blocks that fit; auto: "
+                        "the model's dtype")
     p.add_argument("--cost", default=None,
                    help="a calibrated cost model (kvflow simulate calibrate) instead of the "
                         "roofline of --hardware/--model")
@@ -125,13 +136,17 @@ def build_sim_workload(args: argparse.Namespace) -> tuple[list[RequestSpec],
 def make_cost(args: argparse.Namespace) -> tuple[CostModel, dict[str, Any]]:
     """The cost model the arguments name, and how the report describes it."""
     if args.cost:
+        if args.kv_cache_dtype != "auto":
+            raise ValueError("--kv-cache-dtype sets the roofline model's KV bytes; a calibrated "
+                             "--cost was measured at its engine's own (drop one)")
         cost = LinearCostModel.load(args.cost)
         return cost, {"cost_model": "calibrated", "cost_file": str(args.cost),
                       "coefficients": cost.coefficients, "engine": cost.meta.get("engine")}
-    model = replace(MODELS[args.model], tp=args.tp)
+    model = model_spec(args.model, args.tp, args.kv_cache_dtype)
     return RooflineCostModel(HARDWARE[args.hardware], model), {
         "cost_model": "roofline", "hardware": HARDWARE[args.hardware].name,
-        "model": model.name, "tp": args.tp}
+        "model": model.name, "tp": args.tp, "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_bytes_per_token": model.kv_bytes_per_token}
 
 
 def default_num_blocks(args: argparse.Namespace) -> int:
@@ -142,7 +157,7 @@ def default_num_blocks(args: argparse.Namespace) -> int:
     if args.cost:
         raise ValueError("--num-kv-blocks is required with --cost (the KV pool of the "
                          "calibrated engine); `kvflow simulate validate` sets it itself")
-    model = replace(MODELS[args.model], tp=args.tp)
+    model = model_spec(args.model, args.tp, args.kv_cache_dtype)
     return model.kv_blocks_for(HARDWARE[args.hardware], args.block_size)
 
 
