@@ -1,0 +1,206 @@
+"""Sibling linear layers (Q/K/V, gate/up) as one matmul + ``Split``, for
+:mod:`kvflow.runtime.ort_graph`.
+
+A *linear unit* is one of the two forms the build writes (:mod:`kvflow.build.quantize`):
+
+- fp32: ``Gemm(x, W[N, K], b?, transB=1)``;
+- block-quantized: ``MatMul(x, DequantizeLinear(q[K, N], scale, zero_point?, axis=0,
+  block_size=B))``, then ``+ b`` if biased, then (Q4_1) ``Gemm(block_sums(x), minimum, C=...)``.
+
+Units that read the same ``x`` and have the same form (same block size and code types) are
+concatenated along the output axis, codes, scales, zero points, minima and biases alike, and
+the product is split back into the tensors the units made. The result is the same form as
+before, so ORT still folds ``DequantizeLinear`` into fp32 weights or into ``MatMulNBits``, as
+the runner asks; and Q4_1 pays one minimum ``Gemm`` per group instead of one per layer.
+A missing bias among biased siblings is a zero bias (exact).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
+from kvflow.runtime.ort_graph import Graph
+
+QKV = "qkv_matmul"
+GATE_UP = "gate_up_matmul"
+OTHER = "sibling_matmul"
+
+
+@dataclass
+class _Unit:
+    x: str
+    out: str
+    features: int  # N, the output features
+    key: tuple  # units with equal keys (and the same x) can be concatenated
+    nodes: list[onnx.NodeProto]
+    weight: str = ""  # fp32 W [N, K]
+    bias: str = ""
+    codes: str = ""  # quantized: q [K, N], scale / zero_point / minimum [K / B, N]
+    scale: str = ""
+    zero_point: str = ""
+    minimum: str = ""
+    block_sums: str = ""
+    block_size: int = 0
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _plain_gemm(node: onnx.NodeProto, trans_b: int) -> bool:
+    a = _attrs(node)
+    return node.op_type == "Gemm" and a.get("transA", 0) == 0 and a.get("transB", 0) == trans_b \
+        and a.get("alpha", 1.0) == 1.0 and a.get("beta", 1.0) == 1.0
+
+
+def _init_dims(g: Graph, name: str, dtype: int | None = TensorProto.FLOAT) -> list[int] | None:
+    t = g.inits.get(name)
+    if t is None or (dtype is not None and t.data_type != dtype):
+        return None
+    return list(t.dims)
+
+
+def _bias(g: Graph, name: str, features: int) -> bool:
+    return _init_dims(g, name) == [features]
+
+
+def _match_gemm(g: Graph, node: onnx.NodeProto) -> _Unit | None:
+    dims = _init_dims(g, node.input[1]) if len(node.input) > 1 else None
+    if not _plain_gemm(node, 1) or dims is None or len(dims) != 2:
+        return None
+    bias = node.input[2] if len(node.input) > 2 else ""
+    if bias and not _bias(g, bias, dims[0]):
+        return None
+    return _Unit(node.input[0], node.output[0], dims[0], ("gemm", dims[1]), [node],
+                 weight=node.input[1], bias=bias)
+
+
+def _is_block_sum(g: Graph, name: str, x: str, k: int, block: int) -> bool:
+    """``name`` is ``ReduceSum(Reshape(x, [-1, K/B, B]), -1)``: the block sums of ``x``."""
+    total = g.producer.get(name)
+    if total is None or total.op_type != "ReduceSum" or _attrs(total).get("keepdims", 1) != 0:
+        return False
+    axes = g.const(total.input[1]) if len(total.input) > 1 else None
+    blocks = g.producer.get(total.input[0])
+    shape = g.const(blocks.input[1]) if blocks is not None and blocks.op_type == "Reshape" \
+        else None
+    return axes is not None and list(axes.ravel()) == [-1] and shape is not None and \
+        blocks is not None and blocks.input[0] == x and \
+        list(shape.ravel()) == [-1, k // block, block]
+
+
+def _match_dequantized(g: Graph, node: onnx.NodeProto) -> _Unit | None:
+    dq = g.producer.get(node.input[1]) if node.op_type == "MatMul" else None
+    if dq is None or dq.op_type != "DequantizeLinear" or not g.only_used_by(dq.output[0], [node]):
+        return None
+    a = _attrs(dq)
+    block = int(a.get("block_size", 0))
+    codes = _init_dims(g, dq.input[0], None)
+    scales = _init_dims(g, dq.input[1])
+    if a.get("axis", 1) != 0 or block <= 0 or codes is None or len(codes) != 2 or \
+            codes[0] % block or scales != [codes[0] // block, codes[1]]:
+        return None
+    k, n = codes
+    zero_point = dq.input[2] if len(dq.input) > 2 else ""
+    if zero_point and _init_dims(g, zero_point, None) != scales:
+        return None
+    unit = _Unit(node.input[0], node.output[0], n, (), [dq, node], codes=dq.input[0],
+                 scale=dq.input[1], zero_point=zero_point, block_size=block)
+    add = g.sole_consumer(unit.out, "Add")
+    if add is not None:
+        bias = add.input[1] if add.input[0] == unit.out else add.input[0]
+        if _bias(g, bias, n):
+            unit.bias, unit.out = bias, add.output[0]
+            unit.nodes.append(add)
+    gemm = g.sole_consumer(unit.out, "Gemm")
+    if gemm is not None and _plain_gemm(gemm, 0) and len(gemm.input) == 3 and \
+            gemm.input[2] == unit.out and _init_dims(g, gemm.input[1]) == scales and \
+            _is_block_sum(g, gemm.input[0], unit.x, k, block):
+        unit.minimum, unit.block_sums, unit.out = gemm.input[1], gemm.input[0], gemm.output[0]
+        unit.nodes.append(gemm)
+    zp_type = g.inits[zero_point].data_type if zero_point else None
+    unit.key = ("dq", k, block, g.inits[unit.codes].data_type, zp_type, unit.block_sums)
+    return unit
+
+
+def _cat(g: Graph, names: list[str], axis: int) -> np.ndarray:
+    arrays = [g.const(n) for n in names]
+    assert all(a is not None for a in arrays)
+    return np.concatenate(arrays, axis=axis)  # type: ignore[arg-type]
+
+
+def _merge(g: Graph, units: list[_Unit]) -> None:
+    first = units[0]
+    tag = f"{first.weight or first.codes}.fused{len(units)}"
+    product = g.unique(f"{tag}.out")
+    nodes = []
+    bias = ""
+    if any(u.bias for u in units):
+        bias = g.add_init(f"{tag}.bias", np.concatenate([
+            g.const(u.bias) if u.bias else np.zeros(u.features, np.float32) for u in units]))
+    if first.weight:
+        weight = g.add_init(f"{tag}.weight", _cat(g, [u.weight for u in units], 0))
+        nodes.append(g.node("Gemm", [first.x, weight, *([bias] if bias else [])], [product],
+                            transB=1))
+    else:
+        dq_inputs = [g.add_init(f"{tag}.q", _cat(g, [u.codes for u in units], 1)),
+                     g.add_init(f"{tag}.scale", _cat(g, [u.scale for u in units], 1))]
+        if first.zero_point:
+            dq_inputs.append(g.add_init(f"{tag}.zero_point",
+                                        _cat(g, [u.zero_point for u in units], 1)))
+        weight = g.unique(f"{tag}.dq")
+        nodes.append(g.node("DequantizeLinear", dq_inputs, [weight], axis=0,
+                            block_size=first.block_size))
+        steps = [("MatMul", [first.x, weight])]
+        if bias:
+            steps.append(("Add", [bias]))
+        if first.minimum:
+            minimum = g.add_init(f"{tag}.minimum", _cat(g, [u.minimum for u in units], 1))
+            steps.append(("Gemm", [first.block_sums, minimum]))
+        current = ""
+        for k, (op, inputs) in enumerate(steps):
+            out = product if k == len(steps) - 1 else g.unique(f"{tag}.{op.lower()}")
+            args = inputs if op != "Add" else [current, *inputs]
+            nodes.append(g.node(op, [*args, current] if op == "Gemm" else args, [out]))
+            current = out
+    x_dims = g.dims(first.x)
+    g.add_value_info(product, TensorProto.FLOAT, [*x_dims[:-1], sum(u.features for u in units)]
+                     if x_dims else None)
+    sizes = g.add_init(f"{tag}.split", np.array([u.features for u in units], dtype=np.int64))
+    nodes.append(g.node("Split", [product, sizes], [u.out for u in units], axis=-1))
+    g.replace([n for u in units for n in u.nodes], nodes)
+
+
+def fuse_linear_groups(g: Graph) -> tuple[Counter, Counter]:
+    """Concatenate each group of compatible linear units that read one tensor."""
+    groups: dict[tuple, list[_Unit]] = defaultdict(list)
+    for node in list(g.nodes):
+        unit = _match_gemm(g, node) if node.op_type == "Gemm" else \
+            _match_dequantized(g, node) if node.op_type == "MatMul" else None
+        if unit is not None:
+            groups[unit.x, unit.key].append(unit)
+    attention = [n for n in g.nodes if n.op_type == ONNX_OP_TYPE and n.domain == ONNX_DOMAIN]
+    values = {n.input[2] for n in attention}
+    silu = sum(n.op_type in ("Sigmoid", "QuickGelu") for n in g.nodes)
+    applied: Counter = Counter()
+    for units in groups.values():
+        if len(units) < 2:
+            continue
+        outs = {u.out for u in units}
+        if len(units) == 3 and outs & values:
+            label = QKV
+        elif len(units) == 2 and any(c.op_type in ("Sigmoid", "QuickGelu")
+                                     for o in outs for c in g.consumers[o]):
+            label = GATE_UP
+        else:
+            label = OTHER
+        _merge(g, units)
+        applied[label] += 1
+    skipped = Counter({QKV: len(attention) - applied[QKV], GATE_UP: silu - applied[GATE_UP]})
+    return applied, skipped
