@@ -200,6 +200,15 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
         schemes = ", ".join(f"{n} {s}" for s, n in report.schemes.most_common())
         progress(f"      quantized weights: {schemes} layers, {report.fp32_bytes / 1e6:.0f} MB "
                  f"-> {report.quantized_bytes / 1e6:.0f} MB")
+    if engine.backend == "onnxruntime":
+        import onnx
+
+        from kvflow.runtime.ort_graph import fuse_for_ort
+
+        # What the ONNX Runtime runner will run: the graph fused at load (about a second; it
+        # needs the weights, which it concatenates). The file written stays as exported.
+        _, fusion = fuse_for_ort(model if quantized else onnx.load(str(out / "model.onnx")))
+        progress(f"      ONNX Runtime graph fused at load: {fusion.summary()}")
     if engine.backend == "tensorrt":
         from kvflow.build.tensorrt_build import build_plan
 
