@@ -25,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
-from kvflow.runtime.ort_graph import Graph
+from kvflow.runtime.ort_graph_edit import Graph
 
 QKV = "qkv_matmul"
 GATE_UP = "gate_up_matmul"

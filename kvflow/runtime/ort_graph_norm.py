@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
-from kvflow.runtime.ort_graph import MS_DOMAIN, Graph, float_dims
+from kvflow.runtime.ort_graph_edit import MS_DOMAIN, Graph, float_dims
 
 SLN = "SimplifiedLayerNormalization"
 SKIP_SLN = "SkipSimplifiedLayerNormalization"
