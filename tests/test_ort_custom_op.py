@@ -122,7 +122,7 @@ def check_against_ref(seqs: list[tuple[int, int]], heads: int, kv_heads: int, he
     [(37, 1)],                               # decode
     [(40, 23)],                              # prefill chunk on earlier context
     [(0, 70)],                               # first chunk of a prompt: several query tiles
-    [(5, 1), (0, 9), (100, 1), (17, 30)],    # mixed batch
+    [(5, 1), (0, 9), (100, 1), (17, 30), (12, 3)],  # mixed batch
     [(700, 1), (300, 2)],                    # contexts spanning many blocks
 ], ids=["decode", "chunk", "prompt", "mixed", "long"])
 def test_matches_reference(seqs, heads, kv_heads, kv_dtype):

@@ -30,7 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvflow import envs
+
 SOURCE = Path(__file__).with_name("paged_attention_ort.cc")
+KERNEL_HEADER = Path(__file__).with_name("paged_attention_ort_kernel.h")  # included by SOURCE
 API_HEADER = "onnxruntime_c_api.h"
 HEADERS_DIRNAME = "onnxruntime-headers"
 # Debian 13 (trixie) ships ONNX Runtime 1.21's headers (API 21) in this package.
@@ -90,12 +93,13 @@ def _cpu_flags() -> str:
 
 
 def library_name(headers: Path, compiler: str) -> str:
-    """The file name: a hash of the source, the API header, the flags, the compiler's identity
+    """The file name: a hash of the sources, the API header, the flags, the compiler's identity
     (its path and ``--version``) and the CPU's feature flags (``-march=native`` depends on
     them)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), (headers / API_HEADER).read_bytes(),
+    for part in (SOURCE.read_bytes(), KERNEL_HEADER.read_bytes(),
+                 (headers / API_HEADER).read_bytes(),
                  " ".join(CXX_FLAGS).encode(), compiler.encode(), version.encode(),
                  _cpu_flags().encode()):
         digest.update(hashlib.sha256(part).digest())
@@ -103,9 +107,9 @@ def library_name(headers: Path, compiler: str) -> str:
 
 
 def _cache_dirs() -> list[Path]:
-    """This environment's own folder (what ``make install`` fills), then the user's cache (an
-    environment this user cannot write to)."""
-    return [Path(sys.prefix) / "lib" / "kvflow", Path.home() / ".cache" / "kvflow"]
+    """This environment's own folder (what ``make install`` fills), then kvflow's per-machine
+    cache (``KVFLOW_CACHE_DIR``; for an environment this user cannot write to)."""
+    return [Path(sys.prefix) / "lib" / "kvflow", envs.cache_dir()]
 
 
 def build(headers_dir: Path | None = None) -> Path:
