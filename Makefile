@@ -43,7 +43,17 @@ $(VENV)/.preload: $(VENV)/.installed kvflow/triton_backend/preload.c
 	-$(PY) -m kvflow.triton_backend.preload
 	touch $@
 
-install: $(VENV)/.installed $(VENV)/.preload
+# The native ONNX Runtime op (kvflow/plugins/paged_attention_ort.cc): ORT's C API headers,
+# from Debian 13's libonnxruntime-dev fetched with a private apt configuration into
+# $(VENV)/onnxruntime-headers, then the library built with this machine's g++. If that fails
+# it warns: the CPU runner then says why and runs one ORT session per layer.
+$(VENV)/.ortops: $(VENV)/.installed kvflow/plugins/paged_attention_ort.cc \
+                 kvflow/plugins/paged_attention_ort_kernel.h \
+                 kvflow/plugins/ort_custom_ops.py
+	-$(PY) -m kvflow.plugins.ort_custom_ops --fetch-headers
+	touch $@
+
+install: $(VENV)/.installed $(VENV)/.preload $(VENV)/.ortops
 
 lint: install
 	$(VENV)/bin/ruff check kvflow tests benchmarks model_repository
