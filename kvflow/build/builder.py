@@ -205,9 +205,9 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
 
         from kvflow.runtime.ort_graph import fuse_for_ort
 
-        # What the ONNX Runtime runner will run: the graph fused at load (about a second; it
-        # needs the weights, which it concatenates). The file written stays as exported.
-        _, fusion = fuse_for_ort(model if quantized else onnx.load(str(out / "model.onnx")))
+        # What the ONNX Runtime runner will run: the graph as written, fused at load (about a
+        # second for the default model: it needs the weights, which it concatenates).
+        _, fusion = fuse_for_ort(onnx.load(str(out / "model.onnx")))
         progress(f"      ONNX Runtime graph fused at load: {fusion.summary()}")
     if engine.backend == "tensorrt":
         from kvflow.build.tensorrt_build import build_plan
