@@ -28,8 +28,8 @@ FP16_ATOL = 5e-3
 
 
 def make_session(heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 num_blocks: int | None, kv_dtype: int = 0, threads: int = 1
-                 ) -> ort.InferenceSession:
+                 num_blocks: int | None, kv_dtype: int = 0, threads: int = 1,
+                 **extra_attrs: int) -> ort.InferenceSession:
     """A session over one PagedAttention node (layer 0), its inputs the graph's."""
     f, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
     inputs = [helper.make_tensor_value_info("q", f, ["T", heads * head_dim]),
@@ -41,7 +41,8 @@ def make_session(heads: int, kv_heads: int, head_dim: int, block_size: int,
               helper.make_tensor_value_info("seq_lens", i32, ["S"]),
               helper.make_tensor_value_info("query_start_loc", i32, ["S1"])]
     attrs = dict(layer_idx=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                 block_size=block_size, scale=head_dim ** -0.5, kv_dtype=kv_dtype)
+                 block_size=block_size, scale=head_dim ** -0.5, kv_dtype=kv_dtype,
+                 **extra_attrs)
     if num_blocks is not None:  # what the runner adds at load time
         attrs["num_blocks"] = num_blocks
     node = helper.make_node(ONNX_OP_TYPE, [i.name for i in inputs], ["out"], domain=ONNX_DOMAIN,
@@ -60,10 +61,10 @@ def make_session(heads: int, kv_heads: int, head_dim: int, block_size: int,
 
 def run_op(case: dict, heads: int, kv_heads: int, head_dim: int, block_size: int,
            k_pool: np.ndarray, v_pool: np.ndarray, kv_dtype: int = 0, threads: int = 1,
-           **overrides: np.ndarray) -> np.ndarray:
+           attrs: dict[str, int] | None = None, **overrides: np.ndarray) -> np.ndarray:
     """Run the node on ``case`` (a :func:`random_step` dict) with the given pools, in place."""
     sess = make_session(heads, kv_heads, head_dim, block_size, k_pool.shape[0], kv_dtype,
-                        threads=threads)
+                        threads=threads, **(attrs or {}))
     t = case["q"].shape[0]
     feeds = {"q": case["q"].reshape(t, -1).numpy(), "k": case["k"].reshape(t, -1).numpy(),
              "v": case["v"].reshape(t, -1).numpy(),
@@ -93,7 +94,8 @@ def spread_blocks(case: dict, block_size: int, stride: int = 3) -> None:
 
 def check_against_ref(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int = 64,
                       block_size: int = 16, kv_dtype: int = 0, threads: int = 1,
-                      pad_slots: tuple[int, ...] = (), holes: bool = False) -> np.ndarray:
+                      pad_slots: tuple[int, ...] = (), holes: bool = False,
+                      parallel_min_work: int | None = None) -> np.ndarray:
     """The kernel's output and written pool equal the reference's on the same step."""
     case = random_step(seqs, heads, kv_heads, head_dim, block_size, torch.float32,
                        torch.Generator().manual_seed(len(seqs) * 31 + heads))
@@ -105,7 +107,9 @@ def check_against_ref(seqs: list[tuple[int, int]], heads: int, kv_heads: int, he
     k_pool = np.ascontiguousarray(case["k_cache"].numpy().astype(dtype))
     v_pool = np.ascontiguousarray(case["v_cache"].numpy().astype(dtype))
     k_ref, v_ref = torch.from_numpy(k_pool.copy()), torch.from_numpy(v_pool.copy())
-    out = run_op(case, heads, kv_heads, head_dim, block_size, k_pool, v_pool, kv_dtype, threads)
+    attrs = {} if parallel_min_work is None else {"parallel_min_work": parallel_min_work}
+    out = run_op(case, heads, kv_heads, head_dim, block_size, k_pool, v_pool, kv_dtype, threads,
+                 attrs)
     want = paged_attention_ref(case["q"], case["k"], case["v"], k_ref, v_ref,
                                case["slot_mapping"], case["block_tables"], case["seq_lens"],
                                case["query_start_loc"], case["scale"])
@@ -136,6 +140,13 @@ def test_parallel_step_matches_reference(threads):
     # block size that is no multiple of the kernel's 16-key chunk.
     check_against_ref([(200, 1)] * 6 + [(90, 40)], 8, 2, head_dim=36, block_size=12,
                       threads=threads)
+    check_against_ref([(2, 1)] * 3, 8, 2, threads=threads, parallel_min_work=0)
+
+
+@needs_lib
+def test_bad_attribute_is_refused_at_load():
+    with pytest.raises(Exception, match=r"attribute kv_dtype = 7 is outside|kv_dtype 7 is none"):
+        make_session(4, 2, 64, 16, num_blocks=8, kv_dtype=7)
 
 
 @needs_lib
@@ -174,6 +185,24 @@ def test_fp16_pool_close_to_fp32_pool():
         outs.append(run_op(case, 9, 3, 64, 16, k_pool, v_pool, kv_dtype=code))
     np.testing.assert_allclose(outs[1], outs[0], atol=FP16_ATOL)
     assert not np.array_equal(outs[1], outs[0])  # the fp16 pool is really read as fp16
+
+
+@needs_lib
+def test_fp16_write_rounds_like_numpy():
+    # Normal, subnormal, ties, overflow past 65504 and signed zero: the bits numpy would store.
+    case = random_step([(0, 2)], 2, 2, 8, 16, torch.float32, torch.Generator().manual_seed(5))
+    special = torch.tensor([1e-6, -3e-8, 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 65519.0, 65520.0,
+                            7e4, -0.0], dtype=torch.float32)
+    case["k"][0] = special.view(2, 4).repeat(1, 2)
+    case["v"][1] = -special.view(2, 4).repeat(1, 2)
+    k_pool, v_pool = (case[key].numpy().astype(np.float16) for key in ("k_cache", "v_cache"))
+    with np.errstate(over="ignore"):
+        run_op(case, 2, 2, 8, 16, k_pool, v_pool, kv_dtype=1)
+        slots = case["slot_mapping"].numpy()
+        for pool, new in ((k_pool, case["k"]), (v_pool, case["v"])):
+            written = pool.reshape(-1, 2, 8)[slots]
+            np.testing.assert_array_equal(written.view(np.uint16),
+                                          new.numpy().astype(np.float16).view(np.uint16))
 
 
 @needs_lib

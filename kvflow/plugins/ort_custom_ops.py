@@ -46,7 +46,8 @@ DEBIAN_KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 # library built with -ffast-math, which turns on flush-to-zero for the whole Python process.
 CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
              "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math",
-             "-ffp-contract=fast", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall")
+             "-ffp-contract=fast", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall",
+             "-Wno-psabi")
 
 _resolved: dict[Path | None, tuple[Path | None, str | None]] = {}
 

@@ -2,19 +2,24 @@
 //
 // The node's contract is kvflow/plugins/torch_op.py's (inputs q, k, v, kv_cache_ptrs,
 // slot_mapping, block_tables, seq_lens, query_start_loc; attributes layer_idx, num_heads,
-// num_kv_heads, head_dim, block_size, scale), plus two the runner adds at load time: kv_dtype
-// (0 = float32, 1 = float16 pool) and num_blocks (the pool's size, for bounds checks).
+// num_kv_heads, head_dim, block_size, scale), plus what the runner adds at load time:
+// num_blocks (the pool's size, for bounds checks; required), kv_dtype (0 = float32, the
+// default, 1 = float16 pool) and parallel_min_work (optional, see kInlineWork).
 // Built against the C API headers only (kvflow/plugins/ort_custom_ops.py): the API table comes
 // through RegisterCustomOps, so the library loads into any runtime that serves API 21.
 //
-// Algorithm (the numba kernel's, kvflow/plugins/paged_attention_native.py, tiled):
+// Algorithm (the numba kernel's, kvflow/plugins/paged_attention_native.py, tiled; the
+// arithmetic is in paged_attention_ort_kernel.h):
 // 1. Every input is checked before anything is written; a bad value is an ORT error that names
-//    the input and its limit. Then the new K/V rows go into the pool through slot_mapping.
+//    the input and its limit. Then the new K/V rows go into the pool through slot_mapping
+//    (float16: rounded to nearest even). Tokens past query_start_loc[S] are padding: output 0.
 // 2. Work items are (sequence, KV head, tile of up to kMaxRows / G query tokens). A tile holds
 //    all G query heads of its KV head, so each key and value loaded serves every row of it.
-//    Keys go by chunks of kChunk through the block table. The queries are stored transposed
-//    (head_dim x rows), so scores, the causal mask and the online softmax (fp32) are vector
-//    operations over rows; P x V runs over head_dim with each value row loaded once per row.
+//    Keys go by chunks of kChunk through the block table, the next chunk prefetched. A tile's
+//    queries are stored transposed (head_dim x rows): scores come from a GEMM micro-kernel,
+//    and the causal mask and the online softmax (fp32) are vector operations over rows; P x V
+//    is a second micro-kernel. A decode group (kDirectRows rows at most) scores by dot
+//    products along head_dim instead, its softmax row by row.
 // 3. Small steps (a single-stream decode) run on the calling thread; larger ones go to ORT's
 //    intra-op pool (KernelContext_ParallelFor), costliest items first.
 #include <onnxruntime_c_api.h>
@@ -179,7 +184,7 @@ OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   std::sort(items.begin(), items.end(),
             [](const Item& x, const Item& y) { return x.cost > y.cost; });
   Job job{&step, &items};
-  if (work >= kInlineWork && items.size() > 1) {
+  if (work >= a.parallel_min_work && items.size() > 1) {
     OrtStatus* s = g_api->KernelContext_ParallelFor(ctx, run_item, items.size(), 0, &job);
     if (!s) return nullptr;
     g_api->ReleaseStatus(s);  // no pool to run on: do it here
@@ -208,22 +213,26 @@ OrtStatus* get_int(const OrtKernelInfo* info, const char* name, int64_t* out, bo
 OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info,
                                       void** kernel) {
   Attrs a{};
-  struct { const char* name; int64_t* field; bool required; int64_t fallback; } ints[] = {
-      {"layer_idx", &a.layer_idx, true, 0},   {"num_heads", &a.num_heads, true, 0},
-      {"num_kv_heads", &a.num_kv_heads, true, 0}, {"head_dim", &a.head_dim, true, 0},
-      {"block_size", &a.block_size, true, 0}, {"num_blocks", &a.num_blocks, true, 0},
-      {"kv_dtype", &a.kv_dtype, false, 0}};
-  for (auto& f : ints)
+  struct { const char* name; int64_t* field; bool required; int64_t fallback, min; } ints[] = {
+      {"layer_idx", &a.layer_idx, true, 0, 0},
+      {"num_heads", &a.num_heads, true, 0, 1},
+      {"num_kv_heads", &a.num_kv_heads, true, 0, 1},
+      {"head_dim", &a.head_dim, true, 0, 1},
+      {"block_size", &a.block_size, true, 0, 1},
+      {"num_blocks", &a.num_blocks, true, 0, 1},
+      {"kv_dtype", &a.kv_dtype, false, 0, 0},
+      {"parallel_min_work", &a.parallel_min_work, false, kInlineWork, 0}};
+  for (auto& f : ints) {
     if (OrtStatus* s = get_int(info, f.name, f.field, f.required, f.fallback)) return s;
+    if (*f.field < f.min || *f.field > INT32_MAX)
+      return error(std::string("attribute ") + f.name + " = " + std::to_string(*f.field) +
+                   " is outside [" + std::to_string(f.min) + ", " + std::to_string(INT32_MAX) +
+                   "]");
+  }
   if (OrtStatus* s = g_api->KernelInfoGetAttribute_float(info, "scale", &a.scale)) {
     g_api->ReleaseStatus(s);
     return error("the node has no float attribute scale");
   }
-  for (auto& f : ints)
-    if (*f.field < (std::strcmp(f.name, "layer_idx") == 0 || std::strcmp(f.name, "kv_dtype") == 0
-                        ? 0 : 1) || *f.field > INT32_MAX)
-      return error(std::string("attribute ") + f.name + " = " + std::to_string(*f.field) +
-                   " is out of range");
   if (a.num_heads % a.num_kv_heads != 0)
     return error("num_heads " + std::to_string(a.num_heads) + " is no multiple of num_kv_heads " +
                  std::to_string(a.num_kv_heads));

@@ -21,7 +21,9 @@ constexpr int kMaxRows = 64;  // query rows (token x group head) per tile: 8 vec
 constexpr int kDirectRows = 4;  // tiles of at most this many rows score by dot products
 // NOTE: a masked score is a large finite number, not -inf: nothing relies on IEEE infinities.
 constexpr float kMasked = -1e30f;
-// Row-key pairs of a step below which it runs on the calling thread: waking the pool costs more.
+// Row-key pairs (query rows x keys each reads) of a step below which it runs on the calling
+// thread, where waking the pool costs more than the work; the attribute parallel_min_work
+// overrides it.
 constexpr int64_t kInlineWork = 16384;
 
 inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
@@ -111,6 +113,7 @@ inline void floats_to_halves(const float* src, uint16_t* dst, int n) {
 
 struct Attrs {
   int64_t layer_idx, num_heads, num_kv_heads, head_dim, block_size, kv_dtype, num_blocks;
+  int64_t parallel_min_work;
   float scale;
 };
 
