@@ -33,7 +33,9 @@ from pathlib import Path
 from kvflow import envs
 
 SOURCE = Path(__file__).with_name("paged_attention_ort.cc")
-KERNEL_HEADER = Path(__file__).with_name("paged_attention_ort_kernel.h")  # included by SOURCE
+# SOURCE and the headers it includes: what the library's name hashes.
+SOURCES = (SOURCE, SOURCE.with_name("paged_attention_ort_kernel.h"),
+           SOURCE.with_name("paged_attention_ort_simd.h"))
 API_HEADER = "onnxruntime_c_api.h"
 HEADERS_DIRNAME = "onnxruntime-headers"
 # Debian 13 (trixie) ships ONNX Runtime 1.21's headers (API 21) in this package.
@@ -99,7 +101,7 @@ def library_name(headers: Path, compiler: str) -> str:
     them)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), KERNEL_HEADER.read_bytes(),
+    for part in (*(source.read_bytes() for source in SOURCES),
                  (headers / API_HEADER).read_bytes(),
                  " ".join(CXX_FLAGS).encode(), compiler.encode(), version.encode(),
                  _cpu_flags().encode()):

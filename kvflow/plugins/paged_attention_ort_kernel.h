@@ -7,15 +7,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX__)
-#include <immintrin.h>
-#endif
+#include "paged_attention_ort_simd.h"
 
 namespace kvflow_ort {
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-constexpr int kLanes = 8;
 constexpr int kChunk = 16;    // keys per online-softmax step
 constexpr int kMaxRows = 64;  // query rows (token x group head) per tile: 8 vectors of scores
 constexpr int kDirectRows = 4;  // tiles of at most this many rows score by dot products
@@ -25,91 +20,6 @@ constexpr float kMasked = -1e30f;
 // thread, where waking the pool costs more than the work; the attribute parallel_min_work
 // overrides it.
 constexpr int64_t kInlineWork = 16384;
-
-inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
-inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
-inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
-
-// exp over 8 lanes (Cephes' expf polynomial, relative error ~1e-7); x < -87.3 gives exactly 0.
-inline v8f vexp(v8f x) {
-  const v8f orig = x;
-  x = vmax(x, splat(-87.3f));
-  x = x < splat(88.3f) ? x : splat(88.3f);
-  v8f fx = x * splat(1.44269504088896341f) + splat(0.5f);
-  v8f fl = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8f);
-  fl = fl > fx ? fl - splat(1.0f) : fl;
-  x = x - fl * splat(0.693359375f) + fl * splat(2.12194440e-4f);
-  v8f y = splat(1.9875691500e-4f);
-  y = y * x + splat(1.3981999507e-3f);
-  y = y * x + splat(8.3334519073e-3f);
-  y = y * x + splat(4.1665795894e-2f);
-  y = y * x + splat(1.6666665459e-1f);
-  y = y * x + splat(5.0000001201e-1f);
-  y = y * x * x + x + splat(1.0f);
-  v8i e = (__builtin_convertvector(fl, v8i) + 127) << 23;
-  v8f pow2n;
-  std::memcpy(&pow2n, &e, sizeof pow2n);
-  y = y * pow2n;
-  return orig < splat(-87.3f) ? splat(0.0f) : y;
-}
-
-// float16 <-> float32. F16C when the build machine has it; otherwise the bit-exact portable
-// conversion (round to nearest even on the way down, as numpy's astype does).
-inline float half_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal half: normalise
-    int e = -1;
-    do { ++e; man <<= 1; } while (!(man & 0x400));
-    bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t float_to_half(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0));
-  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);  // rounds past 65504: inf
-  if (ax < 0x38800000u) {  // below the smallest normal half: subnormal or zero
-    if (ax < 0x33000000u) return (uint16_t)sign;
-    uint32_t man = (ax & 0x7fffff) | 0x800000, shift = 126 - (ax >> 23);
-    uint32_t half = man >> shift, rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
-    if (rem > mid || (rem == mid && (half & 1))) ++half;
-    return (uint16_t)(sign | half);
-  }
-  uint32_t h = ((ax >> 13) - (112u << 10)), rem = ax & 0x1fff;
-  if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) ++h;
-  return (uint16_t)(sign | h);
-}
-
-inline void halves_to_floats(const uint16_t* src, float* dst, int n) {
-  int x = 0;
-#if defined(__F16C__)
-  for (; x + 8 <= n; x += 8)
-    _mm256_storeu_ps(dst + x, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + x))));
-#endif
-  for (; x < n; ++x) dst[x] = half_to_float(src[x]);
-}
-
-inline void floats_to_halves(const float* src, uint16_t* dst, int n) {
-  int x = 0;
-#if defined(__F16C__)
-  for (; x + 8 <= n; x += 8)
-    _mm_storeu_si128((__m128i*)(dst + x),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + x), _MM_FROUND_TO_NEAREST_INT));
-#endif
-  for (; x < n; ++x) dst[x] = float_to_half(src[x]);
-}
 
 struct Attrs {
   int64_t layer_idx, num_heads, num_kv_heads, head_dim, block_size, kv_dtype, num_blocks;
@@ -177,38 +87,11 @@ void scores_by_rows(const float* const* krow, int kc, int d, const float* qt, in
   if (v < nv) scores_vectors<1>(krow, kc, d, qt, mp, v, st);
 }
 
-inline float hsum(v8f v) {
-#if defined(__AVX__)
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-#else
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-#endif
-}
-
-// Eight sums of eight vectors at once: {hsum(a[0]), ..., hsum(a[7])}.
-inline v8f hsum8(const v8f* a) {
-#if defined(__AVX__)
-  const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
-  const __m256 t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
-  const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
-  const __m256 t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                            _mm256_permute2f128_ps(u0, u1, 0x31));
-#else
-  v8f r;
-  for (int i = 0; i < kLanes; ++i) r[i] = hsum(a[i]);
-  return r;
-#endif
-}
 
 // Scores of a few rows (a decode step's group, kDirectRows at most) as dot products along
 // head_dim, row-major: sc[m][j] (kChunk a row). Eight keys at a time share each query load.
-void scores_by_dots(const float* const* krow, int kc, int d, const float* qr, int m_rows,
+template <typename T>
+void scores_by_dots(const T* const* krow, int kc, int d, const float* qr, int m_rows,
                     float* sc) {
   for (int m = 0; m < m_rows; ++m) {
     const float* q = qr + (size_t)m * d;
@@ -223,12 +106,12 @@ void scores_by_dots(const float* const* krow, int kc, int d, const float* qr, in
       store8(out + j, hsum8(acc));
     }
     for (; j < kc; ++j) {
-      const float* kr = krow[j];
+      const T* kr = krow[j];
       v8f a0 = splat(0.0f);
       int x = 0;
       for (; x + kLanes <= d; x += kLanes) a0 += load8(q + x) * load8(kr + x);
       float sum = hsum(a0);
-      for (; x < d; ++x) sum += q[x] * kr[x];
+      for (; x < d; ++x) sum += q[x] * to_float(kr[x]);
       out[j] = sum;
     }
     for (; j < kChunk; ++j) out[j] = kMasked;
@@ -292,9 +175,9 @@ void softmax_by_rows(float* sc, int mp, const int32_t* lim, int c0, int kc, int 
 
 // acc[m0 + r][x0 : x0 + 8 NX] = acc * corr + sum_j p[j][m0 + r] * v_j[x0 : ...] for MR rows:
 // MR * NX sums in registers, each value vector loaded once for MR rows.
-template <int MR, int NX>
+template <int MR, int NX, typename T>
 inline void pv_tile(float* acc, int d, const float* corr, const float* sc, int pj, int pm,
-                    int m0, const float* const* vrow, int kc, int x0) {
+                    int m0, const T* const* vrow, int kc, int x0) {
   v8f s[MR][NX];
   for (int r = 0; r < MR; ++r)
     for (int u = 0; u < NX; ++u)
@@ -311,30 +194,31 @@ inline void pv_tile(float* acc, int d, const float* corr, const float* sc, int p
     for (int u = 0; u < NX; ++u) store8(acc + (size_t)(m0 + r) * d + x0 + u * kLanes, s[r][u]);
 }
 
-template <int NX>
+template <int NX, typename T>
 void pv_columns(float* acc, int d, const float* corr, const float* sc, int pj, int pm,
-                int m_rows, const float* const* vrow, int kc, int x0) {
+                int m_rows, const T* const* vrow, int kc, int x0) {
   int m = 0;
-  for (; m + 6 <= m_rows; m += 6) pv_tile<6, NX>(acc, d, corr, sc, pj, pm, m, vrow, kc, x0);
-  for (; m + 3 <= m_rows; m += 3) pv_tile<3, NX>(acc, d, corr, sc, pj, pm, m, vrow, kc, x0);
-  for (; m < m_rows; ++m) pv_tile<1, NX>(acc, d, corr, sc, pj, pm, m, vrow, kc, x0);
+  for (; m + 6 <= m_rows; m += 6) pv_tile<6, NX, T>(acc, d, corr, sc, pj, pm, m, vrow, kc, x0);
+  for (; m + 3 <= m_rows; m += 3) pv_tile<3, NX, T>(acc, d, corr, sc, pj, pm, m, vrow, kc, x0);
+  for (; m < m_rows; ++m) pv_tile<1, NX, T>(acc, d, corr, sc, pj, pm, m, vrow, kc, x0);
 }
 
 // acc = acc * corr + P x V over the chunk, every row of the tile; row m's probability of key
 // j at sc[j * pj + m * pm].
+template <typename T>
 void pv(float* acc, int d, const float* corr, const float* sc, int pj, int pm, int m_rows,
-        const float* const* vrow, int kc) {
+        const T* const* vrow, int kc) {
   int x = 0;
   for (; x + 2 * kLanes <= d; x += 2 * kLanes)
-    pv_columns<2>(acc, d, corr, sc, pj, pm, m_rows, vrow, kc, x);
+    pv_columns<2, T>(acc, d, corr, sc, pj, pm, m_rows, vrow, kc, x);
   if (x + kLanes <= d) {
-    pv_columns<1>(acc, d, corr, sc, pj, pm, m_rows, vrow, kc, x);
+    pv_columns<1, T>(acc, d, corr, sc, pj, pm, m_rows, vrow, kc, x);
     x += kLanes;
   }
   for (; x < d; ++x)
     for (int m = 0; m < m_rows; ++m) {
       float s = acc[(size_t)m * d + x] * corr[m];
-      for (int j = 0; j < kc; ++j) s += sc[(size_t)j * pj + (size_t)m * pm] * vrow[j][x];
+      for (int j = 0; j < kc; ++j) s += sc[(size_t)j * pj + (size_t)m * pm] * to_float(vrow[j][x]);
       acc[(size_t)m * d + x] = s;
     }
 }
@@ -408,11 +292,16 @@ void attend(const Step& st, const Item& it, std::vector<float>& scratch) {
     const int kc = std::min(kChunk, key_end - c0);
     std::memcpy(rows, next, sizeof rows);
     if (c0 + kChunk < key_end) locate(std::min(kChunk, key_end - c0 - kChunk));
+    const uint16_t* khalf[kChunk];
+    const uint16_t* vhalf[kChunk];
     for (int j = 0; j < kc; ++j) {
       if (a.kv_dtype == 0) {
         krow[j] = reinterpret_cast<const float*>(k_pool) + rows[j];
         vrow[j] = reinterpret_cast<const float*>(v_pool) + rows[j];
-      } else {
+      } else if (by_dots) {  // few rows: each half converted as it is used, in registers
+        khalf[j] = reinterpret_cast<const uint16_t*>(k_pool) + rows[j];
+        vhalf[j] = reinterpret_cast<const uint16_t*>(v_pool) + rows[j];
+      } else {  // a tile: each row converted once, for all the tile's rows
         halves_to_floats(reinterpret_cast<const uint16_t*>(k_pool) + rows[j],
                          kconv + (size_t)j * d, d);
         halves_to_floats(reinterpret_cast<const uint16_t*>(v_pool) + rows[j],
@@ -422,9 +311,15 @@ void attend(const Step& st, const Item& it, std::vector<float>& scratch) {
       }
     }
     if (by_dots) {
-      scores_by_dots(krow, kc, d, qt, m_rows, sc);
+      if (a.kv_dtype == 0)
+        scores_by_dots(krow, kc, d, qt, m_rows, sc);
+      else
+        scores_by_dots(khalf, kc, d, qt, m_rows, sc);
       softmax_by_dots(sc, m_rows, lim, c0, kc, m_run, l_run, corr);
-      pv(acc, d, corr, sc, 1, kChunk, m_rows, vrow, kc);
+      if (a.kv_dtype == 0)
+        pv(acc, d, corr, sc, 1, kChunk, m_rows, vrow, kc);
+      else
+        pv(acc, d, corr, sc, 1, kChunk, m_rows, vhalf, kc);
     } else {
       scores_by_rows(krow, kc, d, qt, mp, sc);
       softmax_by_rows(sc, mp, lim, c0, kc, min_lim, m_run, l_run, corr);
