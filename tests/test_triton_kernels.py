@@ -198,3 +198,37 @@ def test_decode_graph_buffers_pad_decodes_and_leave_other_steps_eager(tiny_engin
         for a, b in zip(ref.logprobs, got.logprobs, strict=True):
             assert a.keys() == b.keys()
             np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
+
+
+def test_an_fp16_pool_under_fp32_activations_matches_the_reference_on_the_same_pool():
+    """kv_cache_dtype=fp16 on an fp32 engine: the kernels write K/V rounded to the pool's type
+    (the reference's bits) and multiply in it, summing in fp32."""
+    step = make_step(MIXED, 9, 3, 64, 16, torch.float32, seed=2)
+    step["k_cache"], step["v_cache"] = step["k_cache"].half(), step["v_cache"].half()
+    ref, ref_in, out, dev = run_both(step)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)  # queries rounded to fp16
+    torch.testing.assert_close(dev["k_cache"], ref_in["k_cache"], rtol=0, atol=0)
+    torch.testing.assert_close(dev["v_cache"], ref_in["v_cache"], rtol=0, atol=0)
+
+
+@pytest.mark.slow  # the whole model in Triton's interpreter without CUDA: tens of seconds
+def test_triton_runner_with_an_fp16_pool_gives_the_torch_runners_fp16_tokens(tiny_engines):
+    import numpy as np
+
+    from kvflow import LLM, SamplingParams
+
+    engine = tiny_engines["llama-gqa4", "torch"]
+    prompts = [[5, 9, 13, 2, 7, 31, 8], list(range(3, 30))]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = {}
+    for runner in ("torch", "triton"):
+        with LLM(engine, runner=runner, kv_cache_dtype="fp16", max_num_seqs=2,
+                 max_num_batched_tokens=16) as llm:
+            assert llm.engine.runner.kv_cache_dtype == "fp16"
+            assert llm.engine.runner.pool.k[0].dtype in (np.float16, torch.float16)
+            outs[runner] = llm.generate(prompts, params)
+    for ref, got in zip(outs["torch"], outs["triton"], strict=True):
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(ref.logprobs, got.logprobs, strict=True):
+            np.testing.assert_allclose(list(a.values()), list(b.values()), atol=2e-3)

@@ -190,8 +190,9 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         self.aengine = AsyncLLMEngine(engine, step_hook=self._on_step,
                                       on_failure=self._on_engine_failure)
         opts = engine.options
-        log.info("kvflow worker %s: %s, %d KV blocks of %d tokens", worker_id, self.model_name,
-                 engine.kv.pool.num_usable_blocks, engine.kv.block_size)
+        log.info("kvflow worker %s: %s, %d KV blocks of %d tokens (%s, %d bytes each)",
+                 worker_id, self.model_name, engine.kv.pool.num_usable_blocks,
+                 engine.kv.block_size, engine.runner.kv_cache_dtype, engine.kv.bytes_per_block)
         return DynamoEngineConfig(
             model=str(self.card), served_model_name=self.model_name,
             llm=LlmRegistration(context_length=opts.max_model_len,
