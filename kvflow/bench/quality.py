@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.bench.quality_llamacpp import llama_cpp_rows, packaged_model
 from kvflow.workloads.data import shared_data_file
 
 REFERENCE_MODE = "fp32"
@@ -53,6 +54,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="score the text's first N tokens (default: all)")
     p.add_argument("--modes", default=",".join(MODES),
                    help="quantized_matmul modes of a quantized engine")
+    p.add_argument("--kv-cache-dtypes", default="fp32",
+                   help="KV cache dtypes to run each engine and mode with (comma-separated, "
+                        "e.g. fp32,fp16); the reference is always fp32")
     p.add_argument("--hf", default=None, help="HF transformers on these weights (default: the "
                                               "first engine's own checkpoint; 'none': skip)")
     p.add_argument("--llama-cpp", default=None, metavar="BIN_DIR",
@@ -142,9 +146,11 @@ def kl_and_top1(reference: np.ndarray, candidate: np.ndarray) -> tuple[float, in
 Scorer = Callable[[Sequence[int], int], np.ndarray]
 
 
-def runner_scorer(engine_dir: str | Path, mode: str, context: int) -> tuple[Scorer, Callable]:
-    """The engine's runner on ``mode``: ``score(ids, skip)`` gives the logits predicting
-    ``ids[skip+1:]`` (rows for positions ``skip .. len-2``); and its ``close``."""
+def runner_scorer(engine_dir: str | Path, mode: str, context: int,
+                  kv_cache_dtype: str = "fp32") -> tuple[Scorer, Callable]:
+    """The engine's runner on ``mode`` and ``kv_cache_dtype``: ``score(ids, skip)`` gives the
+    logits predicting ``ids[skip+1:]`` (rows for positions ``skip .. len-2``); and its
+    ``close``."""
     from kvflow.build.engine_config import EngineConfig
     from kvflow.kv_manager import KVCacheManager
     from kvflow.runtime import create_runner
@@ -152,7 +158,8 @@ def runner_scorer(engine_dir: str | Path, mode: str, context: int) -> tuple[Scor
 
     block = EngineConfig.load(engine_dir).limits.block_size
     num_blocks = -(-context // block) + 1
-    runner = create_runner(None, engine_dir, num_blocks, quantized_matmul=mode)
+    runner = create_runner(None, engine_dir, num_blocks, quantized_matmul=mode,
+                           kv_cache_dtype=kv_cache_dtype)
 
     def score(ids: Sequence[int], skip: int) -> np.ndarray:
         kv = KVCacheManager(num_blocks, block)
@@ -187,12 +194,14 @@ class System:
     name: str
     engine: str | None
     mode: str | None
+    kv_cache_dtype: str | None = None
     logits: Tally = field(default_factory=Tally)
     llm: Tally | None = None
     note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "engine": self.engine, "quantized_matmul": self.mode,
+                "kv_cache_dtype": self.kv_cache_dtype,
                 "full_vocabulary": self.logits.as_dict(),
                 "prompt_logprobs": self.llm.as_dict() if self.llm else None, "note": self.note}
 
@@ -226,14 +235,16 @@ def logits_pass(ids: Sequence[int], windows: Sequence[Window], scorers: dict[str
 
 
 def llm_pass(engine_dir: str, mode: str, ids: Sequence[int], windows: Sequence[Window],
-             log: Callable[[str], None] = print) -> Tally:
-    """Perplexity from prompt logprobs: each window a prompt to ``kvflow.LLM`` on ``mode``."""
+             log: Callable[[str], None] = print, kv_cache_dtype: str = "fp32") -> Tally:
+    """Perplexity from prompt logprobs: each window a prompt to ``kvflow.LLM`` on ``mode``
+    and ``kv_cache_dtype``."""
     from kvflow import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     tally = Tally()
     t0 = time.perf_counter()
-    with LLM(engine_dir, quantized_matmul=mode, enable_prefix_caching=False) as llm:
+    with LLM(engine_dir, quantized_matmul=mode, kv_cache_dtype=kv_cache_dtype,
+             enable_prefix_caching=False) as llm:
         for at in range(0, len(windows), LLM_BATCH):
             batch = windows[at:at + LLM_BATCH]
             outs = llm.generate([list(ids[w.begin:w.end]) for w in batch], params)
@@ -246,7 +257,8 @@ def llm_pass(engine_dir: str, mode: str, ids: Sequence[int], windows: Sequence[W
                     assert entry is not None
                     tally.nll -= entry[ids[p]]
                     tally.tokens += 1
-            log(f"[bench quality] {Path(engine_dir).name} {mode} prompt logprobs: window "
+            log(f"[bench quality] {Path(engine_dir).name} {mode} kv {kv_cache_dtype} prompt "
+                f"logprobs: window "
                 f"{at + len(batch)}/{len(windows)}")
     tally.seconds = time.perf_counter() - t0
     return tally
@@ -273,14 +285,6 @@ def read_tokens(engine_dir: str, path: Path, max_tokens: int | None) -> tuple[li
     return ids, tok.decode(ids, skip_special_tokens=False)
 
 
-def packaged_model(engine_dir: str) -> bool:
-    """Whether the engine was built from the packaged default GGUF."""
-    from kvflow.build.engine_config import EngineConfig
-    from kvflow.model.loader import DEFAULT_MODEL_FILE
-
-    return EngineConfig.load(engine_dir).source.get("name") == DEFAULT_MODEL_FILE
-
-
 def hf_model_for(engine_dir: str, hf: str | None) -> str | None:
     """``--hf``, else the engine's own checkpoint when it is the packaged model."""
     if hf == "none":
@@ -293,54 +297,21 @@ def hf_model_for(engine_dir: str, hf: str | None) -> str | None:
                      "checkpoint with --hf (or --hf none)")
 
 
-def llama_cpp_rows(args: argparse.Namespace, engine_dir: str, text: str,
-                   out: Path) -> list[dict[str, Any]]:
-    """llama-perplexity on the F32 GGUF (the KL base) and the engine's GGUF, on ``text``."""
-    from kvflow.bench.peers import LlamaCppBuild, ensure_build, ensure_f32_gguf, llama_perplexity
-    from kvflow.model.loader import default_model_path
-
-    if args.llama_cpp == "none":
-        return []
-    gguf = args.gguf or (default_model_path() if packaged_model(engine_dir) else None)
-    if gguf is None:
-        print("[bench quality] llama.cpp skipped: no --gguf for this engine", flush=True)
-        return []
-    if args.llama_cpp:
-        bin_dir = Path(args.llama_cpp).resolve()
-        build = LlamaCppBuild(bin_dir.parent, bin_override=bin_dir)
-        if build.missing(("llama-perplexity",)):
-            raise FileNotFoundError(f"--llama-cpp {bin_dir} has no llama-perplexity")
-    else:
-        build = ensure_build("reports/peers/llama.cpp", require=("llama-perplexity",
-                                                                  "llama-quantize"))
-    f32 = ensure_f32_gguf(build, gguf, args.f32_gguf)
-    text_file, kl_base = out / "text.txt", out / "llama-f32.kld"
-    text_file.write_text(text)
-    rows = []
-    try:
-        for name, model, compare in (("llama.cpp F32", f32, False),
-                                     (f"llama.cpp {Path(gguf).stem.split('.')[-1]}", gguf, True)):
-            print(f"[bench quality] {name}: llama-perplexity -c {args.context}", flush=True)
-            t0 = time.perf_counter()
-            res = llama_perplexity(build, model, text_file, args.context, args.threads, kl_base,
-                                   compare, log_path=out / f"{name.replace(' ', '-')}.log")
-            chunks = int(res.pop("chunks", 0))
-            rows.append({"name": name, "gguf": str(model), **res,
-                         "tokens": chunks * (args.context - 1 - args.context // 2),
-                         "seconds": round(time.perf_counter() - t0, 2)})
-    finally:
-        kl_base.unlink(missing_ok=True)  # its logits: vocab x 2 bytes per scored token
-    return rows
-
-
 def main(args: argparse.Namespace) -> int:
     from kvflow.build.engine_config import EngineConfig
     from kvflow.reports.quality_report import write_quality_report
+    from kvflow.runtime.base import check_kv_cache_dtype
 
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"--modes must be a subset of {','.join(MODES)}, got {args.modes!r}")
+    kv_dtypes = [d for d in args.kv_cache_dtypes.split(",") if d]
+    for d in kv_dtypes:
+        check_kv_cache_dtype(d)
+    if not kv_dtypes or "auto" in kv_dtypes:
+        raise ValueError(f"--kv-cache-dtypes must name dtypes (fp32, fp16), got "
+                         f"{args.kv_cache_dtypes!r}")
     configs = {e: EngineConfig.load(e) for e in args.engine}
     for e, cfg in configs.items():
         if args.context + 1 > cfg.limits.max_model_len:
@@ -362,14 +333,15 @@ def main(args: argparse.Namespace) -> int:
         for e, cfg in configs.items():
             quantized = cfg.quantization is not None and cfg.backend == "onnxruntime"
             for mode in (modes if quantized else [REFERENCE_MODE]):
-                name = f"{Path(e).name} {mode}"
-                note = "" if quantized else ("not quantized: every quantized_matmul mode is "
-                                             "this fp32 path")
-                systems[name] = System(name, e, mode, note=note)
-                scorers[name], close = runner_scorer(e, mode, args.context)
-                closers.append(close)
+                for kv in kv_dtypes:
+                    name = f"{Path(e).name} {mode}" + ("" if kv == "fp32" else f" kv {kv}")
+                    note = "" if quantized else ("not quantized: every quantized_matmul mode "
+                                                 "is this fp32 path")
+                    systems[name] = System(name, e, mode, kv, note=note)
+                    scorers[name], close = runner_scorer(e, mode, args.context, kv)
+                    closers.append(close)
         if reference not in scorers:  # the first engine's fp32 path leads: the reference
-            systems[reference] = System(reference, first, REFERENCE_MODE)
+            systems[reference] = System(reference, first, REFERENCE_MODE, "fp32")
             scorers[reference], close = runner_scorer(first, REFERENCE_MODE, args.context)
             closers.append(close)
         scorers = {reference: scorers[reference],
@@ -385,7 +357,8 @@ def main(args: argparse.Namespace) -> int:
             close()
     for s in systems.values():
         if s.engine is not None and s.mode is not None:
-            s.llm = llm_pass(s.engine, s.mode, ids, windows)
+            s.llm = llm_pass(s.engine, s.mode, ids, windows,
+                             kv_cache_dtype=s.kv_cache_dtype or "fp32")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     peers = llama_cpp_rows(args, first, text, out)
