@@ -13,11 +13,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
 
 from kvflow.plugins import ort_custom_ops
 from kvflow.plugins.paged_attention_ref import paged_attention_ref, random_step
-from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE, ONNX_OP_VERSION
 
 LIB = ort_custom_ops.library()
 needs_lib = pytest.mark.skipif(LIB is None, reason=f"custom-op library unavailable: "
@@ -31,32 +29,12 @@ def make_session(heads: int, kv_heads: int, head_dim: int, block_size: int,
                  num_blocks: int | None, kv_dtype: int = 0, threads: int = 1,
                  **extra_attrs: int) -> ort.InferenceSession:
     """A session over one PagedAttention node (layer 0), its inputs the graph's."""
-    f, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
-    inputs = [helper.make_tensor_value_info("q", f, ["T", heads * head_dim]),
-              helper.make_tensor_value_info("k", f, ["T", kv_heads * head_dim]),
-              helper.make_tensor_value_info("v", f, ["T", kv_heads * head_dim]),
-              helper.make_tensor_value_info("kv_cache_ptrs", i64, ["L", 2]),
-              helper.make_tensor_value_info("slot_mapping", i64, ["T"]),
-              helper.make_tensor_value_info("block_tables", i32, ["S", "B"]),
-              helper.make_tensor_value_info("seq_lens", i32, ["S"]),
-              helper.make_tensor_value_info("query_start_loc", i32, ["S1"])]
-    attrs = dict(layer_idx=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                 block_size=block_size, scale=head_dim ** -0.5, kv_dtype=kv_dtype,
-                 **extra_attrs)
-    if num_blocks is not None:  # what the runner adds at load time
-        attrs["num_blocks"] = num_blocks
-    node = helper.make_node(ONNX_OP_TYPE, [i.name for i in inputs], ["out"], domain=ONNX_DOMAIN,
-                            **attrs)
-    graph = helper.make_graph([node], "paged_attention", inputs,
-                              [helper.make_tensor_value_info("out", f, ["T", heads * head_dim])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid(ONNX_DOMAIN,
-                                                                        ONNX_OP_VERSION)])
+    model = ort_custom_ops.paged_attention_model(heads, kv_heads, head_dim, block_size,
+                                                 num_blocks, kv_dtype, **extra_attrs)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.register_custom_ops_library(str(LIB))
-    return ort.InferenceSession(model.SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
 
 
 def run_op(case: dict, heads: int, kv_heads: int, head_dim: int, block_size: int,

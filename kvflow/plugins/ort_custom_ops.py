@@ -186,6 +186,37 @@ def unavailable_reason(headers_dir: Path | None = None) -> str | None:
     return _resolve(headers_dir)[1]
 
 
+def paged_attention_model(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                          num_blocks: int | None, kv_dtype: int = 0, **attrs: int) -> bytes:
+    """A serialized ONNX model of one ``kvflow::PagedAttention`` node (layer 0) whose inputs
+    and output are the graph's, with the attributes the runner sets (``num_blocks`` None leaves
+    it out): the library alone, for tests and benchmarks."""
+    from onnx import TensorProto, helper
+
+    from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE, ONNX_OP_VERSION
+
+    f, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    hd, kvd = num_heads * head_dim, num_kv_heads * head_dim
+    shapes: list[tuple[str, int, list[str | int | None]]] = [
+        ("q", f, ["T", hd]), ("k", f, ["T", kvd]), ("v", f, ["T", kvd]),
+        ("kv_cache_ptrs", i64, ["L", 2]), ("slot_mapping", i64, ["T"]),
+        ("block_tables", i32, ["S", "B"]), ("seq_lens", i32, ["S"]),
+        ("query_start_loc", i32, ["S1"])]
+    inputs = [helper.make_tensor_value_info(name, dtype, shape) for name, dtype, shape in shapes]
+    node = helper.make_node(ONNX_OP_TYPE, [i.name for i in inputs], ["out"], domain=ONNX_DOMAIN)
+    values: dict[str, int | float] = dict(
+        layer_idx=0, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, scale=head_dim ** -0.5, kv_dtype=kv_dtype, **attrs)
+    if num_blocks is not None:
+        values["num_blocks"] = num_blocks
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in values.items())
+    graph = helper.make_graph([node], "paged_attention", inputs,
+                              [helper.make_tensor_value_info("out", f, ["T", hd])])
+    model = helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid(ONNX_DOMAIN, ONNX_OP_VERSION)])
+    return model.SerializeToString()
+
+
 def fetch_headers(dest: Path | None = None) -> Path:
     """Download Debian 13's ``libonnxruntime-dev`` with a private apt configuration (the
     system's sources, lists and cache untouched) and put its headers in ``dest`` (default:
