@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -125,6 +126,23 @@ def test_parallel_step_matches_reference(threads):
 def test_bad_attribute_is_refused_at_load():
     with pytest.raises(Exception, match=r"attribute kv_dtype = 7 is outside|kv_dtype 7 is none"):
         make_session(4, 2, 64, 16, num_blocks=8, kv_dtype=7)
+
+
+@needs_lib
+def test_output_shape_is_inferred():
+    # ORT's optimizers downstream of the node see [T, H*D]: here through a Relu whose output
+    # the graph leaves undeclared.
+    model = onnx.load_from_string(ort_custom_ops.paged_attention_model(4, 2, 8, 16, 10))
+    model.graph.node[0].output[0] = "attn"
+    model.graph.node.append(onnx.helper.make_node("Relu", ["attn"], ["out"]))
+    del model.graph.output[:]
+    model.graph.output.append(onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT,
+                                                                 None))
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(str(LIB))
+    sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+    assert sess.get_outputs()[0].shape == ["T", 32]
 
 
 @needs_lib

@@ -255,6 +255,14 @@ OrtStatus* ORT_API_CALL kernel_compute(void* kernel, OrtKernelContext* ctx) {
 
 void ORT_API_CALL kernel_destroy(void* kernel) { delete static_cast<Attrs*>(kernel); }
 
+// The output has q's shape ([T, H*D], T symbolic): ORT's optimizers downstream see it.
+OrtStatus* ORT_API_CALL infer_shape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  // NOTE: the info belongs to the context (ORT frees it); releasing it here frees it twice.
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  if (OrtStatus* s = g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &info)) return s;
+  return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
+}
+
 const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "PagedAttention"; }
 const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
@@ -295,6 +303,7 @@ OrtCustomOp make_op() {
   op.CreateKernelV2 = create_kernel;  // NOTE: CreateKernel/KernelCompute stay null: V2 is used
   op.KernelComputeV2 = kernel_compute;
   op.KernelDestroy = kernel_destroy;
+  op.InferOutputShapeFn = infer_shape;
   op.GetStartVersion = one;
   op.GetEndVersion = one;
   op.GetMayInplace = no_pairs;
