@@ -27,6 +27,7 @@ from kvflow.plugins.paged_attention_ref import random_step
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 CASES = {  # name: (cached tokens, new tokens) per sequence
     "decode-b1-ctx512": [(511, 1)],
+    "decode-b1-ctx4096": [(4095, 1)],
     "decode-b32-ctx768": [(767, 1)] * 32,
     "prefill-2048-on-0": [(0, 2048)],
     "prefill-2048-on-2048": [(2048, 2048)],

@@ -120,6 +120,10 @@ def test_parallel_step_matches_reference(threads):
     check_against_ref([(200, 1)] * 6 + [(90, 40)], 8, 2, head_dim=36, block_size=12,
                       threads=threads)
     check_against_ref([(2, 1)] * 3, 8, 2, threads=threads, parallel_min_work=0)
+    # Few items, long decodes: their keys split into parts on several threads, then merged.
+    check_against_ref([(1500, 1), (700, 1), (40, 9)], 8, 2, threads=threads,
+                      parallel_min_work=0)
+    check_against_ref([(1500, 1)], 9, 3, kv_dtype=1, threads=threads, parallel_min_work=0)
 
 
 @needs_lib

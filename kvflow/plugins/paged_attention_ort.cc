@@ -83,6 +83,30 @@ OrtStatus* expect_shape(const char* name, const Tensor& t, std::vector<int64_t> 
                " (-1: any)");
 }
 
+// Replaces the items of long decodes by parts of their keys (see kSplitBelowItems).
+void split_decodes(const Attrs& a, const int32_t* ql, const int32_t* sl, std::vector<Item>& items,
+                   std::vector<Split>& splits) {
+  const int64_t want = (kSplitBelowItems + (int64_t)items.size() - 1) / (int64_t)items.size();
+  std::vector<Item> out;
+  int32_t next_part = 0;
+  for (const Item& it : items) {
+    const int32_t len = sl[it.seq];
+    const int64_t parts = std::min<int64_t>(want, len / kSplitKeys);
+    if (ql[it.seq + 1] - ql[it.seq] != 1 || parts < 2) {
+      out.push_back(it);
+      continue;
+    }
+    const int32_t step = (int32_t)((len + parts - 1) / parts + kChunk - 1) / kChunk * kChunk;
+    const int32_t first = next_part;
+    for (int32_t k0 = 0; k0 < len; k0 += step, ++next_part)
+      out.push_back({it.seq, it.head, it.tok0, it.tok1, k0, k0 + step, next_part,
+                     (int64_t)std::min(step, len - k0) * (it.tok1 - it.tok0) *
+                         (a.num_heads / a.num_kv_heads)});
+    splits.push_back({it.seq, it.head, first, next_part - first});
+  }
+  items.swap(out);
+}
+
 OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   Tensor q, k, v, ptrs, slots, tables, lens, qsl;
   Tensor* in[] = {&q, &k, &v, &ptrs, &slots, &tables, &lens, &qsl};
@@ -150,7 +174,8 @@ OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
     for (int64_t t0 = 0; t0 < n; t0 += tile) {
       const int64_t t1 = std::min(n, t0 + tile), cost = (t1 - t0) * g * (len - n + t1);
       for (int64_t h = 0; h < a.num_kv_heads; ++h)
-        items.push_back({(int32_t)s, (int32_t)h, (int32_t)t0, (int32_t)t1, cost});
+        items.push_back({(int32_t)s, (int32_t)h, (int32_t)t0, (int32_t)t1, 0, INT32_MAX, -1,
+                         cost});
       work += cost * a.num_kv_heads;
     }
   }
@@ -179,17 +204,28 @@ OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   void* out = nullptr;
   if (OrtStatus* s = g_api->GetTensorMutableData(out_value, &out)) return s;
   std::memset(static_cast<float*>(out) + packed * hd, 0, sizeof(float) * (t - packed) * hd);
+  const bool parallel = work >= a.parallel_min_work;
+  std::vector<Split> splits;
+  std::vector<float> partials;
+  if (parallel && items.size() < (size_t)kSplitBelowItems) split_decodes(a, ql, sl, items, splits);
+  if (!splits.empty()) {
+    const Split& last = splits.back();
+    partials.resize((size_t)(last.first_part + last.parts) * g * (a.head_dim + 2));
+  }
   Step step{&a, static_cast<const float*>(q.data), static_cast<float*>(out), k_pool, v_pool,
-            bt, sl, ql, max_blocks};
+            bt, sl, ql, max_blocks, partials.data()};
   std::sort(items.begin(), items.end(),
             [](const Item& x, const Item& y) { return x.cost > y.cost; });
   Job job{&step, &items};
-  if (work >= a.parallel_min_work && items.size() > 1) {
+  bool done = false;
+  if (parallel && items.size() > 1) {
     OrtStatus* s = g_api->KernelContext_ParallelFor(ctx, run_item, items.size(), 0, &job);
-    if (!s) return nullptr;
-    g_api->ReleaseStatus(s);  // no pool to run on: do it here
+    done = s == nullptr;
+    if (s) g_api->ReleaseStatus(s);  // no pool to run on: run here
   }
-  for (size_t i = 0; i < items.size(); ++i) run_item(&job, i);
+  if (!done)
+    for (size_t i = 0; i < items.size(); ++i) run_item(&job, i);
+  for (const Split& sp : splits) merge_parts(step, sp);
   return nullptr;
 }
 

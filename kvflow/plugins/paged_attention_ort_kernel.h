@@ -20,6 +20,11 @@ constexpr float kMasked = -1e30f;
 // thread, where waking the pool costs more than the work; the attribute parallel_min_work
 // overrides it.
 constexpr int64_t kInlineWork = 16384;
+// A parallel step of fewer work items than this splits its decodes' keys into parts of at least
+// kSplitKeys keys (FlashDecoding), so that a small batch with long contexts keeps every thread
+// busy.
+constexpr int kSplitBelowItems = 16;
+constexpr int kSplitKeys = 256;
 
 struct Attrs {
   int64_t layer_idx, num_heads, num_kv_heads, head_dim, block_size, kv_dtype, num_blocks;
@@ -38,11 +43,19 @@ struct Step {
   const int32_t* seq_lens;
   const int32_t* qsl;
   int64_t max_blocks;
+  float* partials;  // per part, per row: running max, running sum, then head_dim sums
 };
 
 struct Item {
   int32_t seq, head, tok0, tok1;  // tokens [tok0, tok1) of the sequence's new ones
-  int64_t cost;                   // rows x keys
+  int32_t key0, key1;  // the keys it reads: all (0, INT32_MAX) or a part of a split decode's
+  int32_t part;        // -1: it writes the output; else its slot in Step::partials
+  int64_t cost;        // rows x keys
+};
+
+// A decode (one token) whose keys are split over several items, the parts merged after.
+struct Split {
+  int32_t seq, head, first_part, parts;
 };
 
 struct Job {
@@ -262,7 +275,7 @@ void attend(const Step& st, const Item& it, std::vector<float>& scratch) {
   }
   std::memset(acc, 0, sizeof(float) * (size_t)m_rows * d);
 
-  const int key_end = len - n + it.tok1, min_lim = len - n + it.tok0;
+  const int key_end = std::min(len - n + it.tok1, it.key1), min_lim = len - n + it.tok0;
   const int32_t* table = st.block_tables + (size_t)it.seq * st.max_blocks;
   const size_t row_stride = (size_t)kvh * d, head_off = (size_t)it.head * d;
   const float* krow[kChunk];
@@ -273,7 +286,7 @@ void attend(const Step& st, const Item& it, std::vector<float>& scratch) {
   // Element offsets of the keys of the next chunk, found through the block table; prefetched
   // while this chunk is computed (blocks are scattered: the hardware cannot guess them).
   size_t rows[kChunk], next[kChunk];
-  int blk = 0, off = 0;
+  int blk = it.key0 / bs, off = it.key0 % bs;
   auto locate = [&](int count) {
     for (int j = 0; j < count; ++j, ++off) {
       if (off == bs) {
@@ -287,8 +300,8 @@ void attend(const Step& st, const Item& it, std::vector<float>& scratch) {
       }
     }
   };
-  locate(std::min(kChunk, key_end));
-  for (int c0 = 0; c0 < key_end; c0 += kChunk) {
+  locate(std::min(kChunk, key_end - it.key0));
+  for (int c0 = it.key0; c0 < key_end; c0 += kChunk) {
     const int kc = std::min(kChunk, key_end - c0);
     std::memcpy(rows, next, sizeof rows);
     if (c0 + kChunk < key_end) locate(std::min(kChunk, key_end - c0 - kChunk));
@@ -326,11 +339,41 @@ void attend(const Step& st, const Item& it, std::vector<float>& scratch) {
       pv(acc, d, corr, sc, mp, 1, m_rows, vrow, kc);
     }
   }
+  if (it.part >= 0) {  // a part of a split decode: its state, merged by merge_parts
+    float* dst = st.partials + (size_t)it.part * m_rows * (d + 2);
+    for (int m = 0; m < m_rows; ++m, dst += d + 2) {
+      dst[0] = m_run[m];
+      dst[1] = l_run[m];
+      std::memcpy(dst + 2, acc + (size_t)m * d, sizeof(float) * d);
+    }
+    return;
+  }
   for (int m = 0; m < m_rows; ++m) {
     const int i = it.tok0 + m / g, head = it.head * g + m % g;
     float* orow = st.out + (size_t)(start + i) * hd + (size_t)head * d;
     const float inv = 1.0f / l_run[m];
     for (int x = 0; x < d; ++x) orow[x] = acc[(size_t)m * d + x] * inv;
+  }
+}
+
+// The output of a split decode from its parts' running maxima, sums and accumulators.
+void merge_parts(const Step& st, const Split& sp) {
+  const int d = (int)st.a->head_dim, g = (int)(st.a->num_heads / st.a->num_kv_heads);
+  const size_t stride = (size_t)g * (d + 2);
+  float* orow = st.out + (size_t)st.qsl[sp.seq] * st.a->num_heads * d;
+  for (int m = 0; m < g; ++m) {
+    const float* first = st.partials + (size_t)sp.first_part * stride + (size_t)m * (d + 2);
+    float top = first[0], total = 0.0f;
+    for (int p = 1; p < sp.parts; ++p) top = std::max(top, first[p * stride]);
+    float* o = orow + (size_t)(sp.head * g + m) * d;
+    std::memset(o, 0, sizeof(float) * d);
+    for (int p = 0; p < sp.parts; ++p) {
+      const float* part = first + p * stride;
+      const float w = vexp(splat(part[0] - top))[0];
+      total += w * part[1];
+      for (int x = 0; x < d; ++x) o[x] += w * part[2 + x];
+    }
+    for (int x = 0; x < d; ++x) o[x] /= total;
   }
 }
 
