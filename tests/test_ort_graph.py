@@ -200,3 +200,16 @@ def _insert_identity(graph: onnx.GraphProto, tensor: str) -> None:
                 n.input[i] = relay
     index = next(i for i, n in enumerate(graph.node) if tensor in n.output)
     graph.node.insert(index + 1, helper.make_node("Identity", [tensor], [relay]))
+
+
+def test_q4_1_minima_fold_into_the_fp32_weights(quantized_engines):
+    """fp32_matmul=True: each Q4_1 matmul's block-minimum Gemm becomes constants added to the
+    dequantized codes (d * q + m, gguf-py's order), which ORT folds into the fp32 weight."""
+    folder = quantized_engines["Q4_1"]
+    engine = EngineConfig.load(folder)
+    model = onnx.load(str(folder / "model.onnx"))
+    fused, report = fuse_for_ort(model, fp32_matmul=True)
+    layers = engine.model.num_hidden_layers
+    assert report.applied["q4_1_minimum_folded"] == 4 * layers + 1
+    assert not any(n.op_type in ("Gemm", "ReduceSum") for n in fused.graph.node)
+    assert_same_logits(model, fused, engine)

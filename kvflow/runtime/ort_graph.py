@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from kvflow.runtime.ort_graph_edit import Graph
-from kvflow.runtime.ort_graph_linear import fuse_linear_groups
+from kvflow.runtime.ort_graph_linear import fold_minima, fuse_linear_groups
 from kvflow.runtime.ort_graph_norm import fuse_rms_norms, fuse_rotary
 
 
@@ -56,15 +56,22 @@ class FusionReport:
         return line
 
 
-def fuse_for_ort(model: onnx.ModelProto) -> tuple[onnx.ModelProto, FusionReport]:
+def fuse_for_ort(model: onnx.ModelProto,
+                 fp32_matmul: bool = False) -> tuple[onnx.ModelProto, FusionReport]:
     """A fused copy of ``model`` (weights loaded) for ORT's CPU provider, and what was done.
 
-    ``model`` itself is not modified.
+    ``fp32_matmul``: the graph will only run with DequantizeLinear folded into fp32 weights
+    (``session.disable_quant_qdq``, the runner's ``quantized_matmul="fp32"`` path), so Q4_1's
+    block minima are folded into those weights too (:func:`fold_minima`). The default graph
+    serves both paths. ``model`` itself is not modified.
     """
     g = Graph(model)
     applied: Counter = Counter()
     skipped: Counter = Counter()
-    for fusion in (fuse_rms_norms, fuse_rotary, fuse_linear_groups):
+    fusions = [fuse_rms_norms, fuse_rotary, fuse_linear_groups]
+    if fp32_matmul:
+        fusions.append(fold_minima)
+    for fusion in fusions:
         done, missed = fusion(g)
         applied.update(done)
         skipped.update(missed)

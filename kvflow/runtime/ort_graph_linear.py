@@ -204,3 +204,37 @@ def fuse_linear_groups(g: Graph) -> tuple[Counter, Counter]:
         applied[label] += 1
     skipped = Counter({QKV: len(attention) - applied[QKV], GATE_UP: silu - applied[GATE_UP]})
     return applied, skipped
+
+
+def fold_minima(g: Graph) -> tuple[Counter, Counter]:
+    """Q4_1 for the fp32 matmul path: ``x @ DQ(q, d) + block_sums(x) @ m`` becomes
+    ``x @ (DQ(q, d) + m)``, the block minima added to the dequantized codes in gguf-py's
+    order (``d * q + m``), all constants: ORT folds it into one fp32 weight at load, so the
+    minimum ``Gemm`` and the block sums are gone and the weight is the checkpoint's own
+    dequantization. Not for MatMulNBits (int8 activations): it would fold the codes too."""
+    applied: Counter = Counter()
+    for node in [n for n in g.nodes if n.op_type == "MatMul"]:
+        unit = _match_dequantized(g, node)
+        if unit is None or not unit.minimum:
+            continue
+        k, n = list(g.inits[unit.codes].dims)
+        blocks = k // unit.block_size
+        tag = unit.codes.removesuffix(".q")
+        dq = unit.nodes[0].output[0]
+        shape3 = g.add_init(f"{tag}.blocks_shape", np.array([blocks, unit.block_size, n],
+                                                             dtype=np.int64))
+        shape2 = g.add_init(f"{tag}.weight_shape", np.array([k, n], dtype=np.int64))
+        minimum = g.const(unit.minimum)
+        assert minimum is not None
+        minima = g.add_init(f"{tag}.minimum3", minimum.reshape(blocks, 1, n))
+        names = [g.unique(f"{tag}.{s}") for s in ("blocks", "plus_minimum", "weight")]
+        product = unit.out if not unit.bias else g.unique(f"{tag}.matmul")
+        nodes = [g.node("Reshape", [dq, shape3], [names[0]]),
+                 g.node("Add", [names[0], minima], [names[1]]),
+                 g.node("Reshape", [names[1], shape2], [names[2]]),
+                 g.node("MatMul", [unit.x, names[2]], [product])]
+        if unit.bias:
+            nodes.append(g.node("Add", [product, unit.bias], [unit.out]))
+        g.replace(unit.nodes[1:], nodes)
+        applied["q4_1_minimum_folded"] += 1
+    return applied, Counter()
