@@ -138,17 +138,19 @@ void softmax_by_dots(float* sc, int m_rows, const int32_t* lim, int c0, int kc, 
   for (int m = 0; m < m_rows; ++m) {
     float* row = sc + (size_t)m * kChunk;
     for (int j = std::max(0, lim[m] + 1 - c0); j < kc; ++j) row[j] = kMasked;  // causal
-    v8f lo = load8(row), hi = load8(row + kLanes);
-    const v8f mx = vmax(lo, hi);
+    constexpr int nv = kChunk / kLanes;
+    v8f p[nv], mx = load8(row);
+    for (int v = 0; v < nv; ++v) mx = vmax(mx, p[v] = load8(row + v * kLanes));
     float m_new = m_run[m];
     for (int i = 0; i < kLanes; ++i) m_new = std::max(m_new, mx[i]);
-    const v8f shift = splat(m_new);
-    lo = vexp(lo - shift);
-    hi = vexp(hi - shift);
-    store8(row, lo);
-    store8(row + kLanes, hi);
+    v8f sum = splat(0.0f);
+    for (int v = 0; v < nv; ++v) {
+      p[v] = vexp(p[v] - splat(m_new));
+      store8(row + v * kLanes, p[v]);
+      sum += p[v];
+    }
     corr[m] = vexp(splat(m_run[m] - m_new))[0];
-    l_run[m] = l_run[m] * corr[m] + hsum(lo + hi);
+    l_run[m] = l_run[m] * corr[m] + hsum(sum);
     m_run[m] = m_new;
   }
 }
