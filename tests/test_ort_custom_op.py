@@ -210,12 +210,15 @@ def test_fp16_write_rounds_like_numpy():
     ("slot_mapping", 10_000, r"slot_mapping\[0\] = 10000 is past the KV pool"),
     ("block_tables", 99, r"block_tables\[0, 1\] = 99 is outside the KV pool's \d+ blocks"),
     ("seq_lens", 2, r"seq_lens\[0\] = 2 is below its 4 new tokens"),
+    ("kv_cache_ptrs", 0, r"kv_cache_ptrs\[0\] holds a null address"),
+    ("query_start_loc", 1, r"query_start_loc must run from 0"),
 ])
 def test_bad_input_is_an_error_naming_it(field, value, message):
     case = random_step([(20, 4)], 4, 2, 64, 16, torch.float32, torch.Generator().manual_seed(1))
     k_pool, v_pool = case["k_cache"].numpy().copy(), case["v_cache"].numpy().copy()
     before = k_pool.copy()
-    bad = case[field].numpy().copy()
+    bad = (np.array([[k_pool.ctypes.data, v_pool.ctypes.data]], np.int64)
+           if field == "kv_cache_ptrs" else case[field].numpy().copy())
     bad.reshape(-1)[1 if field == "block_tables" else 0] = value
     with pytest.raises(Exception, match=message):
         run_op(case, 4, 2, 64, 16, k_pool, v_pool, **{field: bad})
@@ -243,3 +246,11 @@ def test_reason_names_missing_headers(tmp_path):
     assert ort_custom_ops.library(tmp_path) is None
     reason = ort_custom_ops.unavailable_reason(tmp_path)
     assert "onnxruntime_c_api.h" in reason and str(tmp_path) in reason
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
+def test_reason_quotes_the_compiler(tmp_path):
+    (tmp_path / "onnxruntime_c_api.h").write_text("#error these headers are broken\n")
+    assert ort_custom_ops.library(tmp_path) is None
+    reason = ort_custom_ops.unavailable_reason(tmp_path)
+    assert "failed on paged_attention_ort.cc" in reason and "these headers are broken" in reason

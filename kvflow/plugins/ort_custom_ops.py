@@ -49,7 +49,7 @@ DEBIAN_KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
              "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math",
              "-ffp-contract=fast", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall",
-             "-Wno-psabi")
+             "-Wno-psabi", "-Wfatal-errors")
 
 _resolved: dict[Path | None, tuple[Path | None, str | None]] = {}
 
@@ -142,10 +142,15 @@ def _compile(compiler: str, headers: Path, folder: Path, name: str) -> Path:
         result = subprocess.run([compiler, *CXX_FLAGS, f"-I{headers}", "-o", tmp, str(SOURCE)],
                                 capture_output=True, text=True)
         if result.returncode != 0:
+            lines = result.stderr.strip().splitlines()
+            errors = [line for line in lines if "error" in line] or lines
             raise CustomOpsUnavailable(f"{compiler} failed on {SOURCE.name}: "
-                                       f"{result.stderr.strip()[-1500:]}")
+                                       + "\n".join(errors)[:1500])
         os.chmod(tmp, 0o755)
         os.replace(tmp, folder / name)
+        for old in folder.glob("libkvflow-ortops-*.so"):  # superseded builds (a loaded one
+            if old.name != name:                         # stays mapped where it is in use)
+                old.unlink(missing_ok=True)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
