@@ -231,6 +231,9 @@ def fetch_headers(dest: Path | None = None) -> Path:
     for tool in ("apt-get", "dpkg-deb", "dpkg"):
         if shutil.which(tool) is None:
             raise CustomOpsUnavailable(f"cannot fetch {HEADERS_PACKAGE}: no {tool} (not Debian?)")
+    if not DEBIAN_KEYRING.is_file():
+        raise CustomOpsUnavailable(f"cannot fetch {HEADERS_PACKAGE}: no Debian archive keyring "
+                                   f"at {DEBIAN_KEYRING} (apt-get install debian-archive-keyring)")
     arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True,
                           text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="kvflow-apt-") as tmp:
