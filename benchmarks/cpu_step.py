@@ -30,6 +30,8 @@ at the longest prompt, the decode step at batch 32 and context 768 against its r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import statistics
 import time
@@ -52,6 +54,10 @@ from kvflow.plugins import paged_attention_host, paged_attention_native
 from kvflow.reports.writers import memory_bandwidth_gb_s, pyplot, save_figure, write_report
 from kvflow.runtime import ort_runner
 from kvflow.runtime.base import StepInput
+
+# The modules whose ``paged_attention_native`` a segmented ORT runner calls between sessions.
+HOST_KERNEL_CALLERS = ("kvflow.runtime.ort_runner", "kvflow.runtime.ort_sessions")
+HOST_KERNEL = "paged_attention_native"
 
 DEFAULT_ENGINE = "q4=engines/smollm2-135m"
 ROOFLINE_CASE = (32, 768)  # issue 32's decode step: batch 32, context 768, <= 2x its roofline
@@ -151,10 +157,15 @@ def time_decode(engine_dir: Path, options: dict[str, Any], cases: list[tuple[int
     timed = _Timed(impl)
     # NOTE: the benchmark's own probe on the segmented runner's host kernel (a one-session
     # runner runs attention inside ORT and never calls it: no split is shown then).
-    original = getattr(ort_runner, "paged_attention_native", None)
-    if original is not None:
-        ort_runner.paged_attention_native = timed  # type: ignore[attr-defined]
+    callers = []
+    for module_name in HOST_KERNEL_CALLERS:
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module(module_name)
+            if hasattr(module, HOST_KERNEL):
+                callers.append((module, getattr(module, HOST_KERNEL)))
+                setattr(module, HOST_KERNEL, timed)
     runner = create_engine(engine_dir, **opts).runner
+    runner_attention = str(getattr(runner, "attention", "segmented"))
     kv_dtype = str(getattr(runner, "kv_cache_dtype", "fp32"))
     kv_per_token = getattr(runner, "kv_bytes_per_block", kv_bytes_fp32_per_block(engine)) / bs
     rows = []
@@ -171,13 +182,14 @@ def time_decode(engine_dir: Path, options: dict[str, Any], cases: list[tuple[int
                 attn.append(timed.seconds)
             i = int(np.argmin(walls))
             rows.append({"batch": batch, "context": context, "kv_cache_dtype": kv_dtype,
+                         "runner_attention": runner_attention,
                          "step_ms": walls[i] * 1e3,
                          "median_ms": statistics.median(walls) * 1e3,
                          "attention_ms": attn[i] * 1e3 if timed.calls else None})
     finally:
         runner.close()
-        if original is not None:
-            ort_runner.paged_attention_native = original  # type: ignore[attr-defined]
+        for module, original in callers:
+            setattr(module, HOST_KERNEL, original)
     return rows, kv_per_token, mode
 
 
@@ -329,8 +341,10 @@ def targets(decode: list[dict], prefill: dict[str, Any] | None) -> list[Target]:
                    key=lambda c: (c == ROOFLINE_CASE, c[0] * c[1]))
         for r in decode:
             if (r["batch"], r["context"]) == case:
-                rows.append(Target(f"{r['engine']} ({r['attention']} attention): decode step, "
-                                   f"batch {case[0]}, context {case[1]} / roofline",
+                kernel = ("" if r["attention_ms"] is None
+                          else f", {r['attention']} host kernel")
+                rows.append(Target(f"{r['engine']} ({r['runner_attention']} attention{kernel}): "
+                                   f"decode step, batch {case[0]}, context {case[1]} / roofline",
                                    r["vs_roofline"], ROOFLINE_BOUND, at_most=True))
     return rows
 
@@ -369,12 +383,14 @@ def summary_lines(report: dict[str, Any], plots: list[str]) -> list[str]:
                   "-npl 1 --no-repack`, its prompt time (T_PP).", ""]
     if decode:
         lines += [f"## Decode step vs roofline (best of {report['config']['repeats']})", "",
-                  "| engine | matmul | attention | KV | batch | context | step ms (best) | "
-                  "median ms | attention ms | weights MB | KV MB | roofline ms | "
-                  "step / roofline |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| engine | matmul | runner attention | host kernel | KV | batch | context "
+                  "| step ms (best) | median ms | attention ms | weights MB | KV MB | "
+                  "roofline ms | step / roofline |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in decode:
             attn = "in graph" if r["attention_ms"] is None else f"{r['attention_ms']:.1f}"
-            lines.append(f"| {r['engine']} | {r['matmul']} | {r['attention']} | "
+            lines.append(f"| {r['engine']} | {r['matmul']} | {r['runner_attention']} | "
+                         f"{r['attention'] if r['attention_ms'] is not None else '-'} | "
                          f"{r['kv_cache_dtype']} | {r['batch']} | "
                          f"{r['context']} | {r['step_ms']:.1f} | {r['median_ms']:.1f} | "
                          f"{attn} | {r['weight_mb']:.0f} | {r['kv_mb']:.0f} | "
