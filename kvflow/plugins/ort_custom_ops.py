@@ -12,7 +12,7 @@ kvflow.plugins.ort_custom_ops --fetch-headers``, which downloads Debian 13's
 unpacks its headers into ``<venv>/onnxruntime-headers``; a system ``/usr/include/onnxruntime``
 serves too.
 
-The built library is cached under a name that hashes everything it depends on: the source, the
+The built library is cached under a name that hashes everything it depends on: the sources, the
 headers' API file, the flags, the compiler's identity and this CPU's feature flags. Any change
 rebuilds it; a venv copied to another CPU does not load a library built for the first.
 

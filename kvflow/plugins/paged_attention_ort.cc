@@ -43,7 +43,6 @@ OrtStatus* error(const std::string& msg) {
   return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("kvflow::PagedAttention: " + msg).c_str());
 }
 
-
 struct Tensor {
   const void* data = nullptr;
   std::vector<int64_t> shape;
