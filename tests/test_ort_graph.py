@@ -15,9 +15,16 @@ from onnx import helper, numpy_helper
 
 from kvflow.build.engine_config import EngineConfig
 from kvflow.kv_manager import KVCacheManager
+from kvflow.plugins import ort_custom_ops
 from kvflow.runtime.kv_cache import HostKVPool
 from kvflow.runtime.ort_graph import FusionReport, fuse_for_ort
-from kvflow.runtime.ort_sessions import Segmented, session_options
+from kvflow.runtime.ort_sessions import (
+    Executor,
+    OneSession,
+    Segmented,
+    attention_nodes,
+    session_options,
+)
 from kvflow.runtime.step_builder import SeqChunk, build_step
 
 # Tolerances relative to the largest logit. fp32: the fused kernels sum in other orders
@@ -88,13 +95,23 @@ def steps(block_size: int) -> Iterator:
                               for rid, tokens, start, n, sample in step])
 
 
-def run_steps(model: onnx.ModelProto, engine: EngineConfig, int8: bool) -> list[np.ndarray]:
-    """Each step's logits through the segmented runner's sessions over a fresh KV pool."""
+def run_steps(model: onnx.ModelProto, engine: EngineConfig, int8: bool,
+              native: bool = False) -> list[np.ndarray]:
+    """Each step's logits through the segmented runner's sessions (or, ``native``, one session
+    with the ORT PagedAttention op) over a fresh KV pool."""
     m = engine.model
     pool = HostKVPool(m.num_hidden_layers, 64, engine.limits.block_size,
                       m.num_key_value_heads, m.head_dim)
     try:
-        executor = Segmented(model, session_options(1, False, int8))
+        if native:
+            model = onnx.ModelProto.FromString(model.SerializeToString())
+            for node in attention_nodes(model):
+                node.attribute.extend([helper.make_attribute("kv_dtype", 0),
+                                       helper.make_attribute("num_blocks", 64)])
+            executor: Executor = OneSession(model, session_options(
+                1, False, int8, ort_custom_ops.library()))
+        else:
+            executor = Segmented(model, session_options(1, False, int8))
         return [executor.run({
             "input_ids": s.input_ids, "positions": s.positions, "kv_cache_ptrs": pool.ptrs,
             "slot_mapping": s.slot_mapping, "block_tables": s.block_tables,
@@ -106,9 +123,11 @@ def run_steps(model: onnx.ModelProto, engine: EngineConfig, int8: bool) -> list[
 
 
 def assert_same_logits(model: onnx.ModelProto, fused: onnx.ModelProto, engine: EngineConfig,
-                       int8: bool = False) -> None:
+                       int8: bool = False, native: bool = False) -> None:
+    """The fused graph's logits (segmented, or ``native``) against the exported graph's
+    (segmented) over :func:`steps`."""
     tol = INT8_TOL if int8 else FP32_TOL
-    for ref, got in zip(run_steps(model, engine, int8), run_steps(fused, engine, int8),
+    for ref, got in zip(run_steps(model, engine, int8), run_steps(fused, engine, int8, native),
                         strict=True):
         assert got.shape == ref.shape
         np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.abs(ref).max())
@@ -213,3 +232,19 @@ def test_q4_1_minima_fold_into_the_fp32_weights(quantized_engines):
     assert report.applied["q4_1_minimum_folded"] == 4 * layers + 1
     assert not any(n.op_type in ("Gemm", "ReduceSum") for n in fused.graph.node)
     assert_same_logits(model, fused, engine)
+
+
+def test_a_graph_without_its_weights_is_refused_by_name(tiny_engines):
+    folder = tiny_engines["llama-gqa4", "onnxruntime"]
+    with pytest.raises(ValueError, match="weights are not loaded"):
+        fuse_for_ort(onnx.load(str(folder / "model.onnx"), load_external_data=False))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32-matmul", "int8-matmul"])
+def test_fused_graph_runs_in_one_session_with_the_native_attention_op(quantized_engines, int8):
+    if ort_custom_ops.library() is None:
+        pytest.skip(f"no native op: {ort_custom_ops.unavailable_reason()}")
+    folder = quantized_engines["Q4_1"]
+    model = onnx.load(str(folder / "model.onnx"))
+    fused, _ = fuse_for_ort(model, fp32_matmul=not int8)
+    assert_same_logits(model, fused, EngineConfig.load(folder), int8, native=True)

@@ -21,6 +21,11 @@ class Graph:
 
     def __init__(self, model: onnx.ModelProto) -> None:
         g = model.graph
+        unloaded = [t.name for t in g.initializer if t.data_location == TensorProto.EXTERNAL]
+        if unloaded:
+            raise ValueError(f"the graph's weights are not loaded ({len(unloaded)} initializers "
+                             f"in external data, e.g. {unloaded[0]!r}): fuse a model read with "
+                             "onnx.load(path), which loads them")
         self.model = model
         self._nodes = {id(n): n for n in g.node}
         self.rank = {key: float(i) for i, key in enumerate(self._nodes)}
