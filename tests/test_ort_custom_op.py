@@ -175,6 +175,17 @@ def test_tokens_past_the_batch_are_zero():
 
 
 @needs_lib
+def test_empty_step():
+    case = random_step([(3, 1)], 4, 2, 64, 16, torch.float32, torch.Generator().manual_seed(2))
+    k_pool, v_pool = case["k_cache"].numpy().copy(), case["v_cache"].numpy().copy()
+    empty = {"q": np.zeros((0, 256), np.float32), "k": np.zeros((0, 128), np.float32),
+             "v": np.zeros((0, 128), np.float32), "slot_mapping": np.zeros(0, np.int64),
+             "block_tables": np.zeros((0, 1), np.int32), "seq_lens": np.zeros(0, np.int32),
+             "query_start_loc": np.zeros(1, np.int32)}
+    assert run_op(case, 4, 2, 64, 16, k_pool, v_pool, **empty).shape == (0, 256)
+
+
+@needs_lib
 def test_fp16_pool_close_to_fp32_pool():
     seqs = [(300, 1), (120, 20), (0, 5)]
     case = random_step(seqs, 9, 3, 64, 16, torch.float32, torch.Generator().manual_seed(7))

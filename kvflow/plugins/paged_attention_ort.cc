@@ -202,7 +202,8 @@ OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   if (OrtStatus* s = g_api->KernelContext_GetOutput(ctx, 0, out_shape, 2, &out_value)) return s;
   void* out = nullptr;
   if (OrtStatus* s = g_api->GetTensorMutableData(out_value, &out)) return s;
-  std::memset(static_cast<float*>(out) + packed * hd, 0, sizeof(float) * (t - packed) * hd);
+  if (t > packed)
+    std::memset(static_cast<float*>(out) + packed * hd, 0, sizeof(float) * (t - packed) * hd);
   const bool parallel = work >= a.parallel_min_work;
   std::vector<Split> splits;
   std::vector<float> partials;
