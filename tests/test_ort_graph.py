@@ -138,9 +138,11 @@ def expect_every_layer(report: FusionReport, layers: int) -> None:
     assert report.applied["RotaryEmbedding"] == 2 * layers
     assert report.applied["qkv_matmul"] == layers
     assert report.applied["gate_up_matmul"] == layers
-    # Norms: each layer's two, and the final one; all but the first read a residual Add.
-    assert report.applied["SimplifiedLayerNormalization"] == 2
-    assert report.applied["SkipSimplifiedLayerNormalization"] == 2 * layers - 1
+    # Norms: each layer's two, and the final one; all but the first read a residual Add (the
+    # final one too, once the logits rows are gathered before the last layer's MLP).
+    assert report.applied["logits_rows_early"] == 1
+    assert report.applied["SimplifiedLayerNormalization"] == 1
+    assert report.applied["SkipSimplifiedLayerNormalization"] == 2 * layers
     assert not report.skipped
 
 
@@ -154,7 +156,9 @@ def test_fused_fp32_graph_gives_the_same_logits(tiny_engines, name):
     engine = EngineConfig.load(folder)
     before = {p.name: file_hash(p) for p in folder.glob("model.onnx*")}
     model = onnx.load(str(folder / "model.onnx"))
+    given = model.SerializeToString()
     fused, report = fuse_for_ort(model)
+    assert model.SerializeToString() == given  # a copy is fused, not the model given
     expect_every_layer(report, engine.model.num_hidden_layers)
     assert report.nodes_before == len(model.graph.node)
     assert report.nodes_after == len(fused.graph.node)
@@ -201,7 +205,7 @@ def test_a_layer_that_does_not_match_is_left_unfused_and_correct(tiny_engines):
     layers = engine.model.num_hidden_layers
     assert report.skipped == {"SimplifiedLayerNormalization": 1, "RotaryEmbedding": 1}
     assert report.applied["RotaryEmbedding"] == 2 * layers - 1
-    assert report.applied["SkipSimplifiedLayerNormalization"] == 2 * layers - 2
+    assert report.applied["SkipSimplifiedLayerNormalization"] == 2 * layers - 1
     assert report.applied["qkv_matmul"] == layers
     assert sum(n.op_type == "Reciprocal" for n in fused.graph.node) == 1
     eps = [helper.get_attribute_value(a) for n in fused.graph.node for a in n.attribute

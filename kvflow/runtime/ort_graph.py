@@ -28,6 +28,7 @@ import onnx
 from kvflow.runtime.ort_graph_edit import Graph
 from kvflow.runtime.ort_graph_linear import fold_minima, fuse_linear_groups
 from kvflow.runtime.ort_graph_norm import fuse_rms_norms, fuse_rotary
+from kvflow.runtime.ort_graph_rows import gather_logit_rows_early
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def fuse_for_ort(model: onnx.ModelProto,
     g = Graph(model)
     applied: Counter = Counter()
     skipped: Counter = Counter()
-    fusions = [fuse_rms_norms, fuse_rotary, fuse_linear_groups]
+    fusions = [gather_logit_rows_early, fuse_rms_norms, fuse_rotary, fuse_linear_groups]
     if fp32_matmul:
         fusions.append(fold_minima)
     for fusion in fusions:

@@ -124,6 +124,20 @@ class Graph:
             self._nodes[id(n)] = n
             self._link(n)
 
+    def rewire(self, node: onnx.NodeProto, renames: dict[str, str]) -> onnx.NodeProto:
+        """Replace ``node`` (in its place) by a copy that reads ``renames[x]`` for each input
+        ``x`` renamed; returns the copy. (The given model's nodes are never edited.)"""
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        for i, x in enumerate(copy.input):
+            copy.input[i] = renames.get(x, x)
+        self.rank[id(copy)] = self.rank[id(node)]
+        self._unlink(node)
+        del self._nodes[id(node)]
+        self._nodes[id(copy)] = copy
+        self._link(copy)
+        return copy
+
     def finish(self) -> onnx.ModelProto:
         """The rewritten model: dead nodes dropped, nodes in a topological order close to the
         original one, unused initializers and value_info dropped."""
