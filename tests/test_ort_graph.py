@@ -28,10 +28,11 @@ from kvflow.runtime.ort_sessions import (
 from kvflow.runtime.step_builder import SeqChunk, build_step
 
 # Tolerances relative to the largest logit. fp32: the fused kernels sum in other orders
-# (RMSNorm in one pass, Q/K/V in one GEMM). int8 activations: ORT turns the exported graph's
-# o_proj and down_proj (MatMul + residual Add -> Gemm) into fp32 Gemms, the fused graph's (the
-# Add is in SkipSimplifiedLayerNormalization) into MatMulNBits like the others: the two differ
-# by int8 activation rounding (about 1% seen).
+# (RMSNorm in one pass). int8 activations: any fp32-level change before a MatMulNBits re-draws
+# its int8 rounding, which grows through the layers to the int8 path's own error (on the
+# default model the exported graph's int8 logits are as far from the fused graph's as from the
+# fp32 ones); and ORT turns the exported graph's o_proj and down_proj (MatMul + residual Add ->
+# Gemm) of RTN engines into fp32 Gemms, the fused graph's into MatMulNBits like the others.
 FP32_TOL = 2e-5
 INT8_TOL = 3e-2
 BUILD = {"max_model_len": 256, "max_num_tokens": 256, "max_batch_size": 16, "block_size": 4,
