@@ -151,7 +151,8 @@ def file_hash(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("name", ["llama-gqa4", "qwen2-bias", "llama3-rope"])
+@pytest.mark.parametrize("name", ["llama-gqa4", "llama-mha-tied", "llama3-rope", "qwen2-bias",
+                                  "mistral"])
 def test_fused_fp32_graph_gives_the_same_logits(tiny_engines, name):
     folder = tiny_engines[name, "onnxruntime"]
     engine = EngineConfig.load(folder)
