@@ -182,11 +182,13 @@ def default_llm(default_engines):
 
     fp32 matmuls: batch-invariant, so a request's tokens do not depend on its batch, and tests
     may compare batched and lone requests (or a forked sequence and its seed alone) exactly.
-    Each test leaves it idle, with every KV block back in the pool.
+    An fp32 KV cache too: its logits are HF's to fp32 rounding (the served fixtures run the
+    default, fp16). Each test leaves it idle, with every KV block back in the pool.
     """
     from kvflow import LLM
 
-    with LLM(default_engines["onnxruntime"], quantized_matmul="fp32") as llm:
+    with LLM(default_engines["onnxruntime"], quantized_matmul="fp32",
+             kv_cache_dtype="fp32") as llm:
         yield llm
 
 

@@ -15,7 +15,8 @@ from kvflow.runtime.step_builder import SeqChunk, build_step  # noqa: E402
 from tests.conftest import TINY_MODELS  # noqa: E402
 
 RUNNERS = ["onnxruntime", "torch"]
-TOL = 1e-4
+TOL = 1e-4  # fp32 throughout: the KV cache too (the onnxruntime runner's default is fp16)
+FP32 = {"kv_cache_dtype": "fp32"}
 # The ONNX export is what makes a tiny engine slow to build (seconds): the quick run
 # (-m "not slow") builds two families' ONNX engines, the full run every family's.
 QUICK_ONNX = ("llama-gqa4", "qwen2-bias")
@@ -37,7 +38,7 @@ def hf_last_logits(hf, ids) -> np.ndarray:
     for m in TINY_MODELS for r in RUNNERS])
 def test_prefill_and_decode_match_hf(tiny_models, tiny_engines, model_name, runner_name):
     _, hf = tiny_models[model_name]
-    runner = create_runner(runner_name, tiny_engines[model_name, runner_name], 64)
+    runner = create_runner(runner_name, tiny_engines[model_name, runner_name], 64, **FP32)
     kv = KVCacheManager(64, 4)
     rng = np.random.default_rng(1)
     seq = rng.integers(3, 320, size=23).tolist()
@@ -59,7 +60,7 @@ def test_packed_mixed_step_equals_each_sequence_alone(tiny_models, tiny_engines,
     """Three+ sequences in one step: one prefilling a chunk mid-prompt, one starting its prompt,
     two decoding; each sequence's logits equal those of running it alone."""
     _, hf = tiny_models["llama-gqa4"]
-    runner = create_runner(runner_name, tiny_engines["llama-gqa4", runner_name], 128)
+    runner = create_runner(runner_name, tiny_engines["llama-gqa4", runner_name], 128, **FP32)
     rng = np.random.default_rng(2)
     seqs = {name: rng.integers(3, 320, size=n).tolist()
             for name, n in (("chunked", 30), ("fresh", 9), ("dec1", 13), ("dec2", 6))}
@@ -95,7 +96,7 @@ def test_runners_agree_token_by_token(tiny_engines):
     prompt = list(range(40, 77))
     outs = {}
     for name in RUNNERS:
-        runner = create_runner(name, tiny_engines["qwen2-bias", name], 64)
+        runner = create_runner(name, tiny_engines["qwen2-bias", name], 64, **FP32)
         try:
             outs[name] = greedy_generate(runner, prompt, 12, chunk=5 if name == "torch" else None)
         finally:

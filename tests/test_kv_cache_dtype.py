@@ -19,7 +19,7 @@ from kvflow.orchestrator.options import (
     options_to_parameters,
 )
 from kvflow.runtime.base import (
-    HOST_AUTO_KV_CACHE_DTYPE,
+    HOST_AUTO_KV_CACHE_DTYPES,
     KV_CACHE_DTYPES,
     KV_CACHE_NUMPY_DTYPES,
     kv_bytes_per_block,
@@ -89,8 +89,8 @@ def test_auto_is_the_host_default_on_cpu_runners_and_the_engine_dtype_on_gpu_one
 
     ort = EngineConfig.load(tiny_engines["llama-gqa4", "onnxruntime"])
     torch_engine = EngineConfig.load(tiny_engines["llama-gqa4", "torch"])
-    assert resolve_kv_cache_dtype("auto", ort, None) == HOST_AUTO_KV_CACHE_DTYPE
-    assert resolve_kv_cache_dtype("auto", torch_engine, "torch") == HOST_AUTO_KV_CACHE_DTYPE
+    assert resolve_kv_cache_dtype("auto", ort, None) == "fp16"
+    assert resolve_kv_cache_dtype("auto", torch_engine, "torch") == "fp32"
     assert resolve_kv_cache_dtype("auto", torch_engine, "triton") == "fp32"
     assert resolve_kv_cache_dtype("auto", replace(torch_engine, dtype="float16"),
                                   "triton") == "fp16"
@@ -147,9 +147,9 @@ def test_the_default_pool_is_the_host_default(tiny_engines):
 
     engine = create_engine(tiny_engines["llama-gqa4", "torch"], num_kv_blocks=8)
     try:
-        assert engine.runner.kv_cache_dtype == HOST_AUTO_KV_CACHE_DTYPE
+        assert engine.runner.kv_cache_dtype == HOST_AUTO_KV_CACHE_DTYPES["torch"]
         pool = engine.runner.pool  # type: ignore[attr-defined]
-        assert pool.k[0].dtype == KV_CACHE_NUMPY_DTYPES[HOST_AUTO_KV_CACHE_DTYPE]
+        assert pool.k[0].dtype == KV_CACHE_NUMPY_DTYPES[HOST_AUTO_KV_CACHE_DTYPES["torch"]]
     finally:
         engine.close()
 

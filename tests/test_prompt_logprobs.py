@@ -48,7 +48,8 @@ def params(k: int | None = K, **kw) -> SamplingParams:
 def test_prompt_logprobs_equal_hf_log_softmax(tiny_models, tiny_engines, runner_name):
     _, hf = tiny_models["llama-gqa4"]
     batch = prompts(1, (23, 9, 2, 1))
-    with LLM(tiny_engines["llama-gqa4", runner_name], quantized_matmul="fp32") as llm:
+    with LLM(tiny_engines["llama-gqa4", runner_name], quantized_matmul="fp32",
+             kv_cache_dtype="fp32") as llm:
         outs = llm.generate(batch, [params(), params(0), params(20), params()])
     for out, prompt, k in zip(outs, batch, (K, 0, 20, K), strict=True):
         assert_match_hf(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), k)

@@ -22,7 +22,6 @@ from typing import Any
 
 from kvflow import envs
 from kvflow.runtime.base import (
-    HOST_AUTO_KV_CACHE_DTYPE,
     KV_CACHE_DTYPES,
     QUANTIZED_MATMUL_MODES,
     RUNNERS,
@@ -148,9 +147,9 @@ class EngineOptions:
     kv_cache_dtype: str = _option("auto", "the KV cache's element type: fp32, fp16 (half the "
                                   "bytes: twice the blocks in the same kv_cache_bytes and "
                                   "swap_space_bytes; attention still sums in fp32) or auto "
-                                  f"({HOST_AUTO_KV_CACHE_DTYPE} on the CPU runners, "
-                                  "onnxruntime and torch; the engine's own dtype on the GPU "
-                                  "runners). int8 is not built yet",
+                                  "(onnxruntime: fp16, measured free by kvflow bench "
+                                  "quality; torch, the reference: fp32; the GPU runners: the "
+                                  "engine's own dtype). int8 is not built yet",
                                   choices=lambda: KV_CACHE_DTYPES)
     trace_steps: str | None = _option(None, "write a step timeline to this file: Chrome "
                                             "Trace Event JSON that Perfetto opens, the last "

@@ -30,11 +30,11 @@ KV_CACHE_NUMPY_DTYPES: dict[str, np.dtype] = {"fp32": np.dtype(np.float32),
                                              "fp16": np.dtype(np.float16)}
 KV_CACHE_DTYPES = ("auto", "fp32", "fp16")  # the option's choices
 KV_CACHE_DTYPES_NOT_BUILT = ("int8",)
-# NOTE: what auto means on the host runners (onnxruntime, torch): the one switch to flip to
-# "fp16" once `kvflow bench quality` shows fp16 KV costs nothing (issue 32). The device
-# runners' auto is the engine's own dtype.
-HOST_AUTO_KV_CACHE_DTYPE = "fp32"
-HOST_RUNNERS = ("onnxruntime", "torch")
+# NOTE: what auto means on the host runners. onnxruntime, the CPU engine: fp16, because
+# `kvflow bench quality` measured it free (docs/benchmarks.md: KL 5e-7 from fp32 KV, perplexity
+# +0.0002) at half the bytes. torch, the reference runner: fp32. The device runners' auto is
+# the engine's own dtype.
+HOST_AUTO_KV_CACHE_DTYPES = {"onnxruntime": "fp16", "torch": "fp32"}
 _ENGINE_KV_CACHE_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -50,13 +50,13 @@ def check_kv_cache_dtype(name: str) -> None:
 
 def resolve_kv_cache_dtype(name: str, engine: EngineConfig, runner: str | None) -> str:
     """The KV element type a runner allocates for option value ``name``: itself, or for
-    ``auto`` :data:`HOST_AUTO_KV_CACHE_DTYPE` on the host runners and the engine's own dtype
+    ``auto`` :data:`HOST_AUTO_KV_CACHE_DTYPES` on the host runners and the engine's own dtype
     on the device runners (``runner`` None: the engine's backend)."""
     check_kv_cache_dtype(name)
     if name != "auto":
         return name
-    if (runner or engine.backend) in HOST_RUNNERS:
-        return HOST_AUTO_KV_CACHE_DTYPE
+    if (runner or engine.backend) in HOST_AUTO_KV_CACHE_DTYPES:
+        return HOST_AUTO_KV_CACHE_DTYPES[runner or engine.backend]
     return engine_kv_cache_dtype(engine)
 
 

@@ -103,8 +103,6 @@ class OnnxRuntimeRunner(PoolRunner):
 
     def _load(self, path: Path, engine: EngineConfig, threads: int | None, quantized_matmul: str,
               kv_dtype: np.dtype, attention: str) -> None:
-        model, self.fusion = fuse_for_ort(onnx.load(str(path)))
-        model = with_argmax(model)
         library = None if attention == "segmented" else ort_custom_ops.library()
         if library is None and attention == "native":
             raise RuntimeError("attention=native: the ONNX Runtime PagedAttention op is "
@@ -113,11 +111,6 @@ class OnnxRuntimeRunner(PoolRunner):
             _warn_once("the ONNX Runtime PagedAttention op is unavailable "
                        f"({ort_custom_ops.unavailable_reason()}); running the graph in "
                        "segments around kvflow's host attention kernel instead")
-        if library is not None:
-            for node in attention_nodes(model):
-                node.attribute.extend([
-                    helper.make_attribute("kv_dtype", KV_DTYPE_CODES[kv_dtype]),
-                    helper.make_attribute("num_blocks", self.num_blocks)])
         self.attention = "native" if library is not None else "segmented"
         executor_cls = OneSession if library is not None else Segmented
         quantized = engine.quantization is not None
@@ -125,10 +118,22 @@ class OnnxRuntimeRunner(PoolRunner):
         variants = [(1 << 62, quantized and quantized_matmul != "fp32")]
         if quantized and quantized_matmul == "auto":
             variants = [(AUTO_INT8_MAX_TOKENS, True), (1 << 62, False)]
+        exported = onnx.load(str(path))
         self._variants: list[tuple[int, ThreadPolicy, dict[ThreadSetting, Executor]]] = []
         low = 1
         for max_tokens, int8 in variants:
-            def make(setting: ThreadSetting, int8: bool = int8) -> Executor:
+            # A graph that never runs with int8 activations also folds Q4_1's block minima
+            # into its fp32 weights (ort_graph.fold_minima).
+            model, self.fusion = fuse_for_ort(exported, fp32_matmul=not int8)
+            model = with_argmax(model)
+            if library is not None:
+                for node in attention_nodes(model):
+                    node.attribute.extend([
+                        helper.make_attribute("kv_dtype", KV_DTYPE_CODES[kv_dtype]),
+                        helper.make_attribute("num_blocks", self.num_blocks)])
+
+            def make(setting: ThreadSetting, int8: bool = int8,
+                     model: onnx.ModelProto = model) -> Executor:
                 opts = session_options(setting.threads, setting.spinning, int8, library)
                 return executor_cls(model, opts)
 
@@ -136,12 +141,11 @@ class OnnxRuntimeRunner(PoolRunner):
             policy, executors = self._thread_policy(path, threads, make, probes, int8,
                                                     kv_dtype)
             self._variants.append((max_tokens, policy, executors))
-            logger.info("onnxruntime runner: %s attention, %s; %s activations%s; threads: %s",
-                        self.attention, self.fusion.summary(), "int8" if int8 else "fp32",
-                        f" for steps of {low}-{max_tokens} tokens" if len(variants) > 1 and
-                        max_tokens < (1 << 62) else
-                        (f" for steps of {low}+ tokens" if low > 1 else ""),
-                        policy.describe())
+            span = (f"steps of {low}-{max_tokens} tokens" if max_tokens < (1 << 62)
+                    else f"steps of {low}+ tokens")
+            logger.info("onnxruntime runner: %s attention, %s; %s activations for %s; "
+                        "threads: %s", self.attention, self.fusion.summary(),
+                        "int8" if int8 else "fp32", span, policy.describe())
             low = max_tokens + 1
 
     def _thread_policy(self, path: Path, threads: int | None, make, probes: list[int],
