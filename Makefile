@@ -50,6 +50,7 @@ $(VENV)/.preload: $(VENV)/.installed kvflow/triton_backend/preload.c
 $(VENV)/.ortops: $(VENV)/.installed kvflow/plugins/paged_attention_ort.cc \
                  kvflow/plugins/paged_attention_ort_kernel.h \
                  kvflow/plugins/paged_attention_ort_simd.h \
+                 kvflow/plugins/matmul_q_ort.h kvflow/plugins/matmul_q_kernel.h \
                  kvflow/plugins/ort_custom_ops.py
 	-$(PY) -m kvflow.plugins.ort_custom_ops --fetch-headers
 	touch $@

@@ -35,7 +35,8 @@ from kvflow import envs
 SOURCE = Path(__file__).with_name("paged_attention_ort.cc")
 # SOURCE and the headers it includes: what the library's name hashes.
 SOURCES = (SOURCE, SOURCE.with_name("paged_attention_ort_kernel.h"),
-           SOURCE.with_name("paged_attention_ort_simd.h"))
+           SOURCE.with_name("paged_attention_ort_simd.h"), SOURCE.with_name("matmul_q_ort.h"),
+           SOURCE.with_name("matmul_q_kernel.h"))
 API_HEADER = "onnxruntime_c_api.h"
 HEADERS_DIRNAME = "onnxruntime-headers"
 # Debian 13 (trixie) ships ONNX Runtime 1.21's headers (API 21) in this package.

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "matmul_q_ort.h"
 #include "paged_attention_ort_kernel.h"
 
 namespace {
@@ -362,13 +363,16 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     return v1 ? v1->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
   g_api = api;
-  // NOTE: one op and one domain for the process, shared by every session (never freed: ORT
-  // keeps pointers to them for each session's lifetime).
+  matmul_q::g_api = api;
+  // NOTE: the ops and one domain for the process, shared by every session (never freed: ORT
+  // keeps pointers to them for each session's lifetime). kvflow::MatMulQ: matmul_q_ort.h.
   static OrtCustomOp op = make_op();
+  static OrtCustomOp matmul_q_op = matmul_q::make_op();
   static OrtCustomOpDomain* domain = nullptr;
   static OrtStatus* created = [&]() -> OrtStatus* {
     if (OrtStatus* s = api->CreateCustomOpDomain("kvflow", &domain)) return s;
-    return api->CustomOpDomain_Add(domain, &op);
+    if (OrtStatus* s = api->CustomOpDomain_Add(domain, &op)) return s;
+    return api->CustomOpDomain_Add(domain, &matmul_q_op);
   }();
   if (created) return api->CreateStatus(api->GetErrorCode(created), api->GetErrorMessage(created));
   return api->AddCustomOpDomain(options, domain);

@@ -11,7 +11,9 @@ in which:
   on ``[1, T, H*D]``, its caches the model's own cos/sin tables' rows gathered once per step;
 - linear layers that read one tensor (Q/K/V, gate/up) are one matmul over concatenated
   weights and a ``Split``, fp32 ``Gemm`` or blocked ``DequantizeLinear + MatMul`` alike
-  (:mod:`kvflow.runtime.ort_graph_linear`).
+  (:mod:`kvflow.runtime.ort_graph_linear`);
+- optionally, each GGUF-blocked matmul (Q4_1, Q4_0, Q8_0) is one ``kvflow::MatMulQ`` of the
+  native op library: int8 activations per block and integer dot products, as llama.cpp's.
 
 Every match is verified (constants, shapes, single consumers); a pattern that does not match
 cleanly is left as it is and counted in the :class:`FusionReport`. Tensors that remain keep
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from kvflow.runtime.ort_graph_edit import Graph
-from kvflow.runtime.ort_graph_linear import fold_minima, fuse_linear_groups
+from kvflow.runtime.ort_graph_linear import fold_minima, fuse_linear_groups, native_matmuls
 from kvflow.runtime.ort_graph_norm import fuse_rms_norms, fuse_rotary
 from kvflow.runtime.ort_graph_rows import gather_logit_rows_early
 
@@ -57,19 +59,24 @@ class FusionReport:
         return line
 
 
-def fuse_for_ort(model: onnx.ModelProto,
-                 fp32_matmul: bool = False) -> tuple[onnx.ModelProto, FusionReport]:
+def fuse_for_ort(model: onnx.ModelProto, fp32_matmul: bool = False,
+                 native_matmul: bool = False) -> tuple[onnx.ModelProto, FusionReport]:
     """A fused copy of ``model`` (weights loaded) for ORT's CPU provider, and what was done.
 
     ``fp32_matmul``: the graph will only run with DequantizeLinear folded into fp32 weights
     (``session.disable_quant_qdq``, the runner's ``quantized_matmul="fp32"`` path), so Q4_1's
     block minima are folded into those weights too (:func:`fold_minima`). The default graph
-    serves both paths. ``model`` itself is not modified.
+    serves both paths. ``native_matmul``: the session will load the native op library
+    (:mod:`kvflow.plugins.ort_custom_ops`); block-quantized matmuls it takes become
+    ``kvflow::MatMulQ`` nodes (:func:`~kvflow.runtime.ort_graph_linear.native_matmuls`), before
+    any minima folding. ``model`` itself is not modified.
     """
     g = Graph(model)
     applied: Counter = Counter()
     skipped: Counter = Counter()
     fusions = [gather_logit_rows_early, fuse_rms_norms, fuse_rotary, fuse_linear_groups]
+    if native_matmul:
+        fusions.append(native_matmuls)
     if fp32_matmul:
         fusions.append(fold_minima)
     for fusion in fusions:

@@ -238,3 +238,95 @@ def fold_minima(g: Graph) -> tuple[Counter, Counter]:
         g.replace(unit.nodes[1:], nodes)
         applied["q4_1_minimum_folded"] += 1
     return applied, Counter()
+
+
+NATIVE_MATMUL = "native_matmul"
+NATIVE_OP_TYPE = "MatMulQ"  # kvflow/plugins/matmul_q_ort.h
+NATIVE_BLOCK = 32
+_BLOCK_BYTES = {4: 20, 8: 34}
+
+
+def _half_bytes(values: np.ndarray) -> np.ndarray | None:
+    """``values`` [K/B, N] as fp16 bytes [N, K/B, 2], or None if fp16 would change one."""
+    half = values.astype(np.float16)
+    if not np.array_equal(half.astype(np.float64), values.astype(np.float64)):
+        return None
+    return np.ascontiguousarray(half.T).view(np.uint8).reshape(*half.T.shape, 2)
+
+
+def pack_blocks(codes: np.ndarray, scale: np.ndarray,
+                minimum: np.ndarray | None) -> np.ndarray | None:
+    """The ``kvflow::MatMulQ`` weight: ``codes`` [K, N] (uint8 0..15 with ``minimum``, Q4_1's
+    ``d * q + m``; int8 without, Q8_0's ``d * q``), ``scale`` and ``minimum`` [K/32, N] ->
+    uint8 [N, K/32 * 20 (Q4_1) or 34 (Q8_0)], each output column's blocks contiguous, each
+    block llama.cpp's (fp16 d, [fp16 m,] codes; Q4_1 element j < 16 in the low nibble of byte
+    j, element j + 16 in its high nibble). None if a scale or minimum is not exact in fp16."""
+    k, n = codes.shape
+    d = _half_bytes(scale)
+    blocks = np.ascontiguousarray(codes.T).reshape(n, k // NATIVE_BLOCK, NATIVE_BLOCK)
+    if d is None:
+        return None
+    if minimum is None:
+        parts = [d, blocks.astype(np.int8).view(np.uint8)]
+    else:
+        m = _half_bytes(minimum)
+        if m is None:
+            return None
+        nibbles = blocks.astype(np.uint8)
+        parts = [d, m, nibbles[..., :16] | (nibbles[..., 16:] << 4)]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def _native_weight(g: Graph, unit: _Unit) -> tuple[np.ndarray, int] | None:
+    codes_type = g.inits[unit.codes].data_type
+    if unit.block_size != NATIVE_BLOCK:
+        return None
+    codes, scale = g.const(unit.codes), g.const(unit.scale)
+    assert codes is not None and scale is not None
+    if codes_type == TensorProto.INT8 and not unit.zero_point and not unit.minimum:
+        packed = pack_blocks(codes.astype(np.int8), scale, None)
+        return None if packed is None else (packed, 8)
+    if codes_type != TensorProto.UINT4 or (unit.zero_point and unit.minimum):
+        return None
+    if unit.minimum:
+        minimum = g.const(unit.minimum)
+    elif unit.zero_point:  # Q4_0, int4: d * (q - z) = d * q + m with m = -z * d, if exact
+        zero_point = g.const(unit.zero_point)
+        assert zero_point is not None
+        minimum = -zero_point.astype(np.float64) * scale.astype(np.float64)
+    else:
+        minimum = np.zeros_like(scale)
+    assert minimum is not None
+    packed = pack_blocks(codes.astype(np.uint8), scale, minimum)
+    return None if packed is None else (packed, 4)
+
+
+def native_matmuls(g: Graph) -> tuple[Counter, Counter]:
+    """Each blocked ``DequantizeLinear + MatMul`` (+ its Q4_1 minimum ``Gemm``) with blocks of
+    32 and scales (and minima) exact in fp16, as the GGUF schemes' are, becomes one
+    ``kvflow::MatMulQ`` (int8 activations per block, integer dot products; the minimum term
+    from the activations' block sums): the weights packed by :func:`pack_blocks`, a bias kept
+    as an ``Add``. Other quantized matmuls stay for ORT and are counted as unmatched."""
+    applied: Counter = Counter()
+    skipped: Counter = Counter()
+    for node in [n for n in g.nodes if n.op_type == "MatMul"]:
+        unit = _match_dequantized(g, node)
+        if unit is None:
+            continue
+        weight = _native_weight(g, unit)
+        if weight is None:
+            skipped[NATIVE_MATMUL] += 1
+            continue
+        packed, bits = weight
+        k, n = list(g.inits[unit.codes].dims)
+        tag = unit.codes.removesuffix(".q")
+        product = unit.out if not unit.bias else g.unique(f"{tag}.matmul_q")
+        nodes = [g.node(NATIVE_OP_TYPE, [unit.x, g.add_init(f"{tag}.blocks", packed)], [product],
+                        domain=ONNX_DOMAIN, bits=bits, K=k, N=n)]
+        if unit.bias:
+            x_dims = g.dims(unit.x)
+            g.add_value_info(product, TensorProto.FLOAT, [*x_dims[:-1], n] if x_dims else None)
+            nodes.append(g.node("Add", [product, unit.bias], [unit.out]))
+        g.replace(unit.nodes, nodes)
+        applied[NATIVE_MATMUL] += 1
+    return applied, skipped

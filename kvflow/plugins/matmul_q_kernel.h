@@ -1,0 +1,220 @@
+// The arithmetic of kvflow::MatMulQ (matmul_q_ort.h): y[M, N] = x[M, K] @ W, W in GGUF blocks
+// of 32 along K, x quantized per 32-block to int8 (llama.cpp's q8_1), integer dot products.
+//
+// Weight layout (what kvflow/runtime/ort_graph_linear.py writes): one uint8 tensor
+// [N, K / 32 * block_bytes], output column n's blocks contiguous, each block llama.cpp's:
+// - bits 4 (Q4_1): {fp16 d, fp16 m, uint8 qs[16]}, 20 bytes; element j of the block is the low
+//   nibble of qs[j] (j < 16) or the high nibble of qs[j - 16]; w = d * q + m.
+// - bits 8 (Q8_0): {fp16 d, int8 qs[32]}, 34 bytes; w = d * q.
+// Activations, per row and block of 32: d = amax / 127, q = rint(x * (127 / amax)) (0 when
+// amax is 0; ties to even), s = d * sum(q). Per output, over blocks:
+//   y = sum_b (d_w * d_x) * sum_j q_w q_x  [+ m_w * s_x]
+// The integer sums are exact; the fp32 sums are in 8 lanes (AVX2) or in block order (the
+// portable code under #ifndef __AVX2__), which differ only by rounding.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "paged_attention_ort_simd.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace kvflow_ort {
+
+constexpr int kQBlock = 32;
+constexpr int kQ41Bytes = 20;  // fp16 d, fp16 m, 16 bytes of nibbles
+constexpr int kQ80Bytes = 34;  // fp16 d, 32 int8
+constexpr int kColumnTile = 16;  // output columns per parallel work item
+constexpr int kRowGroup = 4;     // activation rows sharing each unpacked weight block
+
+inline int block_bytes(int bits) { return bits == 4 ? kQ41Bytes : kQ80Bytes; }
+
+// x quantized: per row, K/32 blocks of 32 int8, and per block d and s.
+struct QActivations {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+inline float load_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
+inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out) {
+#ifdef __AVX2__
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float max_abs = _mm_cvtss_f32(m4);
+  // NOTE: 127 / amax by a division instruction (not amax's reciprocal): the reference's.
+  const float id = max_abs != 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.0f), m4)) : 0.0f;
+  const __m256 idv = _mm256_set1_ps(id);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i)
+    i32[i] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
+                                 _mm256_add_epi32(i32[2], i32[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
+  s4 = _mm_hadd_epi32(s4, s4);
+  s4 = _mm_hadd_epi32(s4, s4);
+  const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]);
+  const __m256i p16b = _mm256_packs_epi32(i32[2], i32[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  // packs works within 128-bit lanes: put the 4-byte groups back in order.
+  const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  const float d = max_abs / 127.0f;
+  *d_out = d;
+  *s_out = d * (float)_mm_cvtsi128_si32(s4);
+#else
+  float max_abs = 0.0f;
+  for (int j = 0; j < kQBlock; ++j) max_abs = std::max(max_abs, std::fabs(x[j]));
+  volatile float amax_v = max_abs;  // NOTE: keeps 127 / amax a true division
+  const float id = max_abs != 0.0f ? 127.0f / amax_v : 0.0f;
+  int32_t sum = 0;
+  for (int j = 0; j < kQBlock; ++j) {
+    const int32_t v = (int32_t)std::nearbyint(x[j] * id);
+    q[j] = (int8_t)v;
+    sum += v;
+  }
+  const float d = max_abs / 127.0f;
+  *d_out = d;
+  *s_out = d * (float)sum;
+#endif
+}
+
+inline void quantize_rows(const float* x, int64_t rows, int64_t k, QActivations& a) {
+  const int64_t nb = k / kQBlock;
+  a.q.resize((size_t)(rows * k));
+  a.d.resize((size_t)(rows * nb));
+  a.s.resize((size_t)(rows * nb));
+  for (int64_t i = 0; i < rows * nb; ++i)
+    quantize_block(x + i * kQBlock, a.q.data() + i * kQBlock, &a.d[i], &a.s[i]);
+}
+
+struct MatMulQArgs {
+  int bits;
+  int64_t m, k, n;
+  const uint8_t* w;   // [N, nb * block_bytes]
+  const QActivations* x;
+  float* y;           // [M, N]
+};
+
+#ifdef __AVX2__
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One column, R rows (r0 ..): each weight block is loaded and unpacked once for the R rows.
+template <int Bits, int R>
+inline void column_rows(const MatMulQArgs& a, int64_t col, int64_t r0) {
+  const int64_t nb = a.k / kQBlock;
+  const uint8_t* blk = a.w + col * nb * (Bits == 4 ? kQ41Bytes : kQ80Bytes);
+  const int8_t* xq = a.x->q.data() + r0 * a.k;
+  const float* xd = a.x->d.data() + r0 * nb;
+  const float* xs = a.x->s.data() + r0 * nb;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  float mins[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.0f; }
+  for (int64_t b = 0; b < nb; ++b) {
+    const float dw = load_half(blk);
+    __m256i qw;
+    float mw = 0.0f;
+    if (Bits == 4) {
+      mw = load_half(blk + 2);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      qw = _mm256_and_si256(
+          _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+      blk += kQ41Bytes;
+    } else {
+      qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      blk += kQ80Bytes;
+    }
+    const __m256i aw = Bits == 4 ? qw : _mm256_sign_epi8(qw, qw);  // |q_w|, unsigned
+    for (int r = 0; r < R; ++r) {
+      __m256i qx = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(xq + r * a.k + b * kQBlock));
+      if (Bits == 8) qx = _mm256_sign_epi8(qx, qw);  // sign(q_w) * q_x
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, qx), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[r * nb + b]), _mm256_cvtepi32_ps(dot),
+                               acc[r]);
+      if (Bits == 4) mins[r] += mw * xs[r * nb + b];
+    }
+  }
+  for (int r = 0; r < R; ++r) a.y[(r0 + r) * a.n + col] = hsum8(acc[r]) + mins[r];
+}
+#else
+template <int Bits, int R>
+inline void column_rows(const MatMulQArgs& a, int64_t col, int64_t r0) {
+  const int64_t nb = a.k / kQBlock;
+  const int bytes = Bits == 4 ? kQ41Bytes : kQ80Bytes;
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* blk = a.w + col * nb * bytes;
+    const int8_t* xq = a.x->q.data() + (r0 + r) * a.k;
+    const float* xd = a.x->d.data() + (r0 + r) * nb;
+    const float* xs = a.x->s.data() + (r0 + r) * nb;
+    float acc = 0.0f, mins = 0.0f;
+    for (int64_t b = 0; b < nb; ++b, blk += bytes) {
+      int32_t dot = 0;
+      if (Bits == 4) {
+        for (int j = 0; j < 16; ++j)
+          dot += (blk[4 + j] & 0x0F) * xq[b * kQBlock + j] +
+                 (blk[4 + j] >> 4) * xq[b * kQBlock + 16 + j];
+        mins += load_half(blk + 2) * xs[b];
+      } else {
+        for (int j = 0; j < kQBlock; ++j)
+          dot += (int8_t)blk[2 + j] * xq[b * kQBlock + j];
+      }
+      acc += load_half(blk) * xd[b] * (float)dot;
+    }
+    a.y[(r0 + r) * a.n + col] = acc + mins;
+  }
+}
+#endif
+
+// Columns [c0, c1) for every row: the tile's weights stay in cache across the row groups.
+template <int Bits>
+inline void column_tile(const MatMulQArgs& a, int64_t c0, int64_t c1) {
+  int64_t r = 0;
+  for (; r + kRowGroup <= a.m; r += kRowGroup)
+    for (int64_t c = c0; c < c1; ++c) column_rows<Bits, kRowGroup>(a, c, r);
+  const int64_t left = a.m - r;
+  for (int64_t c = c0; c < c1; ++c) {
+    if (left == 3) column_rows<Bits, 3>(a, c, r);
+    else if (left == 2) column_rows<Bits, 2>(a, c, r);
+    else if (left == 1) column_rows<Bits, 1>(a, c, r);
+  }
+}
+
+inline void run_column_tile(void* data, size_t index) {
+  const MatMulQArgs& a = *static_cast<const MatMulQArgs*>(data);
+  const int64_t c0 = (int64_t)index * kColumnTile, c1 = std::min(a.n, c0 + kColumnTile);
+  if (a.bits == 4) column_tile<4>(a, c0, c1);
+  else column_tile<8>(a, c0, c1);
+}
+
+}  // namespace kvflow_ort
