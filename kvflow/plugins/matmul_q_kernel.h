@@ -2,10 +2,12 @@
 // of 32 along K, x quantized per 32-block to int8 (llama.cpp's q8_1), integer dot products.
 //
 // Weight layout (what kvflow/runtime/ort_graph_linear.py writes): one uint8 tensor
-// [N, K / 32 * block_bytes], output column n's blocks contiguous, each block llama.cpp's:
-// - bits 4 (Q4_1): {fp16 d, fp16 m, uint8 qs[16]}, 20 bytes; element j of the block is the low
-//   nibble of qs[j] (j < 16) or the high nibble of qs[j - 16]; w = d * q + m.
-// - bits 8 (Q8_0): {fp16 d, int8 qs[32]}, 34 bytes; w = d * q.
+// [N, K / 32 * block_bytes], output column n's row holding its nb = K / 32 blocks as llama.cpp's
+// blocks with the fields gathered (so that 8 blocks' scales are one vector load):
+// - bits 4 (Q4_1, block_bytes 20): fp16 d[nb], fp16 m[nb], uint8 qs[nb][16]; element j of
+//   block b is the low nibble of qs[b][j] (j < 16) or the high nibble of qs[b][j - 16];
+//   w = d * q + m.
+// - bits 8 (Q8_0, block_bytes 34): fp16 d[nb], int8 qs[nb][32]; w = d * q.
 // Activations, per row and block of 32: d = amax / 127, q = rint(x * (127 / amax)) (0 when
 // amax is 0; ties to even), s = d * sum(q). Per output, over blocks:
 //   y = sum_b (d_w * d_x) * sum_j q_w q_x  [+ m_w * s_x]
@@ -32,6 +34,7 @@ constexpr int kQ41Bytes = 20;  // fp16 d, fp16 m, 16 bytes of nibbles
 constexpr int kQ80Bytes = 34;  // fp16 d, 32 int8
 constexpr int kColumnTile = 16;  // output columns per parallel work item
 constexpr int kRowGroup = 4;     // activation rows sharing each unpacked weight block
+constexpr int kChunkBlocks = 32;  // blocks whose scales are computed ahead, 8 at a time
 
 inline int block_bytes(int bits) { return bits == 4 ? kQ41Bytes : kQ80Bytes; }
 
@@ -41,9 +44,7 @@ struct QActivations {
   std::vector<float> d, s;
 };
 
-inline float load_half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
+inline float half(uint16_t h) {
 #ifdef __F16C__
   return _cvtsh_ss(h);
 #else
@@ -127,87 +128,133 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One column, R rows (r0 ..): each weight block is loaded and unpacked once for the R rows.
-template <int Bits, int R>
-inline void column_rows(const MatMulQArgs& a, int64_t col, int64_t r0) {
-  const int64_t nb = a.k / kQBlock;
-  const uint8_t* blk = a.w + col * nb * (Bits == 4 ? kQ41Bytes : kQ80Bytes);
+// C columns (c0 ..) x R rows (r0 ..): each weight block is loaded and unpacked once for the R
+// rows, each activation block once for the C columns; C * R independent FMA chains. Blocks go
+// by chunks of kChunkBlocks: first the chunk's scales d_w * d_x and (Q4_1) its minimum terms
+// m_w * s_x, 8 blocks a vector, then the integer dot products.
+template <int Bits, int C, int R>
+inline void column_rows(const MatMulQArgs& a, int64_t c0, int64_t r0) {
+  constexpr int kCodeBytes = Bits == 4 ? 16 : 32;
+  const int64_t nb = a.k / kQBlock, row_bytes = nb * (Bits == 4 ? kQ41Bytes : kQ80Bytes);
+  const uint16_t* dw[C];
+  const uint16_t* mw[C];
+  const uint8_t* qs[C];
+  for (int c = 0; c < C; ++c) {
+    const uint8_t* col = a.w + (c0 + c) * row_bytes;
+    dw[c] = reinterpret_cast<const uint16_t*>(col);
+    mw[c] = dw[c] + nb;
+    qs[c] = col + nb * (Bits == 4 ? 4 : 2);
+  }
   const int8_t* xq = a.x->q.data() + r0 * a.k;
   const float* xd = a.x->d.data() + r0 * nb;
   const float* xs = a.x->s.data() + r0 * nb;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  float mins[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.0f; }
-  for (int64_t b = 0; b < nb; ++b) {
-    const float dw = load_half(blk);
-    __m256i qw;
-    float mw = 0.0f;
-    if (Bits == 4) {
-      mw = load_half(blk + 2);
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-      qw = _mm256_and_si256(
-          _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-      blk += kQ41Bytes;
-    } else {
-      qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      blk += kQ80Bytes;
-    }
-    const __m256i aw = Bits == 4 ? qw : _mm256_sign_epi8(qw, qw);  // |q_w|, unsigned
-    for (int r = 0; r < R; ++r) {
-      __m256i qx = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(xq + r * a.k + b * kQBlock));
-      if (Bits == 8) qx = _mm256_sign_epi8(qx, qw);  // sign(q_w) * q_x
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, qx), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[r * nb + b]), _mm256_cvtepi32_ps(dot),
-                               acc[r]);
-      if (Bits == 4) mins[r] += mw * xs[r * nb + b];
+  const __m256i shift = _mm256_setr_epi64x(0, 0, 4, 4);
+  __m256 acc[C][R];
+  float tail[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) { acc[c][r] = _mm256_setzero_ps(); tail[c][r] = 0.0f; }
+  alignas(32) float scale[C][R][kChunkBlocks];
+  for (int64_t b0 = 0; b0 < nb; b0 += kChunkBlocks) {
+    const int bn = (int)std::min<int64_t>(kChunkBlocks, nb - b0);
+    int j = 0;
+    for (; j + 8 <= bn; j += 8)
+      for (int c = 0; c < C; ++c) {
+        const __m256 d = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(dw[c] + b0 + j)));
+        const __m256 m = Bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                         reinterpret_cast<const __m128i*>(mw[c] + b0 + j)))
+                                   : d;
+        for (int r = 0; r < R; ++r) {
+          _mm256_store_ps(&scale[c][r][j], _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * nb + b0 + j)));
+          if (Bits == 4)  // the minimum terms go straight into the accumulator's lanes
+            acc[c][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + r * nb + b0 + j), acc[c][r]);
+        }
+      }
+    for (; j < bn; ++j)
+      for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r) {
+          scale[c][r][j] = half(dw[c][b0 + j]) * xd[r * nb + b0 + j];
+          if (Bits == 4) tail[c][r] += half(mw[c][b0 + j]) * xs[r * nb + b0 + j];
+        }
+    for (j = 0; j < bn; ++j) {
+      const int64_t b = b0 + j;
+      __m256i qx[R];
+      for (int r = 0; r < R; ++r)
+        qx[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * a.k + b * kQBlock));
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* p = qs[c] + b * kCodeBytes;
+        __m256i qw, aw;
+        if (Bits == 4) {  // low nibbles in the low lane, high nibbles in the high lane
+          qw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+          aw = qw = _mm256_and_si256(_mm256_srlv_epi64(qw, shift), low);
+        } else {
+          qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+          aw = _mm256_sign_epi8(qw, qw);  // |q_w|, unsigned
+        }
+        for (int r = 0; r < R; ++r) {
+          // Q8_0: sign(q_w) * q_x, so that |q_w| * that = q_w * q_x
+          const __m256i sx = Bits == 4 ? qx[r] : _mm256_sign_epi8(qx[r], qw);
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
+          acc[c][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[c][r][j]),
+                                      _mm256_cvtepi32_ps(dot), acc[c][r]);
+        }
+      }
     }
   }
-  for (int r = 0; r < R; ++r) a.y[(r0 + r) * a.n + col] = hsum8(acc[r]) + mins[r];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) a.y[(r0 + r) * a.n + c0 + c] = hsum8(acc[c][r]) + tail[c][r];
 }
 #else
-template <int Bits, int R>
-inline void column_rows(const MatMulQArgs& a, int64_t col, int64_t r0) {
-  const int64_t nb = a.k / kQBlock;
-  const int bytes = Bits == 4 ? kQ41Bytes : kQ80Bytes;
-  for (int r = 0; r < R; ++r) {
-    const uint8_t* blk = a.w + col * nb * bytes;
-    const int8_t* xq = a.x->q.data() + (r0 + r) * a.k;
-    const float* xd = a.x->d.data() + (r0 + r) * nb;
-    const float* xs = a.x->s.data() + (r0 + r) * nb;
-    float acc = 0.0f, mins = 0.0f;
-    for (int64_t b = 0; b < nb; ++b, blk += bytes) {
-      int32_t dot = 0;
-      if (Bits == 4) {
-        for (int j = 0; j < 16; ++j)
-          dot += (blk[4 + j] & 0x0F) * xq[b * kQBlock + j] +
-                 (blk[4 + j] >> 4) * xq[b * kQBlock + 16 + j];
-        mins += load_half(blk + 2) * xs[b];
-      } else {
-        for (int j = 0; j < kQBlock; ++j)
-          dot += (int8_t)blk[2 + j] * xq[b * kQBlock + j];
+template <int Bits, int C, int R>
+inline void column_rows(const MatMulQArgs& a, int64_t c0, int64_t r0) {
+  const int64_t nb = a.k / kQBlock, row_bytes = nb * (Bits == 4 ? kQ41Bytes : kQ80Bytes);
+  for (int64_t col = c0; col < c0 + C; ++col)
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* w = a.w + col * row_bytes;
+      const uint16_t* dw = reinterpret_cast<const uint16_t*>(w);
+      const uint8_t* qs = w + nb * (Bits == 4 ? 4 : 2);
+      const int8_t* xq = a.x->q.data() + (r0 + r) * a.k;
+      const float* xd = a.x->d.data() + (r0 + r) * nb;
+      const float* xs = a.x->s.data() + (r0 + r) * nb;
+      float acc = 0.0f, mins = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        if (Bits == 4) {
+          const uint8_t* p = qs + b * 16;
+          for (int j = 0; j < 16; ++j)
+            dot += (p[j] & 0x0F) * xq[b * kQBlock + j] + (p[j] >> 4) * xq[b * kQBlock + 16 + j];
+          mins += half(dw[nb + b]) * xs[b];
+        } else {
+          const int8_t* p = reinterpret_cast<const int8_t*>(qs) + b * kQBlock;
+          for (int j = 0; j < kQBlock; ++j) dot += p[j] * xq[b * kQBlock + j];
+        }
+        acc += half(dw[b]) * xd[b] * (float)dot;
       }
-      acc += load_half(blk) * xd[b] * (float)dot;
+      a.y[(r0 + r) * a.n + col] = acc + mins;
     }
-    a.y[(r0 + r) * a.n + col] = acc + mins;
-  }
 }
 #endif
 
 // Columns [c0, c1) for every row: the tile's weights stay in cache across the row groups.
+// One row (a decode step) goes 4 Q4_1 columns at a time, more rows 1 column x 4 rows.
+template <int Bits, int C, int R>
+inline void columns(const MatMulQArgs& a, int64_t c0, int64_t c1, int64_t r) {
+  int64_t c = c0;
+  for (; c + C <= c1; c += C) column_rows<Bits, C, R>(a, c, r);
+  for (; c < c1; ++c) column_rows<Bits, 1, R>(a, c, r);
+}
+
 template <int Bits>
 inline void column_tile(const MatMulQArgs& a, int64_t c0, int64_t c1) {
   int64_t r = 0;
-  for (; r + kRowGroup <= a.m; r += kRowGroup)
-    for (int64_t c = c0; c < c1; ++c) column_rows<Bits, kRowGroup>(a, c, r);
+  for (; r + kRowGroup <= a.m; r += kRowGroup) columns<Bits, 1, kRowGroup>(a, c0, c1, r);
   const int64_t left = a.m - r;
-  for (int64_t c = c0; c < c1; ++c) {
-    if (left == 3) column_rows<Bits, 3>(a, c, r);
-    else if (left == 2) column_rows<Bits, 2>(a, c, r);
-    else if (left == 1) column_rows<Bits, 1>(a, c, r);
-  }
+  if (left == 3) columns<Bits, 1, 3>(a, c0, c1, r);
+  else if (left == 2) columns<Bits, 2, 2>(a, c0, c1, r);
+  // NOTE: Q8_0 (the 576 x 49152 head, memory-bound) one column at a time: measured faster.
+  else if (left == 1) columns<Bits, Bits == 4 ? 4 : 1, 1>(a, c0, c1, r);
 }
 
 inline void run_column_tile(void* data, size_t index) {

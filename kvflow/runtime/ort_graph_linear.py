@@ -247,34 +247,35 @@ _BLOCK_BYTES = {4: 20, 8: 34}
 
 
 def _half_bytes(values: np.ndarray) -> np.ndarray | None:
-    """``values`` [K/B, N] as fp16 bytes [N, K/B, 2], or None if fp16 would change one."""
+    """``values`` [K/B, N] as fp16 bytes [N, K/B * 2], or None if fp16 would change one."""
     half = values.astype(np.float16)
     if not np.array_equal(half.astype(np.float64), values.astype(np.float64)):
         return None
-    return np.ascontiguousarray(half.T).view(np.uint8).reshape(*half.T.shape, 2)
+    return np.ascontiguousarray(half.T).view(np.uint8)
 
 
 def pack_blocks(codes: np.ndarray, scale: np.ndarray,
                 minimum: np.ndarray | None) -> np.ndarray | None:
     """The ``kvflow::MatMulQ`` weight: ``codes`` [K, N] (uint8 0..15 with ``minimum``, Q4_1's
     ``d * q + m``; int8 without, Q8_0's ``d * q``), ``scale`` and ``minimum`` [K/32, N] ->
-    uint8 [N, K/32 * 20 (Q4_1) or 34 (Q8_0)], each output column's blocks contiguous, each
-    block llama.cpp's (fp16 d, [fp16 m,] codes; Q4_1 element j < 16 in the low nibble of byte
-    j, element j + 16 in its high nibble). None if a scale or minimum is not exact in fp16."""
+    uint8 [N, K/32 * 20 (Q4_1) or 34 (Q8_0)]: per output column, its K/32 blocks' fp16 d, then
+    (Q4_1) their fp16 m, then their codes (Q4_1: block element j < 16 in the low nibble of
+    byte j, element j + 16 in its high nibble, as llama.cpp's blocks). None if a scale or
+    minimum is not exact in fp16."""
     k, n = codes.shape
     d = _half_bytes(scale)
     blocks = np.ascontiguousarray(codes.T).reshape(n, k // NATIVE_BLOCK, NATIVE_BLOCK)
     if d is None:
         return None
     if minimum is None:
-        parts = [d, blocks.astype(np.int8).view(np.uint8)]
+        parts = [d, blocks.astype(np.int8).view(np.uint8).reshape(n, -1)]
     else:
         m = _half_bytes(minimum)
         if m is None:
             return None
         nibbles = blocks.astype(np.uint8)
-        parts = [d, m, nibbles[..., :16] | (nibbles[..., 16:] << 4)]
-    return np.concatenate(parts, axis=-1).reshape(n, -1)
+        parts = [d, m, (nibbles[..., :16] | (nibbles[..., 16:] << 4)).reshape(n, -1)]
+    return np.concatenate(parts, axis=1)
 
 
 def _native_weight(g: Graph, unit: _Unit) -> tuple[np.ndarray, int] | None:
