@@ -17,6 +17,7 @@ import argparse
 import time
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
@@ -29,7 +30,7 @@ SHAPES = [("qkv", 576, 960, 4), ("o", 576, 576, 4), ("gate_up", 576, 3072, 4),
 BLOCK = 32
 
 
-def _model(node: object, k: int, n: int, inits: list, domain: str) -> bytes:
+def _model(node: onnx.NodeProto, k: int, n: int, inits: list, domain: str) -> bytes:
     graph = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)
@@ -48,6 +49,7 @@ def models(k: int, n: int, bits: int, rng: np.random.Generator) -> dict[str, byt
         codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
         minimum = None
     packed = pack_blocks(codes, scale, minimum)
+    assert packed is not None  # fp16 scales
     native = helper.make_node("MatMulQ", ["x", "w"], ["y"], domain="kvflow", bits=bits, K=k, N=n)
     nbits_codes = rng.integers(0, 256, (n, nb, BLOCK * bits // 8), dtype=np.uint8)
     nbits = helper.make_node("MatMulNBits", ["x", "B", "S"], ["y"], domain="com.microsoft",
@@ -94,7 +96,6 @@ def _time_step(session, kv, pool, tokens: list[int], start: int) -> float:
 
 def decode_step_ms(engine_dir: str, repeat: int) -> None:
     """Print the median and best ms of a batch-1 decode step, each matmul path."""
-    import onnx
     from onnx import helper as onnx_helper
 
     from kvflow.build.engine_config import EngineConfig

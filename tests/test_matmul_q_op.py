@@ -85,7 +85,8 @@ def matmul_q_model(weight: dict[str, np.ndarray], x_dims: tuple = ("M", "K"),
     packed = pack_blocks(weight["codes"], weight["scale"], weight.get("minimum"))
     assert packed is not None
     values = {"bits": 4 if "minimum" in weight else 8, "K": k, "N": n, **attrs}
-    node = helper.make_node("MatMulQ", ["x", "w"], ["y"], domain="kvflow", **values)
+    node = helper.make_node("MatMulQ", ["x", "w"], ["y"], domain="kvflow")
+    node.attribute.extend(helper.make_attribute(key, v) for key, v in values.items())
     graph = helper.make_graph(
         [node], "matmul_q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_dims)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
