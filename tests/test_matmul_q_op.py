@@ -1,8 +1,9 @@
 """kvflow::MatMulQ (kvflow/plugins/matmul_q_ort.h), the native quantized matmul: in a one-node
 graph against a NumPy reference of the same arithmetic (llama.cpp's q8_1 activations, the
 exact Q4_1 / Q8_0 weight blocks) and against the fp32 matmul of the dequantized weights; the
-portable (non-AVX2) build against the AVX2 one; bad input refused by name; and a GGUF Q4_1
-tiny engine through ``fuse_for_ort(native_matmul=True)`` in one session against fp32."""
+portable (non-AVX2) build against the AVX2 one; bad input refused by name; the graph pass on
+Q4_0 zero points and on scales fp16 would round; and a GGUF Q4_1 tiny engine through
+``fuse_for_ort(native_matmul=True)`` in one session against fp32."""
 
 from __future__ import annotations
 
@@ -178,3 +179,60 @@ def test_gguf_engine_with_native_matmuls_matches_the_fp32_path(quantized_engines
     for ref, got in zip(reference_logits, native_logits, strict=True):
         assert got.shape == ref.shape
         np.testing.assert_allclose(got, ref, rtol=0, atol=ENGINE_TOL * np.abs(ref).max())
+
+
+def dequantize_linear_model(weight: dict[str, np.ndarray],
+                            zero_point: int | None) -> onnx.ModelProto:
+    """``y = x @ DequantizeLinear(codes, scale[, zero_point])``, 4-bit codes, as the build
+    writes a Q4_0 (zero point 8) or int4 layer."""
+    k, n = weight["codes"].shape
+    codes = helper.make_tensor("w.q", TensorProto.UINT4, [k, n],
+                               weight["codes"].ravel().tolist())
+    inits = [codes, numpy_helper.from_array(weight["scale"], "w.scale")]
+    if zero_point is not None:
+        inits.append(helper.make_tensor("w.zero_point", TensorProto.UINT4, [k // BLOCK, n],
+                                        [zero_point] * (k // BLOCK * n)))
+    nodes = [helper.make_node("DequantizeLinear", [i.name for i in inits], ["w.dq"], axis=0,
+                              block_size=BLOCK),
+             helper.make_node("MatMul", ["x", "w.dq"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "dq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                   helper.make_opsetid("kvflow", 1)])
+
+
+@needs_library
+def test_q4_0_zero_points_become_exact_minima():
+    """Q4_0's ``d * (q - 8)`` is Q4_1's ``d * q + m`` with ``m = -8 d``, exact in fp16."""
+    weight = make_weight("Q4_1", 128, 48)
+    model = dequantize_linear_model(weight, zero_point=8)
+    fused, report = fuse_for_ort(model, native_matmul=True)
+    assert report.applied[NATIVE_MATMUL] == 1
+    assert [n.op_type for n in fused.graph.node] == ["MatMulQ"]
+    x = inputs(3, 128)
+    y = session(fused.SerializeToString()).run(None, {"x": x})[0]
+    ref = reference(x, {**weight, "minimum": -8 * weight["scale"]})
+    np.testing.assert_allclose(y, ref, rtol=0, atol=SAME_ARITHMETIC_TOL * np.abs(ref).max())
+
+
+def test_scales_fp16_would_round_stay_with_ort():
+    """RTN scales (fp32 amax / 15) are not fp16 values: the layer is left, counted unmatched."""
+    weight = make_weight("Q4_1", 64, 16)
+    weight["scale"] = weight["scale"] * np.float32(1 + 2 ** -20)
+    fused, report = fuse_for_ort(dequantize_linear_model(weight, zero_point=3),
+                                 native_matmul=True)
+    assert report.skipped[NATIVE_MATMUL] == 1 and NATIVE_MATMUL not in report.applied
+    assert [n.op_type for n in fused.graph.node] == ["DequantizeLinear", "MatMul"]
+
+
+@needs_library
+def test_leading_dimensions_are_rows_and_none_is_fine():
+    weight = make_weight("Q8_0", 64, 24)
+    s = session(matmul_q_model(weight, ("B", "T", "K")))
+    x = inputs(6, 64).reshape(2, 3, 64)
+    y = s.run(None, {"x": x})[0]
+    assert y.shape == (2, 3, 24)
+    ref = reference(x.reshape(6, 64), weight).reshape(2, 3, 24)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=SAME_ARITHMETIC_TOL * np.abs(ref).max())
+    assert s.run(None, {"x": np.zeros((0, 3, 64), np.float32)})[0].shape == (0, 3, 24)
