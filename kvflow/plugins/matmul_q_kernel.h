@@ -34,11 +34,12 @@ constexpr int kQ41Bytes = 20;  // fp16 d, fp16 m, 16 bytes of nibbles
 constexpr int kQ80Bytes = 34;  // fp16 d, 32 int8
 constexpr int kColumnTile = 16;  // output columns per parallel work item
 constexpr int kRowGroup = 4;     // activation rows sharing each unpacked weight block
-constexpr int kChunkBlocks = 32;
+constexpr int kChunkBlocks = 32;  // blocks whose scales are computed ahead, 8 at a time
 // Weights are prefetched this many columns ahead: a decode step streams them from memory, and
 // measured on the default engine (batch 1, one thread) this cut the step from 17 to 13 ms.
-// NOTE: past the last column it points beyond the tensor: prefetches never fault.
-constexpr int kPrefetchColumns = 8;  // blocks whose scales are computed ahead, 8 at a time
+// NOTE: past the last column it points beyond the tensor (an integer address, never
+// dereferenced: prefetches do not fault).
+constexpr int kPrefetchColumns = 8;
 
 inline int block_bytes(int bits) { return bits == 4 ? kQ41Bytes : kQ80Bytes; }
 
@@ -189,7 +190,9 @@ inline void column_rows(const MatMulQArgs& a, int64_t c0, int64_t r0) {
         qx[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * a.k + b * kQBlock));
       for (int c = 0; c < C; ++c) {
         const uint8_t* p = qs[c] + b * kCodeBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchColumns * row_bytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) +
+                                                   kPrefetchColumns * row_bytes),
+                     _MM_HINT_T0);
         __m256i qw, aw;
         if (Bits == 4) {  // low nibbles in the low lane, high nibbles in the high lane
           qw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
