@@ -32,7 +32,7 @@ NON_DEFAULT = {
     "fair_output_weight": 1.5, "request_timeout_s": 30.0, "max_queue_delay_ms": 500.0,
     "max_long_partial_prefills": 1, "kv_cache_bytes": 1 << 20, "num_kv_blocks": 64,
     "swap_space_bytes": 1 << 20, "runner": "torch", "cuda_graphs": False,
-    "quantized_matmul": "auto", "kv_cache_dtype": "fp16",
+    "quantized_matmul": "int8", "kv_cache_dtype": "fp16",
     "trace_steps": "/tmp/kvflow-options-test-steps.json",
     "trace_max_steps": 50,
     "debug_checks": True,

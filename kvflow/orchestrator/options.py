@@ -132,17 +132,20 @@ class EngineOptions:
                                        flag_value=False, flag_help="the triton runner launches "
                                        "decode steps eagerly, without CUDA graphs")
     # NOTE: the default follows `kvflow bench quality` (docs/benchmarks.md): int8 activations
-    # cost 4.6x the KL divergence llama.cpp's own do, fp32 is exact and, from 8 sequences up,
-    # no slower end to end.
-    quantized_matmul: str = _option("fp32", "quantized engines on the onnxruntime runner: fp32 "
-                                    "(weights dequantized at load: exact to HF on the same "
-                                    "weights, fp32 speed and memory), int8 (the quantized "
-                                    "weights multiplied with activations quantized to int8 "
-                                    "per block, as llama.cpp does: faster single streams, "
-                                    "at a cost in quality), or auto (int8 for steps "
-                                    "of at most 16 tokens, where reading 4-bit weights wins; "
-                                    "fp32 for larger steps, where fp32 GEMM does: faster on "
-                                    "big batches, both weight copies in memory)",
+    # through kvflow's native MatMulQ (llama.cpp's q4_1 x q8_1 arithmetic) cost about the KL
+    # divergence llama.cpp's own do; through ORT's MatMulNBits (no native library) 4.6x that,
+    # so auto is then fp32 throughout.
+    quantized_matmul: str = _option("auto", "quantized engines on the onnxruntime runner: "
+                                    "fp32 (weights dequantized at load: exact to HF on the "
+                                    "same weights, fp32 speed and memory), int8 (the "
+                                    "quantized weights multiplied as they are, activations "
+                                    "quantized to int8 per block as llama.cpp does: by "
+                                    "kvflow's native MatMulQ, or without it by ORT's "
+                                    "MatMulNBits, at 4.6x the quality cost), or auto (int8 "
+                                    "through MatMulQ for steps of at most 16 tokens, where "
+                                    "reading 4-bit weights wins; fp32 for larger steps, where "
+                                    "fp32 GEMM does; both weight copies in memory; fp32 "
+                                    "throughout without the native library)",
                                     choices=lambda: QUANTIZED_MATMUL_MODES)
     kv_cache_dtype: str = _option("auto", "the KV cache's element type: fp32, fp16 (half the "
                                   "bytes: twice the blocks in the same kv_cache_bytes and "

@@ -12,13 +12,21 @@ At load, in memory (the file on disk stays the one artifact TensorRT compiles):
    (:class:`~kvflow.runtime.ort_sessions.Segmented`);
 3. intra-op threads follow the step's size, from a measurement (:mod:`kvflow.runtime.ort_threads`).
 
-Quantized engines' blocked ``DequantizeLinear`` + ``MatMul`` pairs become either fp32 weights
-(``quantized_matmul=fp32``) or ORT's ``MatMulNBits`` with int8 activations (``int8``), or each
-by step size (``auto``).
+Quantized engines' blocked ``DequantizeLinear`` + ``MatMul`` pairs become fp32 weights
+(``quantized_matmul=fp32``), or are multiplied as they are with activations quantized to int8
+per block (``int8``): by kvflow's native ``kvflow::MatMulQ`` (llama.cpp's ``q4_1 x q8_1``
+arithmetic, in the same library as the attention op), or without that library by ORT's
+``MatMulNBits``. ``auto`` picks by step size: int8 for steps of at most
+:data:`AUTO_INT8_MAX_TOKENS` tokens (decodes, where reading 4-bit weights wins), fp32 GEMM for
+larger ones; without the native library auto is fp32 throughout, because ``MatMulNBits``'
+int8 arithmetic costs 4.6x llama.cpp's KL divergence (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import logging
 from pathlib import Path
 
@@ -51,9 +59,9 @@ from kvflow.runtime.ort_threads import ThreadPolicy, ThreadSetting
 logger = logging.getLogger(__name__)
 
 ONNX_FILE = "model.onnx"
-# quantized_matmul=auto: the most tokens a step may have to run on MatMulNBits. Measured with
-# benchmarks/cpu_step.py on this AVX2 CPU: 4-bit decode steps win up to 16 sequences (24 vs 58 ms
-# at 1, 123 vs 150 at 16) and lose at 32 (210 vs 156).
+# quantized_matmul=auto: the most tokens a step runs with int8 activations. Measured on this
+# AVX2 CPU per matmul (benchmarks/matmul_q.py, one thread): kvflow::MatMulQ beats fp32 GEMM at
+# 8 rows (gate/up 532 vs 697 us, the LM head 9.3 vs 13.0 ms) and loses at 32 (head 37 vs 28 ms).
 AUTO_INT8_MAX_TOKENS = 16
 ATTENTION_MODES = ("auto", "native", "segmented")
 KV_DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}  # the op's kv_dtype attribute
@@ -100,6 +108,8 @@ class OnnxRuntimeRunner(PoolRunner):
         except BaseException:
             self.pool.close()
             raise
+        finally:
+            _release_freed_memory()
 
     def _load(self, path: Path, engine: EngineConfig, threads: int | None, quantized_matmul: str,
               kv_dtype: np.dtype, attention: str) -> None:
@@ -115,8 +125,8 @@ class OnnxRuntimeRunner(PoolRunner):
         executor_cls = OneSession if library is not None else Segmented
         quantized = engine.quantization is not None
         # Precision variants by step size: (most tokens, int8 activations).
-        variants = [(1 << 62, quantized and quantized_matmul != "fp32")]
-        if quantized and quantized_matmul == "auto":
+        variants = [(1 << 62, quantized and quantized_matmul == "int8")]
+        if quantized and quantized_matmul == "auto" and library is not None:
             variants = [(AUTO_INT8_MAX_TOKENS, True), (1 << 62, False)]
         exported = onnx.load(str(path))
         self._variants: list[tuple[int, ThreadPolicy, dict[ThreadSetting, Executor]]] = []
@@ -124,7 +134,10 @@ class OnnxRuntimeRunner(PoolRunner):
         for max_tokens, int8 in variants:
             # A graph that never runs with int8 activations also folds Q4_1's block minima
             # into its fp32 weights (ort_graph.fold_minima).
-            model, self.fusion = fuse_for_ort(exported, fp32_matmul=not int8)
+            # One with int8 activations runs them through kvflow::MatMulQ when the native
+            # library loads (layers it cannot take stay ORT's MatMulNBits).
+            model, self.fusion = fuse_for_ort(exported, fp32_matmul=not int8,
+                                              native_matmul=int8 and library is not None)
             model = with_argmax(model)
             if library is not None:
                 for node in attention_nodes(model):
@@ -154,7 +167,8 @@ class OnnxRuntimeRunner(PoolRunner):
             setting = ThreadSetting(threads, False)
             return ThreadPolicy.fixed(setting), {setting: make(setting)}
         key = ort_threads.cache_key(path, attention=self.attention, int8=int8,
-                                    kv_dtype=str(kv_dtype), probes=probes)
+                                    kv_dtype=str(kv_dtype), probes=probes,
+                                    fusion=self.fusion.summary())
         policy = ort_threads.cached_policy(key)
         if policy is not None:
             return policy, {s: make(s) for s in policy.settings}
@@ -209,6 +223,15 @@ class OnnxRuntimeRunner(PoolRunner):
     def execute_argmax(self, step: StepInput) -> np.ndarray:
         """The step's argmax rows from the graph's own ArgMax: the logits stay inside ORT."""
         return self.executor_for(step.num_tokens).run(self._feeds(step), ARGMAX_OUTPUT)
+
+
+def _release_freed_memory() -> None:
+    """Hand back to the OS the heap the load freed: the graph's protobuf copies and serialized
+    bytes, which glibc otherwise keeps (measured on the default engine, fp32: 2.85 GB resident
+    after load, 1.23 GB after this)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _warn_once(message: str) -> None:
