@@ -214,7 +214,8 @@ def triton_server(default_engines, tmp_path_factory):
                                          "trace_steps": str(folder / "steps.json"),
                                          # batch-invariant, so that tests can compare requests
                                          # exactly (servers of their own test the default)
-                                         "quantized_matmul": "fp32"},
+                                         "quantized_matmul": "fp32",
+                                         "kv_cache_dtype": "fp32"},
         ready_timeout_s=300)
     server = TritonServer(cfg, log_path=log)
     try:

@@ -112,7 +112,15 @@ def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
         try:
             frontend.start()
         except RuntimeError as e:
+            # The engine may have failed while the frontend started (it then stops
+            # tritonserver, and the frontend never sees it ready): that is the failure to
+            # report, with the engine failure's exit code.
+            failure = server.engine_failure()
             server.stop()
+            if failure is not None:
+                print(f"[kvflow serve] the engine failed: {failure}", file=sys.stderr,
+                      flush=True)
+                return 1
             raise ServeError(str(e)) from None
     host = url_host(cfg.host)
     key_header = f' -H "{API_KEY_HEADER}: $KVFLOW_API_KEY"' if cfg.api_key else ""
