@@ -59,7 +59,7 @@ def run_step(sched, token=TOKEN, tokens=None) -> SchedulerOutput:
     out = sched.schedule()
     sampled = {s.request.request_id: (tokens or {}).get(s.request.request_id, token)
                for s in out.scheduled if s.sample}
-    sched.update_from_output(out, RunnerOutput(sampled))
+    sched.update_from_output(out, RunnerOutput({rid: [t] for rid, t in sampled.items()}))
     sched.check_integrity()
     return out
 

@@ -35,6 +35,8 @@ NON_DEFAULT = {
     "quantized_matmul": "int8", "kv_cache_dtype": "fp16",
     "trace_steps": "/tmp/kvflow-options-test-steps.json",
     "trace_max_steps": 50,
+    "speculative": "draft", "num_speculative_tokens": 3, "speculative_draft_length": "fixed",
+    "draft_engine": "/tmp/kvflow-options-test-draft",
     "debug_checks": True,
 }
 

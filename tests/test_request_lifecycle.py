@@ -21,7 +21,8 @@ def step_with(sched, tokens, stop_strings=None):
     out = sched.schedule()
     sampled = {s.request.request_id: tokens[s.request.request_id]
                for s in out.scheduled if s.sample}
-    finished = sched.update_from_output(out, RunnerOutput(sampled, stop_strings or {}))
+    finished = sched.update_from_output(
+        out, RunnerOutput({rid: [t] for rid, t in sampled.items()}, stop_strings or {}))
     sched.check_integrity()
     return finished
 

@@ -338,7 +338,7 @@ def group_step(sched, token=7, tokens=None):
         if g is not None and g.parked and r is g.leader and not r.output_token_ids:
             sampled.update({m.request_id: tokens.get(m.request_id, token)
                             for m in g.parked if not m.output_token_ids})
-    sched.update_from_output(out, RunnerOutput(sampled))
+    sched.update_from_output(out, RunnerOutput({rid: [t] for rid, t in sampled.items()}))
     sched.check_integrity()
     return out
 

@@ -116,9 +116,15 @@ def tenant_of(request: Mapping[str, Any]) -> str | None:
 def usage_of(out: RequestOutput) -> dict[str, Any]:
     """``completion_usage`` of a final chunk, with the prefix-cache hit as OpenAI reports it."""
     completion = out.num_output_tokens
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": out.num_prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+    usage: dict[str, Any] = {
+        "prompt_tokens": out.num_prompt_tokens, "completion_tokens": completion,
+        "total_tokens": out.num_prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+    if out.num_draft_tokens:  # speculative decoding, in OpenAI's words for predicted outputs
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": out.num_accepted_tokens,
+            "rejected_prediction_tokens": out.num_draft_tokens - out.num_accepted_tokens}
+    return usage
 
 
 # kvflow's finish reasons in Dynamo's vocabulary (an unknown one is an HTTP 500 there). Dynamo

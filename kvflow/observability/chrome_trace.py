@@ -54,13 +54,16 @@ def trace_events(steps: list[StepRecord],
         t0, t4 = rec.times.start, rec.times.end
         prefill = sum(e.num_tokens for e in rec.entries if e.kind != "decode")
         decode = sum(1 for e in rec.entries if e.kind == "decode")
+        drafts = sum(e.drafts for e in rec.entries)
+        spec = ({"draft_tokens": drafts, "accepted_tokens": sum(e.accepted for e in rec.entries)}
+                if drafts else {})
         name = "mixed" if prefill and decode else "prefill" if prefill else "decode"
         listed = [f"{e.seq_id} {e.kind} {e.num_tokens}" for e in rec.entries[:MAX_LISTED]]
         events.append({
             "ph": "X", "pid": ENGINE_PID, "tid": 1, "name": name, "cat": "step",
             "ts": us(t0), "dur": us(t4) - us(t0),
             "args": {"step": rec.index, "prefill_tokens": prefill, "decode_tokens": decode,
-                     "seqs": len(rec.entries), "requests": listed,
+                     **spec, "seqs": len(rec.entries), "requests": listed,
                      "more_requests": max(len(rec.entries) - MAX_LISTED, 0),
                      "preempted": rec.preempted, **rec.transfers,
                      "kv_usage": round(rec.kv_usage, 4), "kv_blocks_used": rec.kv_blocks_used,
@@ -76,6 +79,10 @@ def trace_events(steps: list[StepRecord],
              "args": {"running": rec.running, "waiting": rec.waiting}},
             {"ph": "C", "pid": ENGINE_PID, "name": "tokens", "ts": us(t0),
              "args": {"prefill": prefill, "decode": decode}}]
+        if spec:  # speculative decoding: drafts scored and accepted, each step
+            events.append({"ph": "C", "pid": ENGINE_PID, "name": "speculation", "ts": us(t0),
+                           "args": {"drafts": spec["draft_tokens"],
+                                    "accepted": spec["accepted_tokens"]}})
         for rid in rec.preempted:
             tracks.preempt(_tid(tids, events, rid), t0)
         for e in rec.entries:
@@ -109,7 +116,8 @@ class _RequestTracks:
     def __init__(self, events: list[dict[str, Any]], us: Any) -> None:
         self.events, self.us = events, us
         self.since: dict[int, tuple[str, float]] = {}  # tid -> (waiting|preempted, since)
-        self.decoding: dict[int, list[float]] = {}  # tid -> [start, end, tokens]
+        # tid -> [start, end, tokens emitted, drafts scored, drafts accepted]
+        self.decoding: dict[int, list[float]] = {}
 
     def _slice(self, tid: int, name: str, a: float, b: float, **args: Any) -> None:
         event = {"ph": "X", "pid": REQUESTS_PID, "tid": tid, "name": name, "cat": "request",
@@ -121,7 +129,8 @@ class _RequestTracks:
     def _end_decode(self, tid: int) -> None:
         run = self.decoding.pop(tid, None)
         if run is not None:
-            self._slice(tid, "decode", run[0], run[1], tokens=int(run[2]))
+            spec = {"drafts": int(run[3]), "accepted": int(run[4])} if run[3] else {}
+            self._slice(tid, "decode", run[0], run[1], tokens=int(run[2]), **spec)
 
     def _end_wait(self, tid: int, t: float) -> None:
         state = self.since.pop(tid, None)
@@ -138,9 +147,11 @@ class _RequestTracks:
             self.since[tid] = ("waiting", entry.arrival)
         self._end_wait(tid, t0)
         if entry.kind == "decode":
-            run = self.decoding.setdefault(tid, [t0, t4, 0])
+            run = self.decoding.setdefault(tid, [t0, t4, 0, 0, 0])
             run[1] = t4
-            run[2] += 1
+            run[2] += 1 + entry.accepted
+            run[3] += entry.drafts
+            run[4] += entry.accepted
             return
         self._end_decode(tid)
         self._slice(tid, entry.kind, t0, t4, tokens=entry.num_tokens, step=rec.index,

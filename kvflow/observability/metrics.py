@@ -29,6 +29,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 STEP_TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ACCEPTANCE_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 33)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
                          50000, 100000)
@@ -109,6 +110,9 @@ METRICS: dict[str, Metric] = dict((
     _m("kvflow_iteration_tokens", "histogram",
        "Tokens computed by each engine step, by kind (every step observes both)",
        label="kind", values=TOKEN_KINDS, buckets=STEP_TOKEN_BUCKETS),
+    _m("kvflow_spec_decode_acceptance_length", "histogram",
+       "Speculative decoding: tokens a sequence emitted in one step that verified its "
+       "drafts (the accepted drafts and one more)", buckets=ACCEPTANCE_LENGTH_BUCKETS),
     _m("kvflow_schedule_time_seconds", "histogram",
        "Each step's scheduling time (building the batch: admission, preemption, KV "
        "allocation)", buckets=STEP_TIME_BUCKETS),
@@ -145,6 +149,11 @@ METRICS: dict[str, Metric] = dict((
        "Prompt tokens found in the prefix cache but recomputed, since their request asked "
        "for prompt logprobs (a cached block has no logits)",
        source="prompt_logprobs_recomputed_tokens"),
+    _m("kvflow_spec_decode_num_draft_tokens_total", "counter",
+       "Speculative decoding: draft tokens scored and verified", source="spec_draft_tokens"),
+    _m("kvflow_spec_decode_num_accepted_tokens_total", "counter",
+       "Speculative decoding: draft tokens accepted (part of the output)",
+       source="spec_accepted_tokens"),
     _m("kvflow_engine_steps_total", "counter", "Engine steps run", source="steps"),
     _m("kvflow_engine_step_seconds_total", "counter",
        "Engine-thread seconds inside engine steps", source="step_time_s"),
@@ -216,17 +225,22 @@ class EngineMetrics:
                     ("kvflow_model_time_seconds", stats.model_time_s),
                     ("kvflow_sampling_time_seconds", stats.sample_time_s),
                     ("kvflow_postprocess_time_seconds", stats.postprocess_time_s)]
+            obs += [("kvflow_spec_decode_acceptance_length", n)
+                    for n in stats.acceptance_lengths]
         itl_key = ("kvflow_decode_itl_with_prefill_seconds"
                    if stats is not None and stats.num_prefill_tokens else
                    "kvflow_decode_itl_without_prefill_seconds")
         for out in outputs:
             m = out.metrics
             times = m.token_times
-            if stats is not None and out.delta_token_ids:
-                if len(times) >= 2:
-                    itl = times[-1] - times[-2]
+            num_new = len(out.delta_token_ids)
+            if stats is not None and num_new:
+                # One latency per step that gave the request tokens (with speculative
+                # decoding, several at once): the time since the step that gave the last.
+                if len(times) > num_new:
+                    itl = times[-1] - times[-1 - num_new]
                     obs += [("kvflow_inter_token_latency_seconds", itl), (itl_key, itl)]
-                elif len(times) == 1 and m.ttft_s is not None:
+                elif len(times) == num_new and m.ttft_s is not None:
                     obs.append(("kvflow_time_to_first_token_seconds", m.ttft_s))
                     if m.queue_time_s is not None:
                         obs.append(("kvflow_request_queue_time_seconds", m.queue_time_s))

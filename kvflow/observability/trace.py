@@ -49,6 +49,8 @@ class Entry:
     num_tokens: int
     arrival: float | None  # the sequence's arrival, when it is scheduled for the first time
     sampled: bool  # the chunk ends its prompt (or is a decode): a token was sampled
+    drafts: int = 0  # speculative decoding: draft tokens scored with a decode (in num_tokens)
+    accepted: int = 0  # of which verification accepted
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from kvflow.orchestrator.sampling.params import GUIDED_FIELDS
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
                    "stop", "stop_token_ids", "skip_special_tokens", "timeout_ms",
-                   *GUIDED_FIELDS)
+                   "speculative", *GUIDED_FIELDS)
 # Body fields sent as request tensors of their own.
 TENSOR_FIELDS = ("user", "priority", "cache_salt")
 # prompt_logprobs (vLLM's extra) goes to the backend under its name too; on completions, echo
@@ -44,7 +44,7 @@ FIELD_TYPES: dict[str, str] = {
                      "timeout_ms", "priority", "top_logprobs", "prompt_logprobs"),
                     "an integer"),
     **dict.fromkeys(("echo", "stream", "ignore_eos", "skip_special_tokens",
-                     "guided_json_object"), "a boolean"),
+                     "guided_json_object", "speculative"), "a boolean"),
     **dict.fromkeys(("model", "user", "cache_salt", "guided_regex", "guided_grammar"),
                     "a string"),
     "guided_choice": "a list", "stop_token_ids": "a list",

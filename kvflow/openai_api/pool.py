@@ -20,7 +20,7 @@ from kvflow.triton_backend.protocol import (
 
 _OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
             ("num_output_tokens", int), ("cached_tokens", int), ("output_logprobs", str),
-            ("prompt_logprobs", str))
+            ("prompt_logprobs", str), ("num_draft_tokens", int), ("num_accepted_tokens", int))
 # The outputs with one entry per sequence (n > 1); the others are the request's.
 _PER_SEQUENCE = ("text_output", "finish_reason", "num_output_tokens", "output_logprobs")
 

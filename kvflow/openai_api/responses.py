@@ -32,6 +32,9 @@ class ChoiceState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Speculative decoding: the request's draft tokens verified, and of those accepted.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     generate: bool = True
     # Per prompt token (the first's logprob None), once the backend sent them.
@@ -47,6 +50,8 @@ class ChoiceState:
                                     for e in json.loads(outputs["prompt_logprobs"])]
         self.prompt_tokens = outputs.get("num_input_tokens", self.prompt_tokens)
         self.cached_tokens = outputs.get("cached_tokens", self.cached_tokens)
+        self.draft_tokens = outputs.get("num_draft_tokens", self.draft_tokens)
+        self.accepted_tokens = outputs.get("num_accepted_tokens", self.accepted_tokens)
         reason = outputs.get("finish_reason") or None
         if reason:
             self.finish_reason = (OPENAI_FINISH_REASONS.get(reason, "stop") if self.generate
@@ -131,10 +136,16 @@ def usage(request: CompletionRequest, states: list[ChoiceState]) -> dict[str, An
         firsts.setdefault(choice.prompt_index, state)
     prompt = sum(s.prompt_tokens for s in firsts.values())
     completion = sum(s.completion_tokens for s in states)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens
-                                                           for s in firsts.values())}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens
+                                                          for s in firsts.values())}}
+    drafts = sum(s.draft_tokens for s in firsts.values())
+    if drafts:  # speculative decoding, in OpenAI's words for predicted outputs
+        accepted = sum(s.accepted_tokens for s in firsts.values())
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafts - accepted}
+    return out
 
 
 def _choice_logprobs(request: CompletionRequest, entries: list[TokenLogprobs], offset: int,

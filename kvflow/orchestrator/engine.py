@@ -39,6 +39,8 @@ from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.orchestrator.sampling.sampler import Sampler
 from kvflow.orchestrator.scheduler.output import Clock, SchedulerOutput
 from kvflow.orchestrator.scheduler.registry import make_scheduler
+from kvflow.orchestrator.speculative.decoder import SpeculativeDecoder
+from kvflow.orchestrator.speculative.proposers import Proposer, make_proposer
 from kvflow.orchestrator.step_recorder import StepRecorder
 from kvflow.runtime.base import ModelRunner
 from kvflow.runtime.step_builder import SeqChunk, build_step, build_step_shape
@@ -62,7 +64,7 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: EngineTokenizer | None,
                  options: EngineOptions, eos_token_ids: Sequence[int] = (),
                  clock: Clock = time.monotonic, stats_window: int = 4096,
-                 trace_source: str = "engine") -> None:
+                 trace_source: str = "engine", proposer: Proposer | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.options = options
@@ -88,6 +90,17 @@ class LLMEngine:
             self.scheduler, self.kv, self.counters, clock, stats_window,
             StepTracer(options.trace_steps, options.trace_max_steps, trace_source)
             if options.trace_steps else None)
+        # Speculative decoding (options.speculative, or the caller's ``proposer``): drafts
+        # after each step, verified in the next. A draft model's proposer is the caller's,
+        # who opened its engine (the simulator's too).
+        self.speculation: SpeculativeDecoder | None = None
+        if (options.speculative is not None or proposer is not None) and \
+                self.scheduler.speculates:
+            if proposer is None:
+                assert options.speculative is not None
+                proposer = make_proposer(options.speculative)
+            self.speculation = SpeculativeDecoder(proposer, options.num_speculative_tokens,
+                                                  options.speculative_draft_length == "dynamic")
 
     @property
     def step_stats(self) -> deque[StepStats]:
@@ -197,6 +210,8 @@ class LLMEngine:
         sampled = self._sample(sched, logits, greedy)
         t3 = self.clock()
         outputs = self._postprocess(sched, sampled)
+        if self.speculation is not None:
+            self._propose(sched, t0)
         self.recorder.record(sched, outputs, sampled, StepTimes(t0, t1, t2, t3, self.clock()))
         outputs = timed_out + outputs
         if self.options.debug_checks:
@@ -230,8 +245,8 @@ class LLMEngine:
             rows = (self.outputs.prompt_rows(request, s.start, s.num_new_tokens)
                     if request.sampling_params.prompt_logprobs is not None else range(0))
             prompt_rows = prompt_rows or bool(rows)
-            chunks.append(SeqChunk(request.request_id, request.token_ids, s.start,
-                                   s.num_new_tokens, s.sample, rows))
+            chunks.append(SeqChunk(request.request_id, s.token_ids(), s.start,
+                                   s.num_new_tokens, s.sample, rows, s.num_spec_tokens))
         step = (build_step(self.kv, chunks) if self.runner.needs_inputs
                 else build_step_shape(chunks))
         plain = self.sampler.is_plain_greedy
@@ -242,7 +257,8 @@ class LLMEngine:
         logits = self.runner.execute(step)
         if not prompt_rows:
             return logits, None
-        sample_rows, row = [], 0
+        sample_rows: list[int] = []
+        row = 0
         vocab = self.runner.vocab_size
         for s, chunk in zip(sched.scheduled, chunks, strict=True):
             if chunk.prompt_rows:
@@ -251,13 +267,49 @@ class LLMEngine:
                                                  logits[row:end, :vocab])
                 row = end
             if s.sample:
-                sample_rows.append(row)
-                row += 1
+                sample_rows.extend(range(row, row + 1 + s.num_spec_tokens))
+                row += 1 + s.num_spec_tokens
         return logits[sample_rows], None
 
     def _sample(self, sched: SchedulerOutput, logits: np.ndarray | None,
                 greedy: np.ndarray | None) -> SampledTokens:
-        requests = [s.request for s in sched.scheduled if s.sample]
+        """Each sampling sequence's new tokens: one sampled from its row, or for a sequence
+        with drafts (speculative decoding, ``1 + drafts`` rows) the tokens verification
+        emits."""
+        scheduled = [s for s in sched.scheduled if s.sample]
+        if not any(s.num_spec_tokens for s in scheduled):
+            return self._sample_rows([s.request for s in scheduled], logits, greedy)
+        assert self.speculation is not None
+        plain_rows: list[int] = []
+        spec_rows: list[slice] = []
+        row = 0
+        for s in scheduled:
+            if s.num_spec_tokens:
+                spec_rows.append(slice(row, row + 1 + s.num_spec_tokens))
+            else:
+                plain_rows.append(row)
+            row += 1 + s.num_spec_tokens
+        plain = self._sample_rows(
+            [s.request for s in scheduled if not s.num_spec_tokens],
+            None if logits is None else logits[plain_rows],
+            None if greedy is None else greedy[plain_rows])
+        spec = [s for s in scheduled if s.num_spec_tokens]
+        drafts = [s.request.spec_token_ids[:s.num_spec_tokens] for s in spec]
+        tokens, entries = self.speculation.verify(
+            self.sampler, [s.request for s in spec], drafts,
+            None if logits is None else [logits[r] for r in spec_rows],
+            None if greedy is None else [greedy[r] for r in spec_rows],
+            self.outputs.sampling_row)
+        logprobs = None
+        if plain.logprobs is not None or any(e is not None for e in entries):
+            logprobs = (plain.logprobs or [None] * len(plain.requests)) + entries
+        return SampledTokens(plain.requests + [s.request for s in spec],
+                             plain.token_ids + tokens, logprobs,
+                             [0] * len(plain.requests) + [len(d) for d in drafts])
+
+    def _sample_rows(self, requests: list[Request], logits: np.ndarray | None,
+                     greedy: np.ndarray | None) -> SampledTokens:
+        """One token for each of ``requests`` from its row of ``logits`` (or ``greedy``)."""
         if not requests:
             return SampledTokens([], [])
         # A group's first token: its parked members sample from their leader's row.
@@ -270,10 +322,20 @@ class LLMEngine:
                 greedy = greedy[row_of]
         if logits is None:
             assert greedy is not None
-            return SampledTokens(requests, greedy.tolist())
+            return SampledTokens.of(requests, greedy.tolist())
         out = self.sampler.sample(logits,
                                   self.outputs.sampling_rows(requests, self.sampler.vocab_size))
-        return SampledTokens(requests, out.token_ids, out)
+        return SampledTokens.of(requests, out.token_ids, out)
+
+    def _propose(self, sched: SchedulerOutput, t0: float) -> None:
+        """Speculative decoding, after the step: its size and time go to the draft-length
+        cost model, then the running requests get their drafts for the next step (its
+        prefill tokens expected to be this step's)."""
+        assert self.speculation is not None
+        self.speculation.observe_step(sched.num_batched_tokens, self.clock() - t0)
+        decode_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.is_decode)
+        self.speculation.propose(self.scheduler.running,
+                                 sched.num_batched_tokens - decode_tokens)
 
     def _postprocess(self, sched: SchedulerOutput,
                      sampled: SampledTokens) -> list[RequestOutput]:
@@ -290,11 +352,16 @@ class LLMEngine:
         return self.tracer.write(path) if self.tracer is not None else None
 
     def close(self) -> None:
-        """Write the step timeline (when tracing) and release the runner."""
+        """Write the step timeline (when tracing) and release the runner (and a draft
+        model's)."""
         try:
             self.write_trace()
         finally:
-            self.runner.close()
+            try:
+                if self.speculation is not None:
+                    self.speculation.proposer.close()
+            finally:
+                self.runner.close()
 
     def _timeout_output(self, request: Request, phase: str, now: float) -> RequestOutput:
         """The final output of a request the scheduler timed out (counted by its phase)."""

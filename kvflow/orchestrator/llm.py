@@ -87,8 +87,38 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
                            cuda_graphs=plan.cuda_graphs,
                            quantized_matmul=plan.scheduler.quantized_matmul,
                            kv_cache_dtype=plan.kv_cache_dtype)
+    try:
+        proposer = draft_proposer(plan, runner) if plan.scheduler.draft_engine else None
+    except BaseException:
+        runner.close()
+        raise
     return LLMEngine(runner, EngineTokenizer(engine_dir), plan.scheduler,
-                     plan.engine.model.eos_token_ids)
+                     plan.engine.model.eos_token_ids, proposer=proposer)
+
+
+def draft_proposer(plan: EnginePlan, target: Any) -> Any:
+    """``speculative=draft``: the draft engine's runner (its default arithmetic, a KV pool of
+    the target's size in blocks, no swap space) behind a
+    :class:`~kvflow.orchestrator.speculative.draft_model.DraftModelProposer`. The draft must
+    share the target's tokenizer (its vocabulary is checked) and block size."""
+    from kvflow.orchestrator.speculative.draft_model import DraftModelProposer
+    from kvflow.runtime import create_runner
+
+    path = plan.scheduler.draft_engine
+    assert path is not None
+    draft = EngineConfig.load(path)
+    if draft.limits.block_size != plan.engine.limits.block_size:
+        raise ValueError(f"draft_engine: its block size ({draft.limits.block_size}) is not "
+                         f"the target's ({plan.engine.limits.block_size})")
+    if draft.limits.max_model_len < plan.scheduler.max_model_len:
+        raise ValueError(f"draft_engine: its max_model_len ({draft.limits.max_model_len}) is "
+                         f"below the target's ({plan.scheduler.max_model_len})")
+    runner = create_runner(None, path, plan.num_blocks, 0, quantized_matmul="auto")
+    try:
+        return DraftModelProposer(runner, target.vocab_size)
+    except BaseException:
+        runner.close()
+        raise
 
 
 class LLM:

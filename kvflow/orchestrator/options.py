@@ -29,6 +29,8 @@ from kvflow.runtime.base import (
 )
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 32
 # The scheduling policies by name; kvflow.orchestrator.scheduler.registry has a class for each.
 POLICIES = ("fcfs", "priority", "cache_aware", "sjf", "fair", "static")
 
@@ -119,6 +121,26 @@ class EngineOptions:
                                            "second, each way")
     cache_aware_max_wait_s: float = _option(5.0, "cache_aware: a request that waited this long "
                                                  "is admitted first whatever its cache hit")
+    # --- speculative decoding ----------------------------------------------------------------
+    speculative: str | None = _option(None, "speculative decoding: ngram (prompt lookup: "
+                                            "draft what followed the last tokens' latest "
+                                            "earlier match in the prompt and output) or draft "
+                                            "(a second, smaller or quantized engine, "
+                                            "draft_engine, proposes); lossless either way. "
+                                            "Each step's draft length comes from the measured "
+                                            "step time against the acceptance, and falls to "
+                                            "none at high load (default: off)",
+                                      choices=lambda: SPECULATIVE_METHODS)
+    num_speculative_tokens: int = _option(4, "speculative decoding: the most draft tokens "
+                                             "of one request in one step")
+    speculative_draft_length: str = _option("dynamic", "speculative decoding: dynamic (each "
+                                                       "step's from the cost model, none at "
+                                                       "high load) or fixed (always up to "
+                                                       "num_speculative_tokens)",
+                                            choices=lambda: ("dynamic", "fixed"))
+    draft_engine: str | None = _option(None, "speculative draft: the draft model's engine "
+                                             "folder (same tokenizer and KV layout as the "
+                                             "target's)")
     # --- KV pool and runner -------------------------------------------------------------------
     kv_cache_bytes: int | None = _option(None, "KV pool size in bytes (default 1 GiB, capped at "
                                                "what max_num_seqs full sequences use)")
@@ -212,6 +234,14 @@ class EngineOptions:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (one is the reserved null block), "
                              f"got {self.num_kv_blocks}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, "
+                             f"{MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}")
+        if (self.speculative == "draft") != (self.draft_engine is not None):
+            raise ValueError("speculative=draft needs draft_engine (the draft model's engine "
+                             "folder), and draft_engine needs speculative=draft; got "
+                             f"speculative={self.speculative!r}, "
+                             f"draft_engine={self.draft_engine!r}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
 

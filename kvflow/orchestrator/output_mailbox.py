@@ -41,7 +41,8 @@ def coalesce_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         request_id=last.request_id, outputs=merged, finished=last.finished,
         num_prompt_tokens=last.num_prompt_tokens, metrics=last.metrics, error=last.error,
         error_code=last.error_code, cached_tokens=last.cached_tokens,
-        prompt_token_ids=last.prompt_token_ids, prompt_logprobs=prompt_logprobs)
+        prompt_token_ids=last.prompt_token_ids, prompt_logprobs=prompt_logprobs,
+        num_draft_tokens=last.num_draft_tokens, num_accepted_tokens=last.num_accepted_tokens)
 
 
 class OutputMailbox:

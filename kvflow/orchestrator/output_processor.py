@@ -68,20 +68,34 @@ class RequestState:
 
 @dataclass(slots=True)
 class SampledTokens:
-    """The sampling stage's result, row by row: the sequences that sampled, their tokens and
-    the sampler's output (their logprobs; None when the runner took the argmax itself)."""
+    """The sampling stage's result, row by row: the sequences that sampled and their new
+    tokens (one, or with speculative decoding the accepted drafts and the token verification
+    drew); per row that asked, each token's logprobs (token id -> log-probability: its own and
+    the top ``logprobs``'); and per row the drafts it verified (None: none this step)."""
 
     requests: list[Request]
-    token_ids: list[int]
-    output: SamplerOutput | None = None
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]] | None] | None = None
+    num_drafts: list[int] | None = None
+
+    @classmethod
+    def of(cls, requests: list[Request], tokens: list[int],
+           output: SamplerOutput | None = None) -> SampledTokens:
+        """One token per row, with the sampler's output (None: the runner took the argmax
+        and no row wants logprobs)."""
+        logprobs = None
+        if output is not None and any(lp is not None for lp in output.logprobs):
+            logprobs = [None if lp is None else [{**dict(top or []), token: lp}]
+                        for token, lp, top in zip(tokens, output.logprobs,
+                                                  output.top_logprobs, strict=True)]
+        return cls(requests, [[t] for t in tokens], logprobs)
 
 
 @dataclass(slots=True)
 class NewOutput:
-    """What one step added to one sequence: its token (None: none, e.g. a timeout) and
-    text."""
+    """What one step added to one sequence: its tokens (none, e.g. at a timeout) and text."""
 
-    token_id: int | None
+    token_ids: list[int]
     text: str
 
 
@@ -141,6 +155,12 @@ class OutputProcessor:
                 entry[token] = value
                 entries.append(entry)
 
+    def sampling_row(self, request: Request) -> SamplingRow:
+        """One sequence's sampling row, with no grammar mask (speculative verification makes
+        its masks per draft position)."""
+        return SamplingRow(request.sampling_params, request.prompt_token_ids,
+                           request.output_token_ids, _state(request).generator)
+
     def sampling_rows(self, requests: list[Request], vocab_size: int) -> list[SamplingRow]:
         """The sampling stage's rows: each sequence's params, tokens so far and random stream
         (its state's), and for a sequence with a grammar, that grammar's next-token mask."""
@@ -161,19 +181,35 @@ class OutputProcessor:
         completed, a grammar that is complete or refused the token)."""
         deltas: list[str] = []
         result = RunnerOutput()
-        for request, token in zip(sampled.requests, sampled.token_ids, strict=True):
+        for row, (request, tokens) in enumerate(zip(sampled.requests, sampled.token_ids,
+                                                    strict=True)):
             state = _state(request)
             rid = request.request_id
-            result.sampled_token_ids[rid] = token
-            detok = state.detok
-            deltas.append(detok.step([token]) if detok is not None else "")
-            if detok is not None and detok.stopped:
-                result.stop_strings[rid] = detok.stop_reason or ""
-            # NOTE: a token the grammar refuses (it cannot be sampled: the mask bans it) would
-            # leave the matcher in error, and is_stopped then ends the sequence.
-            if state.grammar is not None and (not state.grammar.accept(token)
-                                              or state.grammar.is_stopped):
-                result.grammar_done.add(rid)
+            detok, grammar = state.detok, state.grammar
+            delta = ""
+            for j, token in enumerate(tokens):
+                if detok is not None:
+                    delta += detok.step([token])
+                stop_string = (detok.stop_reason or "") if detok is not None and detok.stopped \
+                    else None
+                # NOTE: a token the grammar refuses (it cannot be sampled: the mask bans it)
+                # would leave the matcher in error, and is_stopped then ends the sequence.
+                grammar_done = grammar is not None and (not grammar.accept(token)
+                                                        or grammar.is_stopped)
+                if stop_string is not None:
+                    result.stop_strings[rid] = stop_string
+                if grammar_done:
+                    result.grammar_done.add(rid)
+                if j + 1 < len(tokens) and request.stop_after(
+                        token, request.num_output_tokens + j + 1, stop_string,
+                        grammar_done)[0] is not None:
+                    # A verified draft stops the sequence: the tokens after it never happened.
+                    tokens = sampled.token_ids[row] = tokens[:j + 1]
+                    if sampled.logprobs is not None and sampled.logprobs[row] is not None:
+                        sampled.logprobs[row] = sampled.logprobs[row][:j + 1]  # type: ignore
+                    break
+            result.sampled_token_ids[rid] = tokens
+            deltas.append(delta)
         return result, deltas
 
     def step_outputs(self, sampled: SampledTokens, deltas: list[str]) -> list[RequestOutput]:
@@ -181,21 +217,17 @@ class OutputProcessor:
         sequences together), in the order they sampled."""
         new: dict[str, dict[int, NewOutput]] = {}
         leaders: dict[str, Request] = {}
-        out = sampled.output
-        for row, (request, token) in enumerate(zip(sampled.requests, sampled.token_ids,
-                                                   strict=True)):
+        entries = sampled.logprobs
+        for row, (request, tokens) in enumerate(zip(sampled.requests, sampled.token_ids,
+                                                    strict=True)):
             state = _state(request)
             delta = deltas[row]
-            if state.logprobs is not None and out is not None:
-                logprob = out.logprobs[row]
-                if logprob is not None:
-                    entry = dict(out.top_logprobs[row] or [])
-                    entry[token] = logprob
-                    state.logprobs.append(entry)
+            if state.logprobs is not None and entries is not None and entries[row] is not None:
+                state.logprobs.extend(entries[row])  # type: ignore[arg-type]
             if request.is_finished:
                 delta += state.flush()
             state.text += delta
-            new.setdefault(request.parent_id, {})[request.index] = NewOutput(token, delta)
+            new.setdefault(request.parent_id, {})[request.index] = NewOutput(tokens, delta)
             leaders.setdefault(request.parent_id,
                                request.group.seqs[0] if request.group else request)
         return [self.output(leaders[pid], news) for pid, news in new.items()]
@@ -209,7 +241,7 @@ class OutputProcessor:
             if seq.status == RequestStatus.FINISHED_TIMEOUT and state is not None:
                 delta = state.flush()
                 state.text += delta
-                new[seq.index] = NewOutput(None, delta)
+                new[seq.index] = NewOutput([], delta)
         return self.output(request, new)
 
     def output(self, request: Request,
@@ -226,8 +258,7 @@ class OutputProcessor:
                 index=seq.index, text=state.text if state is not None else "",
                 token_ids=seq.output_token_ids, num_tokens=seq.num_output_tokens,
                 delta_text=added.text if added is not None else "",
-                delta_token_ids=[] if added is None or added.token_id is None
-                else [added.token_id],
+                delta_token_ids=added.token_ids if added is not None else [],
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
                 logprobs=state.logprobs if state is not None else None))
         prompt_logprobs = self._take_prompt_logprobs(seqs[0])
@@ -248,7 +279,9 @@ class OutputProcessor:
             num_prompt_tokens=request.num_prompt_tokens, metrics=_request_metrics(seqs),
             error=request.reject_reason, error_code=None if code is None else ErrorCode(code),
             cached_tokens=request.metrics.cached_tokens,
-            prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_logprobs)
+            prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_logprobs,
+            num_draft_tokens=sum(seq.num_draft_tokens for seq in seqs),
+            num_accepted_tokens=sum(seq.num_accepted_tokens for seq in seqs))
 
     @staticmethod
     def _take_prompt_logprobs(first: Request) -> list[dict[int, float] | None] | None:

@@ -183,6 +183,10 @@ class RequestOutput:
     cached_tokens: int = 0
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Speculative decoding: the draft tokens verified for the request (every sequence's), and
+    # of those accepted (part of its output; the rest were rejected).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def prompt_token_logprobs(self) -> list[TokenLogprobs | None]:
         """:attr:`prompt_logprobs` typed: per prompt token (the first None) its
@@ -270,6 +274,9 @@ class EngineCounters:
     # logprobs (counted apart from the queries and hits above).
     prompt_logprobs_recomputed_tokens: int = 0
     step_time_s: float = 0.0
+    # Speculative decoding: draft tokens verified, and of those accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     finished_by_reason: Counter[str] = field(default_factory=Counter)
     rejected_by_cause: Counter[str] = field(default_factory=Counter)
     timeouts_by_phase: Counter[str] = field(default_factory=Counter)
@@ -314,6 +321,11 @@ class StepStats:
     finished: list[str] = field(default_factory=list)
     # What the scheduler ran: (request id, tokens computed) per sequence, in batch order.
     scheduled: list[tuple[str, int]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens the step scored (not in num_prefill_tokens nor
+    # num_decode_tokens), and per sequence that verified drafts, the tokens it emitted (its
+    # accepted drafts and one more: vLLM's acceptance length).
+    num_spec_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
 
     @property
     def overhead_time_s(self) -> float:

@@ -166,6 +166,16 @@ class Request:
         # The engine's state of this sequence (random stream, grammar, text, logprobs): set by
         # the OutputProcessor once the scheduler accepts it, dropped with its final output.
         self.engine_state: RequestState | None = None
+        # Speculative decoding (kvflow.orchestrator.speculative): the draft tokens proposed for
+        # the next step, which are not in token_ids until verified; the proposer's own state
+        # of this sequence (its n-gram index, its draft model's progress), dropped with it; and
+        # the drafts verified over its life, of those accepted, and the verifications that
+        # rejected one (the draft length's cost model reads its acceptance from them).
+        self.spec_token_ids: list[int] = []
+        self.proposer_state: object | None = None
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_spec_rejections = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -196,23 +206,28 @@ class Request:
         Sets ``stop_reason`` (the stop token id or string; None for EOS and a grammar)."""
         if not self.output_token_ids:
             return None
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.sampling_params.min_tokens:
-            if last in self.eos_token_ids:
-                self.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if last in self.stop_token_ids:
-                self.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
+        status, self.stop_reason = self.stop_after(
+            self.output_token_ids[-1], self.num_output_tokens, stop_string, grammar_done)
+        return status
+
+    def stop_after(self, token: int, num_output_tokens: int, stop_string: str | None = None,
+                   grammar_done: bool = False) -> tuple[RequestStatus | None, str | int | None]:
+        """:meth:`check_stop`'s rule for an output of ``num_output_tokens`` ending in
+        ``token``, changing nothing: (the status, the stop reason). The output processor asks
+        it of each token of a verified draft before any is appended, to cut them at the first
+        that stops."""
+        if num_output_tokens >= self.sampling_params.min_tokens:
+            if token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in self.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
         if grammar_done:
-            self.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_STOPPED, None
         if stop_string is not None:
-            self.stop_reason = stop_string
-            return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_output_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            return RequestStatus.FINISHED_STOPPED, stop_string
+        if num_output_tokens >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, "

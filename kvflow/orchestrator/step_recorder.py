@@ -46,11 +46,18 @@ class StepRecorder:
                sampled: SampledTokens, times: StepTimes) -> None:
         """A step that ran: its counts, its :class:`StepStats` and its timeline record."""
         num_decode = sched.num_decode_tokens
-        num_prefill = sched.num_batched_tokens - num_decode
+        num_spec = sched.num_spec_tokens
+        num_prefill = sched.num_batched_tokens - num_decode - num_spec
         step_time_s = times.end - times.start
         c = self.counters
         c.prompt_tokens += num_prefill
-        c.generation_tokens += len(sampled.token_ids)
+        c.generation_tokens += sum(map(len, sampled.token_ids))
+        lengths: list[int] = []
+        if sampled.num_drafts is not None:
+            lengths = [len(tokens) for tokens, k in zip(sampled.token_ids, sampled.num_drafts,
+                                                        strict=True) if k]
+            c.spec_draft_tokens += sum(sampled.num_drafts)
+            c.spec_accepted_tokens += sum(lengths) - len(lengths)
         c.steps += 1
         c.step_time_s += step_time_s
         c.prefix_cache_queries = self.scheduler.prefix_cache_queries
@@ -70,7 +77,8 @@ class StepRecorder:
             postprocess_time_s=times.end - times.sampled,
             num_timed_out=len(sched.timed_out),
             finished=[o.request_id for o in outputs if o.finished],
-            scheduled=[(s.request.request_id, s.num_new_tokens) for s in sched.scheduled])
+            scheduled=[(s.request.request_id, s.num_new_tokens) for s in sched.scheduled],
+            num_spec_tokens=num_spec, acceptance_lengths=lengths)
         self.step_stats.append(stats)
         if self.tracer is not None:
             self._trace(sched, sampled, times, stats, self.tracer)
@@ -101,12 +109,17 @@ class StepRecorder:
         ended (a forked member may end on the token it took from its leader's row), and the
         state after it (from the step's ``stats``)."""
         entries: list[Entry] = []
+        emitted = ({r.request_id: len(t) for r, t in zip(sampled.requests, sampled.token_ids,
+                                                         strict=True)}
+                   if sched.num_spec_tokens else {})
         for s in sched.scheduled:
             r = s.request
             m = r.metrics
             if s.is_decode:
-                entries.append(Entry(seq_id=r.request_id, kind="decode", num_tokens=1,
-                                     arrival=None, sampled=True))
+                k = s.num_spec_tokens
+                entries.append(Entry(seq_id=r.request_id, kind="decode", num_tokens=1 + k,
+                                     arrival=None, sampled=True, drafts=k,
+                                     accepted=emitted.get(r.request_id, 1) - 1 if k else 0))
                 continue
             first = m.first_scheduled_time is not None and m.first_scheduled_time >= times.start
             entries.append(Entry(seq_id=r.request_id,

@@ -19,7 +19,9 @@ class SeqChunk:
     ``token_ids`` is the sequence's whole known token list (prompt + output so far); the KV of
     positions ``0 .. start-1`` is already in the pool. ``sample`` asks for the logits of the
     chunk's last token; ``prompt_rows`` for those of these positions (inside the chunk, before
-    its last token: prompt logprobs), returned before the sampled row.
+    its last token: prompt logprobs), returned before the sampled row. ``num_spec``: the
+    chunk's last that many tokens are drafts (speculative decoding); the logits of the token
+    before them and of each of them are wanted, to verify the drafts.
     """
 
     request_id: Hashable
@@ -28,12 +30,14 @@ class SeqChunk:
     num_new: int
     sample: bool
     prompt_rows: range = range(0)
+    num_spec: int = 0
 
     def logits_rows(self, offset: int) -> list[int]:
         """The packed rows whose logits this chunk wants, its tokens starting at ``offset``."""
         rows = [offset + p - self.start for p in self.prompt_rows]
         if self.sample:
-            rows.append(offset + self.num_new - 1)
+            last = offset + self.num_new - 1
+            rows.extend(range(last - self.num_spec, last + 1))
         return rows
 
 
@@ -66,7 +70,7 @@ def build_step(kv: KVCacheManager, chunks: Sequence[SeqChunk]) -> StepInput:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
         rows.append(table[: -(-end // bs)])
         seq_lens.append(end)
-        if c.prompt_rows:
+        if c.prompt_rows or c.num_spec:
             logits_indices.extend(c.logits_rows(offset))
         elif c.sample:
             logits_indices.append(offset + c.num_new - 1)
@@ -94,7 +98,7 @@ def build_step_shape(chunks: Sequence[SeqChunk]) -> StepInput:
     offset = 0
     for c in chunks:
         seq_lens.append(c.start + c.num_new)
-        if c.prompt_rows:
+        if c.prompt_rows or c.num_spec:
             logits_indices.extend(c.logits_rows(offset))
         elif c.sample:
             logits_indices.append(offset + c.num_new - 1)

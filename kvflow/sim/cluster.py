@@ -15,6 +15,7 @@ from kvflow.observability.metrics import EngineMetrics, MetricsRegistry
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import RequestOutput
+from kvflow.orchestrator.speculative.proposers import Proposer
 from kvflow.sim.cost_model import CostModel
 from kvflow.sim.router import make_router
 from kvflow.sim.runner import SIM_EOS, SimClock, SimRunner, sim_engine_config
@@ -95,7 +96,8 @@ class Instance:
     and what the router knows of it."""
 
     def __init__(self, index: int, role: str, cost: CostModel, options: EngineOptions,
-                 num_blocks: int, block_size: int, keep_steps: bool = False) -> None:
+                 num_blocks: int, block_size: int, keep_steps: bool = False,
+                 proposer: Proposer | None = None) -> None:
         self.index, self.role = index, role
         self.clock = SimClock()
         runner = SimRunner(sim_engine_config(block_size, options.max_model_len,
@@ -105,7 +107,7 @@ class Instance:
         # last alone: millions of kept objects slow the garbage collector down by half.
         self.engine = LLMEngine(runner, None, options, (SIM_EOS,), clock=self.clock,
                                 stats_window=ALL_STEPS if keep_steps else 1,
-                                trace_source="simulator")
+                                trace_source="simulator", proposer=proposer)
         self.metrics = MetricsRegistry()  # what its metrics endpoint would show
         self._collector = EngineMetrics()
         self.step_pending = False  # a step-end event of this instance is on the heap

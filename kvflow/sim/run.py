@@ -14,12 +14,14 @@ import copy
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvflow.orchestrator.options import EngineOptions
+from kvflow.orchestrator.speculative.proposers import Proposer
 from kvflow.reports.serve_report import tenant_line, write_serve_report
 from kvflow.reports.summary import parse_slo, tenant_summary
 from kvflow.reports.writers import pyplot, save_figure, write_report
@@ -36,6 +38,7 @@ from kvflow.sim.cost_model import (
 from kvflow.sim.run_options import mode_options, request_priorities, thin
 from kvflow.sim.runner import SIM_TOKEN
 from kvflow.sim.simulator import SimResult, simulate
+from kvflow.sim.speculation import AcceptanceProposer, acceptance_lengths_of
 from kvflow.workloads.azure import load_azure_trace
 from kvflow.workloads.flags import add_workload_args, build_workload, parse_rates
 from kvflow.workloads.modes import MODE_LABELS, MODES
@@ -96,6 +99,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-max-steps", type=int, default=10_000,
                    help="steps the timeline keeps (the last ones)")
     p.add_argument("--out", default="reports/simulate")
+    p.add_argument("--speculative-acceptance", type=float, default=None, metavar="RATE",
+                   help="speculative decoding: each draft position accepted with this "
+                        "probability (the scheduler, verification and draft-length code are "
+                        "the engine's own)")
+    p.add_argument("--speculative-replay", default=None, metavar="TRACE",
+                   help="speculative decoding: replay the acceptance lengths of a served "
+                        "run's step timeline (its --trace-steps file)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="speculative decoding: the most drafts per request and step")
+    p.add_argument("--speculative-draft-length", choices=("dynamic", "fixed"),
+                   default="dynamic", help="speculative decoding: the cost model's draft "
+                                           "length, or always the most")
     add_cluster_args(p)
 
 
@@ -197,6 +212,16 @@ def _plot_kv_batch(out: Path, result: SimResult) -> str:
     return save_figure(fig, out / "kv_batch.png")
 
 
+def speculation_of(args: argparse.Namespace) -> Callable[[], Proposer] | None:
+    """The simulated proposer the flags ask for (None: no speculative decoding)."""
+    rate = getattr(args, "speculative_acceptance", None)
+    trace = getattr(args, "speculative_replay", None)
+    if rate is None and trace is None:
+        return None
+    replay = acceptance_lengths_of(trace) if trace is not None else ()
+    return lambda: AcceptanceProposer(rate if rate is not None else 0.0, replay, args.seed)
+
+
 def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse.Namespace,
             num_blocks: int, config: dict[str, Any], out: Path, bar: Any,
             prompts: list[list[int]] | None = None, echo: bool = True,
@@ -216,7 +241,7 @@ def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse
     t0 = time.perf_counter()
     result = simulate(specs, cost, sched, num_blocks, args.block_size, prompts=prompts,
                       series_period_s=args.series_period_s, progress=progress,
-                      priorities=priorities)
+                      priorities=priorities, proposer=speculation_of(args))
     wall = time.perf_counter() - t0
     series = thin(result.series)
     frag = [r["kvflow_kv_cache_fragmentation_ratio"] for r in result.series]

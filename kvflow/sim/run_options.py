@@ -22,6 +22,10 @@ def mode_options(mode: str, args: argparse.Namespace,
                                      args.chunk_tokens, args.prefix_caching)
     options.update(max_queue_delay_ms=getattr(args, "max_queue_delay_ms", None),
                    request_timeout_s=getattr(args, "request_timeout_s", None))
+    if getattr(args, "speculative_acceptance", None) is not None or getattr(
+            args, "speculative_replay", None) is not None:
+        options.update(num_speculative_tokens=args.num_speculative_tokens,
+                       speculative_draft_length=args.speculative_draft_length)
     if trace_steps is not None:
         options.update(trace_steps=str(trace_steps),
                        trace_max_steps=getattr(args, "trace_max_steps", 10_000))

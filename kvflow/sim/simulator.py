@@ -38,6 +38,7 @@ from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import EngineCounters, RequestOutput, StepStats
 from kvflow.orchestrator.sampling.params import SamplingParams
+from kvflow.orchestrator.speculative.proposers import Proposer
 from kvflow.reports.summary import RequestTiming
 from kvflow.sim.cluster import ClusterSpec, Instance, RequestRoute
 from kvflow.sim.cost_model import CostModel
@@ -74,7 +75,8 @@ def simulate_cluster(specs: Sequence[RequestSpec], cost: CostModel, options: Eng
                      progress: Callable[[int], None] | None = None,
                      priorities: Sequence[int] | None = None,
                      on_step: Callable[[int, LLMEngine], None] | None = None,
-                     keep_steps: bool = False) -> ClusterResult:
+                     keep_steps: bool = False,
+                     proposer: Callable[[], Proposer] | None = None) -> ClusterResult:
     """Run ``specs`` through a cluster of real engines in simulated time (module docstring).
 
     ``num_blocks``: each instance's KV pool. ``prompts``: each request's token ids (default:
@@ -85,7 +87,9 @@ def simulate_cluster(specs: Sequence[RequestSpec], cost: CostModel, options: Eng
     (default: each spec's own, else 0); each spec's ``tenant`` is its request's.
     ``on_step(k, engine)`` is called just before each step of instance ``k``: a read-only
     view of what its scheduler holds (``engine.scheduler.requests``), for tests and tools.
-    ``keep_steps``: keep every step's :class:`StepStats` for the result.
+    ``keep_steps``: keep every step's :class:`StepStats` for the result. ``proposer``:
+    speculative decoding, each instance drafting with a proposer it makes (the simulated one,
+    :mod:`kvflow.sim.speculation`).
     """
     for name, values in (("prompts", prompts), ("priorities", priorities)):
         if values is not None and len(values) != len(specs):
@@ -94,7 +98,8 @@ def simulate_cluster(specs: Sequence[RequestSpec], cost: CostModel, options: Eng
         raise ValueError(f"series_period_s must be > 0, got {series_period_s}")
     if options.trace_steps and len(cluster.roles) > 1:
         raise ValueError("trace_steps: one step timeline per engine; a cluster has several")
-    instances = [Instance(k, role, cost, options, num_blocks, block_size, keep_steps)
+    instances = [Instance(k, role, cost, options, num_blocks, block_size, keep_steps,
+                          proposer() if proposer is not None else None)
                  for k, role in enumerate(cluster.roles)]
     entry = [x for x in instances if x.role != "decode"]
     decoders = [x for x in instances if x.role == "decode"]
@@ -232,11 +237,13 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions
              prompts: Sequence[list[int]] | None = None,
              series_period_s: float = 0.25,
              progress: Callable[[int], None] | None = None,
-             priorities: Sequence[int] | None = None) -> SimResult:
+             priorities: Sequence[int] | None = None,
+             proposer: Callable[[], Proposer] | None = None) -> SimResult:
     """Run ``specs`` through the real scheduler in simulated time: :func:`simulate_cluster`
     with one replica (the arguments are its own), seen as one engine's run."""
     result = simulate_cluster(specs, cost, sched, num_blocks, ClusterSpec(), block_size,
-                              prompts, series_period_s, progress, priorities, keep_steps=True)
+                              prompts, series_period_s, progress, priorities, keep_steps=True,
+                              proposer=proposer)
     return SimResult(result.timings, result.queue_s, result.instance_steps[0], result.series,
                      result.duration_s, result.counters[0], result.metrics[0])
 

@@ -51,7 +51,7 @@ _NUMERIC_KEYS: dict[str, type] = {
 }
 # sampling_parameters keys that are the request's, not its sampling's.
 REQUEST_KEYS = ("tenant",)
-_BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "guided_json_object")
+_BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "guided_json_object", "speculative")
 MAX_PRIORITY = 1 << 30
 # Inputs accepted from TensorRT-LLM-style clients and ignored on purpose (see module doc).
 IGNORED_INPUTS = ("end_id", "accumulate_tokens")

@@ -186,6 +186,9 @@ class ResponseStream:
             pb.Tensor("num_output_tokens", np.array([c.num_tokens for c in seqs],
                                                     dtype=np.uint32)),
             pb.Tensor("cached_tokens", np.array([out.cached_tokens], dtype=np.uint32)),
+            pb.Tensor("num_draft_tokens", np.array([out.num_draft_tokens], dtype=np.uint32)),
+            pb.Tensor("num_accepted_tokens", np.array([out.num_accepted_tokens],
+                                                      dtype=np.uint32)),
         ]
         if seqs[0].logprobs is not None:
             # Every token since the last response (a stream sends nothing for a token that

@@ -222,6 +222,17 @@ def _sample_sorted(
         u: [m] uniform draws in [0, 1).
     """
     cum = np.cumsum(probs, axis=1)
+    keep = nucleus_size(probs, cum, total, top_p, log_ratio, min_p)
+    rows = np.arange(ids.shape[0])
+    target = u * cum[rows, keep - 1]
+    j = np.minimum(np.count_nonzero(cum <= target[:, None], axis=1), keep - 1)
+    return ids[rows, j]
+
+
+def nucleus_size(probs: np.ndarray, cum: np.ndarray, total: np.ndarray, top_p: np.ndarray,
+                 log_ratio: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """How many of each row's candidates, sorted most likely first, top_p and min_p keep
+    (at least one): :func:`_sample_sorted`'s arguments, ``cum`` the cumulative ``probs``."""
     before = np.zeros_like(cum)  # mass strictly ahead of each candidate
     before[:, 1:] = cum[:, :-1]
     # top_p keeps a token while the mass strictly ahead of it is below top_p (the token that
@@ -231,11 +242,7 @@ def _sample_sorted(
         log_min_p = np.log(min_p)
     keep = np.minimum(keep, np.count_nonzero(log_ratio >= log_min_p[:, None], axis=1))
     # Candidates are sorted, so the ones with non-zero probability come first.
-    keep = np.maximum(np.minimum(keep, np.count_nonzero(probs > 0, axis=1)), 1)
-    rows = np.arange(ids.shape[0])
-    target = u * cum[rows, keep - 1]
-    j = np.minimum(np.count_nonzero(cum <= target[:, None], axis=1), keep - 1)
-    return ids[rows, j]
+    return np.maximum(np.minimum(keep, np.count_nonzero(probs > 0, axis=1)), 1)
 
 
 def sample_top_k(

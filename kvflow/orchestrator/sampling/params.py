@@ -138,6 +138,9 @@ class SamplingParams:
             or None for the server's ``request_timeout_s``. Past it the request ends with
             ``finish_reason`` ``timeout`` and the output it has, wherever it is (waiting,
             prefilling or decoding).
+        speculative: Let the engine speculate for this request, when it is configured to
+            (``EngineOptions.speculative``); False turns it off for this request alone.
+            Speculation is lossless: it changes the speed, never the output's distribution.
     """
 
     n: int = 1
@@ -159,6 +162,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None
     timeout_ms: int | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Normalise types first (ints/floats from numpy or JSON, lists into tuples) so the
@@ -182,6 +186,7 @@ class SamplingParams:
                                              optional=True))
         self._set("skip_special_tokens", _as_bool("skip_special_tokens", self.skip_special_tokens))
         self._set("timeout_ms", _as_int("timeout_ms", self.timeout_ms, optional=True))
+        self._set("speculative", _as_bool("speculative", self.speculative))
         if isinstance(self.structured, Mapping):
             self._set("structured", StructuredOutput.from_dict(self.structured))
         elif self.structured is not None and not isinstance(self.structured, StructuredOutput):

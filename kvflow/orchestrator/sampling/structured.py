@@ -105,6 +105,31 @@ class Grammar:
         """The grammar's error message, or None."""
         return _short(self._matcher.get_error()) if self._matcher.is_error() else None
 
+    def num_valid(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids``, in order, the grammar would accept from here (a draft
+        is cut there); changes nothing."""
+        if not token_ids:
+            return 0
+        return int(self._matcher.validate_tokens([int(t) for t in token_ids]))
+
+    def masks_along(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The bitmasks of the ``len(token_ids) + 1`` positions from here, each after the
+        tokens before it (which the grammar must accept: :meth:`num_valid`); the grammar is
+        left where it was."""
+        masks = allocate_bitmask(len(token_ids) + 1, self.vocab_size)
+        consumed = 0
+        try:
+            for j in range(len(token_ids) + 1):
+                fill_next_token_bitmask(self._matcher, masks, j)
+                if j < len(token_ids):
+                    if not self._matcher.consume_token(int(token_ids[j])):
+                        raise ValueError(f"the grammar refuses draft token {token_ids[j]}")
+                    consumed += 1
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
+        return masks
+
     def fork(self) -> Grammar:
         """An independent copy in the same state (for the siblings of a parallel sample)."""
         return Grammar(self._matcher.deep_copy(), self.vocab_size)

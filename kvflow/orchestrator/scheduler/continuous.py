@@ -28,7 +28,9 @@ class ContinuousScheduler(Scheduler):
         ``max_num_batched_tokens``. (0) Requests past their deadline were finished and freed
         (:meth:`Scheduler.schedule`). (1) Running requests first, in admission order: each
         gets its remaining tokens (one for a decode, the next chunk of a prompt), clamped to
-        the budget when chunked prefill is on. If its KV blocks cannot be allocated, the
+        the budget when chunked prefill is on; a decode with draft tokens (speculative
+        decoding) gets them too, if they fit without preempting anything. If its KV blocks
+        cannot be allocated, the
         running request of lowest priority (largest value), newest arrival, is preempted (by
         swap to the host pool or by recompute, whichever ``preemption_mode`` and its cost
         model pick; back to the front of the queue, unscheduled if it was scheduled this
@@ -49,6 +51,11 @@ class ContinuousScheduler(Scheduler):
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = len(request.token_ids) - request.num_computed_tokens
+            if remaining == 1 and request.spec_token_ids and self._schedule_drafts(
+                    request, budget, len(self.running) - i, out):
+                budget -= out.scheduled[-1].num_new_tokens
+                i += 1
+                continue
             num_new = 1 if remaining == 1 else self._chunk(
                 remaining, budget, prefill=True, recompute=request.num_output_tokens > 0)
             if num_new == 0:
@@ -73,6 +80,23 @@ class ContinuousScheduler(Scheduler):
         admitted = set() if out.preempted else self._admit(out)
         # Admission charged what it admitted as it went (the next pick sees it).
         self.policy.charge(s for s in out.scheduled if s.request not in admitted)
+
+    def _schedule_drafts(self, request: Request, budget: int, num_behind: int,
+                         out: SchedulerOutput) -> bool:
+        """Schedule a decode with its draft tokens (speculative decoding), if the budget and
+        the free KV blocks allow. Drafts never take what a plain decode would need: they
+        leave a token of the budget and a free block for each of the ``num_behind`` running
+        requests still to schedule (this one included), and drafts that do not fit are
+        dropped (the decode is then scheduled plainly). Whether it was scheduled."""
+        num_spec = min(len(request.spec_token_ids), budget - num_behind)
+        computed = request.num_computed_tokens
+        if num_spec > 0 and self.kv.allocate_slots(request.request_id, computed + 1 + num_spec,
+                                                   reserve=num_behind,
+                                                   num_computed_tokens=computed):
+            out.scheduled.append(ScheduledRequest(request, computed, 1 + num_spec, num_spec))
+            return True
+        request.spec_token_ids = []
+        return False
 
     def _admit(self, out: SchedulerOutput) -> set[Request]:
         """Admit waiting requests in the policy's order (step 2 of :meth:`_schedule`);

@@ -42,6 +42,9 @@ class Scheduler:
         clock: seconds, monotonic; the simulator passes its own.
     """
 
+    # Whether the policy schedules draft tokens (Request.spec_token_ids; speculative decoding).
+    speculates = True
+
     def __init__(self, config: EngineOptions, kv: KVCacheManager,
                  clock: Clock = time.monotonic) -> None:
         self.config = config
@@ -187,11 +190,25 @@ class Scheduler:
         now = self.clock()
         finished: list[Request] = []
         caching = self.kv.enable_caching
+        sampled = result.sampled_token_ids
         for s in output.scheduled:
             request = s.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = s.start + s.num_new_tokens
+            if s.num_spec_tokens:
+                # Rollback is bookkeeping: the rejected drafts' KV stays in the slots past
+                # num_computed_tokens, to be overwritten; no block hash covers them, since
+                # token_ids holds only accepted tokens.
+                accepted = len(sampled.get(request.request_id, ())) - 1
+                request.num_computed_tokens = s.start + s.num_new_tokens - s.num_spec_tokens
+                if accepted > 0:
+                    request.num_computed_tokens += accepted
+                request.num_draft_tokens += s.num_spec_tokens
+                request.num_accepted_tokens += max(accepted, 0)
+                request.num_spec_rejections += accepted < s.num_spec_tokens
+            else:
+                request.num_computed_tokens = s.start + s.num_new_tokens
+            request.spec_token_ids = []
             if caching:
                 self.kv.cache_blocks(request.request_id, request.token_ids,
                                      request.num_computed_tokens, request.cache_salt)
@@ -206,16 +223,18 @@ class Scheduler:
 
     def _append(self, request: Request, result: RunnerOutput, now: float,
                 finished: list[Request]) -> None:
-        """Append the request's sampled token, if it has one, and finish it if it stopped."""
-        token = result.sampled_token_ids.get(request.request_id)
-        if token is None:
+        """Append the request's sampled tokens, if it has any, and finish it if it stopped
+        (only the last may stop it: the output processor cut them there)."""
+        tokens = result.sampled_token_ids.get(request.request_id)
+        if not tokens:
             return
-        request.append_output_token(token)
         m = request.metrics
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
-        m.token_times.append(now)
+        for token in tokens:
+            request.append_output_token(token)
+            m.token_times.append(now)
         status = request.check_stop(result.stop_strings.get(request.request_id),
                                     request.request_id in result.grammar_done)
         if status is not None:
@@ -275,6 +294,7 @@ class Scheduler:
         self.preemptor.evict(members, output)
         for m in members:
             self.running.remove(m)
+            m.spec_token_ids = []  # proposed for the state it loses
         output.scheduled = [s for s in output.scheduled if s.request not in members]
         self.waiting.appendleft(members[0])
         if group is not None:

@@ -21,26 +21,40 @@ Clock = Callable[[], float]
 class ScheduledRequest:
     """``num_new_tokens`` tokens of ``request`` from ``start`` run this step.
 
+    ``num_spec_tokens``: the last that many are draft tokens (``request.spec_token_ids``),
+    scored in the same step as the sequence's last token and verified after it
+    (speculative decoding); the step then has logits for each of them too.
     ``sample``: the chunk reaches the end of the known sequence, so a token is sampled. It is
     fixed when scheduled, since the sequence grows once the sampled token is appended.
     """
 
-    __slots__ = ("request", "start", "num_new_tokens", "sample")
+    __slots__ = ("request", "start", "num_new_tokens", "num_spec_tokens", "sample")
 
-    def __init__(self, request: Request, start: int, num_new_tokens: int) -> None:
+    def __init__(self, request: Request, start: int, num_new_tokens: int,
+                 num_spec_tokens: int = 0) -> None:
         self.request = request
         self.start = start
         self.num_new_tokens = num_new_tokens
-        self.sample = start + num_new_tokens == len(request.token_ids)
+        self.num_spec_tokens = num_spec_tokens
+        self.sample = start + num_new_tokens - num_spec_tokens == len(request.token_ids)
 
     @property
     def is_decode(self) -> bool:
-        """One new token continuing a sequence whose output has begun."""
-        return self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens
+        """One new token (and its drafts) continuing a sequence whose output has begun."""
+        return (self.num_new_tokens - self.num_spec_tokens == 1
+                and self.start >= self.request.num_prompt_tokens)
+
+    def token_ids(self) -> list[int]:
+        """The sequence's tokens the chunk reads from: the known ones, then its drafts."""
+        request = self.request
+        if not self.num_spec_tokens:
+            return request.token_ids
+        return [*request.token_ids, *request.spec_token_ids[:self.num_spec_tokens]]
 
     def __repr__(self) -> str:
+        spec = f", spec={self.num_spec_tokens}" if self.num_spec_tokens else ""
         return (f"ScheduledRequest({self.request.request_id!r}, start={self.start}, "
-                f"n={self.num_new_tokens}, sample={self.sample})")
+                f"n={self.num_new_tokens}{spec}, sample={self.sample})")
 
 
 BlockCopies = list[tuple[int, int]]
@@ -101,6 +115,11 @@ class SchedulerOutput:
         return sum(1 for s in self.scheduled if s.is_decode)
 
     @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens scored this step (speculative decoding)."""
+        return sum(s.num_spec_tokens for s in self.scheduled)
+
+    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -110,13 +129,15 @@ class RunnerOutput:
     """One step's result, handed back to :meth:`Scheduler.update_from_output`.
 
     Attributes:
-        sampled_token_ids: request id -> the token sampled for it this step (a request whose
-            chunk did not reach the end of its sequence sampled nothing).
+        sampled_token_ids: request id -> the tokens the step gave it, in order: the one it
+            sampled, or with speculative decoding its accepted drafts and then the token
+            verification sampled (a request whose chunk did not reach the end of its sequence
+            sampled nothing). Only the last may stop the request: the tokens are cut there.
         stop_strings: request id -> the stop string its new text completed.
         grammar_done: the requests whose structured output is complete.
     """
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     stop_strings: dict[str, str] = field(default_factory=dict)
     grammar_done: set[str] = field(default_factory=set)
 

@@ -1,0 +1,11 @@
+"""Speculative decoding, in vLLM v1's shape. Pure Python and NumPy.
+
+After each step a :class:`~kvflow.orchestrator.speculative.proposers.Proposer` drafts tokens
+for the running requests (``Request.spec_token_ids``); the
+:class:`~kvflow.orchestrator.speculative.draft_length.DraftLengthPolicy` decides how many each
+keeps, from the measured step time and acceptance; the scheduler schedules them with the
+decode; the runner scores every position in one step; and
+:mod:`~kvflow.orchestrator.speculative.verification` accepts them left to right (lossless for
+greedy and for sampling). :class:`~kvflow.orchestrator.speculative.decoder.SpeculativeDecoder`
+is the one object the engine holds. The design: ``docs/design.md``, "Speculative decoding".
+"""
