@@ -328,14 +328,18 @@ class LLMEngine:
         return SampledTokens.of(requests, out.token_ids, out)
 
     def _propose(self, sched: SchedulerOutput, t0: float) -> None:
-        """Speculative decoding, after the step: its size and time go to the draft-length
-        cost model, then the running requests get their drafts for the next step (its
-        prefill tokens expected to be this step's)."""
+        """Speculative decoding, after the step: the running requests get their drafts for
+        the next step (its prefill tokens expected to be this step's). Then a step of
+        decodes alone goes to the draft-length cost model: its tokens (drafts included) and
+        its whole time, drafting the next step's tokens included (a draft model's cost)."""
         assert self.speculation is not None
-        self.speculation.observe_step(sched.num_batched_tokens, self.clock() - t0)
         decode_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.is_decode)
-        self.speculation.propose(self.scheduler.running,
-                                 sched.num_batched_tokens - decode_tokens)
+        prefill_tokens = sched.num_batched_tokens - decode_tokens
+        self.speculation.propose(self.scheduler.running, prefill_tokens)
+        if not prefill_tokens:
+            # NOTE: prefill chunks run other kernels (large steps: fp32 GEMM), at another
+            # cost per token; the fit is of the steps speculation shapes.
+            self.speculation.observe_step(decode_tokens, self.clock() - t0)
 
     def _postprocess(self, sched: SchedulerOutput,
                      sampled: SampledTokens) -> list[RequestOutput]:

@@ -4,12 +4,14 @@ Pure Python.
 Speculation pays when the step's time grows more slowly with its tokens than the output grows
 with the accepted drafts. Both sides are measured:
 
-* **The step.** ``t(n) = a + b n`` seconds for a step of ``n`` tokens, fitted by least squares
-  over the recent steps (exponentially forgotten, half-life ``HALF_LIFE_STEPS``). The steps
-  vary in ``n`` by themselves (prefill chunks, drafts of varying length, the batch coming and
-  going), which is what identifies ``b``; until they do, every request drafts the most it may
-  (the optimistic start that produces the varied steps), and a fit stays in force while new
-  steps do not vary enough to replace it.
+* **The step.** ``t(n) = a + b n`` seconds for a step of ``n`` decode and draft tokens (the
+  engine reports its steps without prefill chunks, whose large matmuls run other kernels, and
+  times each with the drafting of the next step's tokens: a draft model's cost is in ``b``),
+  fitted by least squares over the recent steps (exponentially forgotten, half-life
+  ``HALF_LIFE_STEPS``). The steps vary in ``n`` by themselves (drafts of varying length, the
+  batch coming and going), which is what identifies ``b``; until they do, every request
+  drafts the most it may (the optimistic start that produces the varied steps), and a fit
+  stays in force while new steps do not vary enough to replace it.
 * **The acceptance.** Each draft position is accepted with a probability ``alpha`` per
   request, geometric: the maximum-likelihood ``alpha`` of a request is its accepted drafts over
   accepted drafts plus rejections, with ``PRIOR_WEIGHT`` pseudo-drafts at the rate of every
