@@ -9,14 +9,19 @@ and the report counts that they do):
   with real English text;
 * ``structured``: answers constrained by a JSON schema.
 
-Each configuration (``plain``: no speculation; ``ngram``; any ``--config NAME=KEY=VALUE,...``)
-runs every workload at every concurrency, alternating configurations round by round, on one
-engine each, loaded once. Concurrency is a closed loop: a new request is added as soon as one
-finishes. Reported per cell: output tok/s, mean TTFT, mean ITL (decode time over the tokens
-after the first), the drafts' acceptance rate and mean acceptance length (tokens per
-verification), and whether the outputs equal the plain ones.
+Each configuration (``plain``: no speculation; ``ngram``; any ``--config NAME=KEY=VALUE,...``;
+``--configs`` picks which run, the first being the baseline) runs every workload at every
+concurrency, alternating configurations round by round, on one engine each, loaded once.
+Concurrency is a closed loop: a new request is added as soon as one finishes. Reported per
+cell: output tok/s, mean TTFT, mean ITL (decode time over the tokens after the first), the
+drafts' acceptance rate and mean acceptance length (tokens per verification), and whether the
+outputs equal the baseline's.
 
     python benchmarks/speculative.py [--engine engines/smollm2-135m] [--rounds 2]
+    python benchmarks/speculative.py --workloads chat --concurrency 1 --configs fp32,draft \
+        --config fp32=quantized_matmul=fp32 \
+        --config draft=quantized_matmul=fp32,speculative=draft,draft_engine=engines/smollm2-135m \
+        --out reports/speculative_draft
 
 Writes reports/speculative/{report.json,summary.md,speedup.png}.
 """
@@ -67,11 +72,11 @@ def edit_requests(n: int) -> list[tuple[Any, SamplingParams]]:
 
 
 def chat_requests(n: int, engine: str) -> list[tuple[Any, SamplingParams]]:
-    """The trace's lengths (a quarter, clipped to 512 / 128), real text as the user turn."""
+    """The trace's lengths (halved, clipped to 512 / 256), real text as the user turn."""
     from kvflow.text.tokenizer import EngineTokenizer
 
     specs, _ = load_azure_trace(default_trace(), limit=n, max_prompt_tokens=512,
-                                max_output_tokens=128, length_scale=0.25)
+                                max_output_tokens=256, length_scale=0.5)
     tok = EngineTokenizer(engine).tokenizer
     out = []
     for i, spec in enumerate(specs):
@@ -99,6 +104,7 @@ def closed_loop(llm: LLM, requests: list[tuple[Any, SamplingParams]],
     ids: dict[str, int] = {}
     in_flight = 0
     before = engine.counters.copy()
+    steps_before = before.steps
     t0 = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         while pending and in_flight < concurrency:
@@ -120,7 +126,9 @@ def closed_loop(llm: LLM, requests: list[tuple[Any, SamplingParams]],
     c = engine.counters
     drafts = c.spec_draft_tokens - before.spec_draft_tokens
     accepted = c.spec_accepted_tokens - before.spec_accepted_tokens
-    verifications = sum(len(s.acceptance_lengths) for s in engine.step_stats)
+    ran = c.steps - steps_before  # this run's steps: the last ones kept
+    verifications = sum(len(s.acceptance_lengths)
+                        for s in list(engine.step_stats)[-ran:]) if ran else 0
     return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
             "ttft_ms": 1000 * sum(ttft) / max(len(ttft), 1),
             "itl_ms": 1000 * sum(d for d, _ in decode) / max(sum(n for _, n in decode), 1),
@@ -149,6 +157,8 @@ def main() -> None:
     p.add_argument("--engine", default="engines/smollm2-135m")
     p.add_argument("--config", action="append", default=[],
                    metavar="NAME=KEY=VALUE,...", help="another configuration (engine options)")
+    p.add_argument("--configs", default=None,
+                   help="the configurations to run, baseline first (default: all)")
     p.add_argument("--workloads", default="edit,chat,structured")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--requests", default="1:4,4:8,16:32",
@@ -157,6 +167,8 @@ def main() -> None:
     p.add_argument("--out", default="reports/speculative")
     args = p.parse_args()
     configs = parse_configs(args.config)
+    if args.configs:
+        configs = {name: configs[name] for name in args.configs.split(",")}
     workloads = args.workloads.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
     per_level = {int(k): int(v) for k, v in (x.split(":") for x in args.requests.split(","))}
@@ -190,15 +202,16 @@ def write(args: argparse.Namespace, configs: dict[str, dict[str, Any]], workload
           levels: list[int], results: dict[str, dict[str, dict[str, Any]]]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    base = next(iter(configs))
     lines = ["# Speculative decoding: with and without", "",
              f"Engine `{args.engine}`; configurations: "
              + ", ".join(f"`{k}` {v or '(no speculation)'}" for k, v in configs.items())
              + f"; best of {args.rounds} alternating rounds; greedy decoding.", "",
-             "| workload | config | tok/s | x plain | TTFT ms | ITL ms | acceptance | "
-             "tokens / verification | outputs = plain |",
+             f"| workload | config | tok/s | x {base} | TTFT ms | ITL ms | acceptance | "
+             f"tokens / verification | outputs = {base}'s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for key, by_config in results.items():
-        plain = by_config["plain"]
+        plain = by_config[base]
         for name, res in by_config.items():
             acc = res["acceptance"]
             per = ((res["accepted"] + res["verifications"]) / res["verifications"]
@@ -213,9 +226,9 @@ def write(args: argparse.Namespace, configs: dict[str, dict[str, Any]], workload
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for w in workloads:
         for name in configs:
-            if name == "plain":
+            if name == base:
                 continue
-            ys = [results[f"{w}/c={c}"][name]["tok_s"] / results[f"{w}/c={c}"]["plain"]["tok_s"]
+            ys = [results[f"{w}/c={c}"][name]["tok_s"] / results[f"{w}/c={c}"][base]["tok_s"]
                   for c in levels]
             ax.plot(levels, ys, marker="o", label=f"{w}, {name}")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
