@@ -273,6 +273,10 @@ def cluster_up(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: object) -> None:
         stop["now"] = True
 
+    # NOTE: SIGINT too, explicitly, as `kvflow serve` does: a process started with SIGINT
+    # ignored (a background job of a script, a CI runner) gets no KeyboardInterrupt from Python,
+    # and Ctrl-C (or a SIGINT from a supervisor) would then never stop the cluster.
+    signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
