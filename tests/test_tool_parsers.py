@@ -1,0 +1,100 @@
+"""Tool-call parsers on recorded outputs: whole, and streamed in random chunks, the same calls
+and content come out; deltas name a call first, then its argument fragments."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvflow.openai_api.tool_parsers import TOOL_PARSERS, detect_parser
+
+CASES = {
+    "hermes": [
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+         '</tool_call>', "", [("get_weather", {"city": "Paris", "unit": "c"})]),
+        ('Let me check.\n<tool_call>{"name": "a", "arguments": {"x": "}{\\"", "y": [1, {}]}}'
+         '</tool_call>\n<tool_call>{"arguments": {}, "name": "b"}</tool_call>',
+         "Let me check.", [("a", {"x": '}{"', "y": [1, {}]}), ("b", {})]),
+        ("No tools needed: 2 < 3 and <tool_ is not a call.", "No tools needed: 2 < 3 and "
+         "<tool_ is not a call.", []),
+        # Cut off by max_tokens: the call keeps what it has (finish_reason says length).
+        ('Cut off <tool_call>{"name": "f", "arguments": {"a": 1', "Cut off", [("f", '{"a": 1')]),
+        ('Cut <tool_call>{"na', 'Cut <tool_call>{"na', []),
+    ],
+    "llama3_json": [
+        ('{"name": "search", "parameters": {"query": "kv cache"}}', "",
+         [("search", {"query": "kv cache"})]),
+        ('<|python_tag|>{"name": "a", "parameters": {"n": 1}}; {"name": "b", "parameters": {}}',
+         "", [("a", {"n": 1}), ("b", {})]),
+        ("The answer is 42.", "The answer is 42.", []),
+    ],
+    "pythonic": [
+        ('[get_weather(city="Paris", days=3), now()]', "",
+         [("get_weather", {"city": "Paris", "days": 3}), ("now", {})]),
+        ("Plain text, no calls.", "Plain text, no calls.", []),
+    ],
+}
+
+
+def reassemble(parser, text: str, seed: int):
+    """Stream ``text`` in random chunks: (content, [(name, arguments)], first piece per call)."""
+    rng = random.Random(seed)
+    stream = parser.stream()
+    deltas = []
+    i = 0
+    while i < len(text):
+        n = rng.randint(1, 7)
+        deltas += stream.feed(text[i:i + n])
+        i += n
+    deltas += stream.finish()
+    content = "".join(d.content for d in deltas if d.index is None)
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if d.index is None:
+            continue
+        if d.id is not None:
+            assert d.index not in calls, "a call's id and name come once"
+            calls[d.index] = [d.name, ""]
+        else:
+            assert d.index in calls, "arguments before the call's name"
+            calls[d.index][1] += d.arguments
+    return content, [tuple(calls[k]) for k in sorted(calls)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_whole_and_streamed_outputs_give_the_same_calls(name):
+    parser = TOOL_PARSERS[name]()
+    for text, want_content, want_calls in CASES[name]:
+        content, calls = parser.parse(text)
+        assert content == want_content
+        assert [(c.name, _args(c.arguments)) for c in calls] == want_calls
+        for seed in range(20):
+            s_content, s_calls = reassemble(parser, text, seed)
+            assert s_content == content, (text, seed)
+            assert s_calls == [(c.name, c.arguments) for c in calls], (text, seed)
+
+
+def _args(text: str):
+    """Arguments as JSON, or the raw text of a call cut off."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def test_openai_shapes():
+    parser = TOOL_PARSERS["hermes"]()
+    stream = parser.stream()
+    deltas = stream.feed('<tool_call>{"name": "f", "arguments": {"a"') + stream.finish()
+    first = deltas[0].to_openai()["tool_calls"][0]
+    assert first["function"]["name"] == "f" and first["id"].startswith("call_")
+    assert first["type"] == "function" and first["index"] == 0
+    _, calls = parser.parse('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+    assert calls[0].to_openai()["function"] == {"name": "f", "arguments": '{"a": 1}'}
+
+
+def test_detect_parser_from_the_chat_template():
+    assert detect_parser("{{ '<|python_tag|>' }}") == "llama3_json"
+    assert detect_parser(None) == "hermes"
