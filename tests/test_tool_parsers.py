@@ -98,3 +98,31 @@ def test_openai_shapes():
 def test_detect_parser_from_the_chat_template():
     assert detect_parser("{{ '<|python_tag|>' }}") == "llama3_json"
     assert detect_parser(None) == "hermes"
+
+
+@pytest.mark.parametrize("starts_open", [False, True])
+def test_reasoning_split_whole_and_streamed(starts_open):
+    from kvflow.openai_api.reasoning import ReasoningParser
+
+    parser = ReasoningParser(starts_open=starts_open)
+    opening = "" if starts_open else "<think>"
+    cases = [
+        (f"{opening}First, 2 < 3; so </thin is not the end.</think>The answer: 3.",
+         "First, 2 < 3; so </thin is not the end.", "The answer: 3."),
+        (f"{opening}cut off while thinking <", "cut off while thinking <", None),
+    ]
+    if not starts_open:
+        cases.append(("No reasoning at all <th", None, "No reasoning at all <th"))
+    for text, reasoning, content in cases:
+        whole = parser.split(text)
+        assert (whole.reasoning, whole.content) == (reasoning, content)
+        for seed in range(20):
+            rng = random.Random(seed)
+            stream, parts, i = parser.stream(), [], 0
+            while i < len(text):
+                n = rng.randint(1, 5)
+                parts.append(stream.feed(text[i:i + n]))
+                i += n
+            parts.append(stream.finish())
+            assert "".join(r for r, _ in parts) == (reasoning or "")
+            assert "".join(c for _, c in parts) == (content or "")

@@ -153,7 +153,7 @@ def _visible(content: str, final: bool, has_calls: bool) -> str:
     return content
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` could begin ``marker`` (held back from
     content while streaming)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -177,7 +177,7 @@ class HermesParser(ToolParser):
             j = text.find(self.START, i)
             if j < 0:
                 rest = text[i:]
-                keep = 0 if final else _held_back(rest, self.START)
+                keep = 0 if final else held_back(rest, self.START)
                 content.append(rest[:len(rest) - keep])
                 break
             content.append(text[i:j])
