@@ -126,3 +126,50 @@ def test_reasoning_split_whole_and_streamed(starts_open):
             parts.append(stream.finish())
             assert "".join(r for r, _ in parts) == (reasoning or "")
             assert "".join(c for _, c in parts) == (content or "")
+
+
+def test_tools_and_tool_choice_are_checked_naming_the_field():
+    from kvflow.openai_api.tools import parse_tool_choice, parse_tools
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    tools = parse_tools([weather])
+    assert tools[0].name == "get_weather" and parse_tools([]) == [] == parse_tools(None)
+    for bad, field in [([{"type": "code_interpreter"}], "tools[0].type"),
+                       ([{"type": "function", "function": {"name": "a b"}}],
+                        "tools[0].function.name"),
+                       ([weather, weather], "tools[1].function.name")]:
+        with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            parse_tools(bad)
+    assert parse_tool_choice(None, tools) == "auto" and parse_tool_choice(None, []) == "none"
+    assert parse_tool_choice({"type": "function", "function": {"name": "get_weather"}},
+                             tools) == "get_weather"
+    with pytest.raises(ValueError, match="not in tools"):
+        parse_tool_choice({"type": "function", "function": {"name": "nope"}}, tools)
+    with pytest.raises(ValueError, match="tool_choice must be one of"):
+        parse_tool_choice("sometimes", tools)
+
+
+def test_required_schema_guarantees_a_valid_call():
+    """The schema accepts exactly calls of the tools with valid arguments."""
+    import jsonschema
+
+    from kvflow.openai_api.tools import calls_of_required, parse_tools, required_schema
+
+    tools = parse_tools([
+        {"type": "function", "function": {"name": "add", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}},
+            "required": ["a"], "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "now"}}])
+    one = required_schema(tools, "required", parallel=False)
+    jsonschema.validate([{"name": "add", "parameters": {"a": 1}}], one)
+    for bad in ([], [{"name": "add", "parameters": {"a": "x"}}],
+                [{"name": "sub", "parameters": {}}],
+                [{"name": "now", "parameters": {}}, {"name": "now", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, one)
+    named = required_schema(tools, "now", parallel=True)
+    jsonschema.validate([{"name": "now", "parameters": {}}] * 2, named)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "add", "parameters": {"a": 1}}], named)
+    assert calls_of_required('[{"name": "add", "parameters": {"a": 2}}]') == [("add", '{"a": 2}')]
