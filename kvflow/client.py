@@ -25,6 +25,9 @@ class StreamChunk:
     num_input_tokens: int
     num_output_tokens: int
     cached_tokens: int
+    # Speculative decoding (a server with --speculative): drafts verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def infer_inputs(arrays: Mapping[str, np.ndarray]) -> list[Any]:
@@ -85,6 +88,8 @@ class StreamingClient:
                     num_input_tokens=int(result.as_numpy("num_input_tokens")[0]),
                     num_output_tokens=int(result.as_numpy("num_output_tokens")[0]),
                     cached_tokens=int(result.as_numpy("cached_tokens")[0]),
+                    num_draft_tokens=_count(result, "num_draft_tokens"),
+                    num_accepted_tokens=_count(result, "num_accepted_tokens"),
                 )
             if final is not None and final.bool_param:
                 return
@@ -98,6 +103,12 @@ class StreamingClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _count(result: Any, name: str) -> int:
+    """An optional count output (0 when the server sends none)."""
+    value = result.as_numpy(name)
+    return int(value[0]) if value is not None else 0
 
 
 def stream_generate(url: str, prompt: str, sampling: dict[str, Any], stream: bool = True,

@@ -56,6 +56,7 @@ def test_triton_stream_delivers_every_token_once_in_order(spec_server):
     assert len(chunks) > 2, "the response was not streamed"
     counts = [c.num_output_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 48
+    assert 0 < chunks[-1].num_accepted_tokens <= chunks[-1].num_draft_tokens
     assert "".join(c.text for c in chunks) == offline_text(engine)
     after = wait_for(lambda: (s := scrape(server)) and metric(
         s, "kvflow_request_success_total") > metric(before, "kvflow_request_success_total")
