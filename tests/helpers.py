@@ -212,3 +212,25 @@ def post_json(frontend, path: str, body: dict | bytes) -> tuple[int, dict]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def run_host_attention(fn, step: dict, heads: int, kv_heads: int, head_dim: int):
+    """Call a host PagedAttention kernel (``paged_attention_native`` or ``_host``) on a
+    :func:`~kvflow.plugins.paged_attention_ref.random_step`'s tensors, its KV pool registered
+    for the call (copies of ``step``'s, written in place) and unregistered after. Returns
+    (output ``[tokens, heads * head_dim]``, k pool, v pool)."""
+    from kvflow.plugins import kv_registry
+
+    k_cache, v_cache = step["k_cache"].numpy().copy(), step["v_cache"].numpy().copy()
+    ptrs = np.array([[kv_registry.register(k_cache), kv_registry.register(v_cache)]], np.int64)
+    t = step["q"].shape[0]
+    try:
+        out = fn(step["q"].reshape(t, -1).numpy(), step["k"].reshape(t, -1).numpy(),
+                 step["v"].reshape(t, -1).numpy(), ptrs, step["slot_mapping"].numpy(),
+                 step["block_tables"].numpy(), step["seq_lens"].numpy(),
+                 step["query_start_loc"].numpy(), layer_idx=0, num_heads=heads,
+                 num_kv_heads=kv_heads, head_dim=head_dim, scale=step["scale"])
+    finally:
+        kv_registry.unregister(k_cache)
+        kv_registry.unregister(v_cache)
+    return out, k_cache, v_cache

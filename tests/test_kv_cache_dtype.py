@@ -27,6 +27,7 @@ from kvflow.runtime.base import (
 )
 from kvflow.runtime.kv_cache import HostKVPool
 from kvflow.sim.cost_model import HARDWARE, RooflineCostModel, StepShape, model_spec
+from tests.helpers import run_host_attention
 
 # fp16 KV against fp32 KV on the tiny engines (random weights, |logits| up to about 3), over
 # prompts in two chunks and 8 decode steps each. Measured on every tiny model, both CPU runners:
@@ -253,7 +254,6 @@ MIXED = [(0, 37), (5, 1), (100, 1), (64, 20), (0, 1), (31, 33), (16, 1)]
 @pytest.mark.parametrize("kernel", ["native", "host"])
 def test_host_kernels_on_an_fp16_pool_match_the_reference_on_the_same_pool(kernel):
     torch = pytest.importorskip("torch")
-    from kvflow.plugins import kv_registry
     from kvflow.plugins.paged_attention_host import paged_attention_host
     from kvflow.plugins.paged_attention_native import paged_attention_native
     from kvflow.plugins.paged_attention_ref import paged_attention_ref, random_step
@@ -264,18 +264,8 @@ def test_host_kernels_on_an_fp16_pool_match_the_reference_on_the_same_pool(kerne
                        torch.Generator().manual_seed(0))
     step["slot_mapping"][3] = -1  # a padding slot: written by neither
     step["k_cache"], step["v_cache"] = step["k_cache"].half(), step["v_cache"].half()
-    k_cache, v_cache = step["k_cache"].numpy().copy(), step["v_cache"].numpy().copy()
-    ptrs = np.array([[kv_registry.register(k_cache), kv_registry.register(v_cache)]], np.int64)
+    out, k_cache, v_cache = run_host_attention(fn, step, heads, kv_heads, head_dim)
     t = step["q"].shape[0]
-    try:
-        out = fn(step["q"].reshape(t, -1).numpy(), step["k"].reshape(t, -1).numpy(),
-                 step["v"].reshape(t, -1).numpy(), ptrs, step["slot_mapping"].numpy(),
-                 step["block_tables"].numpy(), step["seq_lens"].numpy(),
-                 step["query_start_loc"].numpy(), layer_idx=0, num_heads=heads,
-                 num_kv_heads=kv_heads, head_dim=head_dim, scale=step["scale"])
-    finally:
-        kv_registry.unregister(k_cache)
-        kv_registry.unregister(v_cache)
     ref = paged_attention_ref(**step).reshape(t, -1).numpy()  # reads the fp16 pool as fp32
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
     # Writes round to nearest even, as NumPy's and torch's casts do: the same bits.

@@ -7,12 +7,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvflow.plugins import kv_registry  # noqa: E402
 from kvflow.plugins.paged_attention_native import (  # noqa: E402
     PARALLEL_MIN_KEY_READS,
     paged_attention_native,
 )
 from kvflow.plugins.paged_attention_ref import paged_attention_ref, random_step  # noqa: E402
+from tests.helpers import run_host_attention  # noqa: E402
 
 MIXED = [(0, 37), (5, 1), (100, 1), (64, 20), (0, 1), (31, 33), (16, 1)]
 
@@ -22,20 +22,9 @@ def run_both(seqs, heads, kv_heads, head_dim, block_size, seed=0, pad_token=None
                        torch.Generator().manual_seed(seed))
     if pad_token is not None:
         step["slot_mapping"][pad_token] = -1
-    k_cache = step["k_cache"].numpy().copy()
-    v_cache = step["v_cache"].numpy().copy()
-    ptrs = np.array([[kv_registry.register(k_cache), kv_registry.register(v_cache)]], np.int64)
-    try:
-        t = step["q"].shape[0]
-        out = paged_attention_native(
-            step["q"].reshape(t, -1).numpy(), step["k"].reshape(t, -1).numpy(),
-            step["v"].reshape(t, -1).numpy(), ptrs, step["slot_mapping"].numpy(),
-            step["block_tables"].numpy(), step["seq_lens"].numpy(),
-            step["query_start_loc"].numpy(), layer_idx=0, num_heads=heads,
-            num_kv_heads=kv_heads, head_dim=head_dim, scale=step["scale"])
-    finally:
-        kv_registry.unregister(k_cache)
-        kv_registry.unregister(v_cache)
+    out, k_cache, v_cache = run_host_attention(paged_attention_native, step, heads, kv_heads,
+                                               head_dim)
+    t = step["q"].shape[0]
     ref = paged_attention_ref(**step).reshape(t, -1).numpy()
     return out, ref, (k_cache, v_cache), (step["k_cache"].numpy(), step["v_cache"].numpy())
 
