@@ -44,7 +44,7 @@ from kvflow.runtime.base import (
     kv_cache_numpy_dtype,
 )
 from kvflow.runtime.kv_cache import HostKVPool
-from kvflow.runtime.ort_graph import fuse_for_ort
+from kvflow.runtime.ort_graph import FusionReport, fuse_for_ort
 from kvflow.runtime.ort_sessions import (
     ARGMAX_OUTPUT,
     Executor,
@@ -130,14 +130,16 @@ class OnnxRuntimeRunner(PoolRunner):
             variants = [(AUTO_INT8_MAX_TOKENS, True), (1 << 62, False)]
         exported = onnx.load(str(path))
         self._variants: list[tuple[int, ThreadPolicy, dict[ThreadSetting, Executor]]] = []
+        self.fusions: list[FusionReport] = []  # each variant's, in variant order
         low = 1
         for max_tokens, int8 in variants:
             # A graph that never runs with int8 activations also folds Q4_1's block minima
             # into its fp32 weights (ort_graph.fold_minima).
             # One with int8 activations runs them through kvflow::MatMulQ when the native
             # library loads (layers it cannot take stay ORT's MatMulNBits).
-            model, self.fusion = fuse_for_ort(exported, fp32_matmul=not int8,
-                                              native_matmul=int8 and library is not None)
+            model, fusion = fuse_for_ort(exported, fp32_matmul=not int8,
+                                         native_matmul=int8 and library is not None)
+            self.fusions.append(fusion)
             model = with_argmax(model)
             if library is not None:
                 for node in attention_nodes(model):
@@ -152,23 +154,23 @@ class OnnxRuntimeRunner(PoolRunner):
 
             probes = [t for t in ort_threads.PROBE_TOKENS if low <= t <= max_tokens] or [low]
             policy, executors = self._thread_policy(path, threads, make, probes, int8,
-                                                    kv_dtype)
+                                                    kv_dtype, fusion)
             self._variants.append((max_tokens, policy, executors))
             span = (f"steps of {low}-{max_tokens} tokens" if max_tokens < (1 << 62)
                     else f"steps of {low}+ tokens")
             logger.info("onnxruntime runner: %s attention, %s; %s activations for %s; "
-                        "threads: %s", self.attention, self.fusion.summary(),
+                        "threads: %s", self.attention, fusion.summary(),
                         "int8" if int8 else "fp32", span, policy.describe())
             low = max_tokens + 1
 
     def _thread_policy(self, path: Path, threads: int | None, make, probes: list[int],
-                       int8: bool, kv_dtype: np.dtype):
+                       int8: bool, kv_dtype: np.dtype, fusion: FusionReport):
         if threads is not None:
             setting = ThreadSetting(threads, False)
             return ThreadPolicy.fixed(setting), {setting: make(setting)}
         key = ort_threads.cache_key(path, attention=self.attention, int8=int8,
                                     kv_dtype=str(kv_dtype), probes=probes,
-                                    fusion=self.fusion.summary())
+                                    fusion=fusion.summary())
         policy = ort_threads.cached_policy(key)
         if policy is not None:
             return policy, {s: make(s) for s in policy.settings}
