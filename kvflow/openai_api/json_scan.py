@@ -5,6 +5,7 @@ calls out of generated text with it, whole or streamed."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -18,12 +19,13 @@ class PartialCall:
     complete: bool
 
 
-def _value_end(text: str, start: int) -> int | None:
-    """Where the JSON value starting at ``start`` ends (exclusive), or None if ``text`` ends
-    first. Strings and escapes are respected; only the nesting is tracked."""
-    depth, i, n = 0, start, len(text)
+def _scan(text: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
+    """Each character of ``text`` from ``start`` that is outside a JSON string, with the
+    nesting depth after it: ``(index, kind, depth)``. A string's quotes come as kind ``open``
+    and ``close``; its inside, escapes included, is skipped."""
+    depth = 0
     in_string = escaped = False
-    while i < n:
+    for i in range(start, len(text)):
         ch = text[i]
         if in_string:
             if escaped:
@@ -32,19 +34,28 @@ def _value_end(text: str, start: int) -> int | None:
                 escaped = True
             elif ch == '"':
                 in_string = False
-                if depth == 0:
-                    return i + 1
-        elif ch == '"':
+                yield i, "close", depth
+            continue
+        if ch == '"':
             in_string = True
-        elif ch in "{[":
+            yield i, "open", depth
+            continue
+        if ch in "{[":
             depth += 1
         elif ch in "}]":
             depth -= 1
+        yield i, ch, depth
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON value starting at ``start`` ends (exclusive), or None if ``text`` ends
+    first. Strings and escapes are respected; only the nesting is tracked."""
+    for i, kind, depth in _scan(text, start):
+        if kind in ("close", "}", "]"):
             if depth == 0:
                 return i + 1
-        elif depth == 0 and ch in ",}] \n\t\r":
+        elif depth == 0 and kind in (",", " ", "\n", "\t", "\r"):
             return i if i > start else None
-        i += 1
     return None
 
 
@@ -79,33 +90,18 @@ def object_call(text: str, start: int, args_keys: tuple[str, ...]) -> tuple[Part
 
 def _member_start(body: str, key: str) -> int | None:
     """Where the value of the top-level member ``key`` starts in the object ``body``."""
-    depth, i, n = 0, 0, len(body)
-    in_string = escaped = False
-    while i < n:
-        ch = body[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            if depth == 1 and body.startswith(f'"{key}"', i):
-                j = i + len(key) + 2
-                while j < n and body[j] in " \n\t\r":
-                    j += 1
-                if j < n and body[j] == ":":
-                    j += 1
-                    while j < n and body[j] in " \n\t\r":
-                        j += 1
-                    return j if j < n else None
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-        i += 1
+    n = len(body)
+    for i, kind, depth in _scan(body):
+        if kind != "open" or depth != 1 or not body.startswith(f'"{key}"', i):
+            continue
+        j = i + len(key) + 2
+        while j < n and body[j] in " \n\t\r":
+            j += 1
+        if j < n and body[j] == ":":
+            j += 1
+            while j < n and body[j] in " \n\t\r":
+                j += 1
+            return j if j < n else None
     return None
 
 
