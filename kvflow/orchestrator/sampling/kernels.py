@@ -19,7 +19,7 @@ from kvflow.orchestrator.sampling.params import SamplingParams
 _CDF_BLOCK = 256
 # top_p without top_k first looks for the nucleus among this many most likely tokens; for
 # typical (peaked) LLM distributions it is there, and a full-row sort is avoided.
-_TOP_P_CANDIDATES = 1024
+TOP_P_CANDIDATES = 1024
 _SIGN_BIT = np.uint32(0x80000000)
 
 
@@ -278,7 +278,7 @@ def sample_top_p(w: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, u: np.ndar
             return _sample_sorted(ids, probs, total[rows], top_p[rows],
                                   ratio.astype(np.float64), min_p[rows], u[rows])
 
-        n_cand = min(vocab, _TOP_P_CANDIDATES)
+        n_cand = min(vocab, TOP_P_CANDIDATES)
         ids, vals = top_n_sorted(w, n_cand)
         # If the candidates hold at least top_p of the mass, the nucleus is inside them.
         cand_mass = np.exp(vals - mx).sum(axis=1, dtype=np.float64)

@@ -18,13 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvflow.orchestrator.sampling.kernels import nucleus_size, top_n_sorted
+from kvflow.orchestrator.sampling.kernels import TOP_P_CANDIDATES, nucleus_size, top_n_sorted
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.orchestrator.sampling.sampler import Sampler, SamplingRow
-
-# top_p without top_k looks for the nucleus among this many most likely tokens first, as the
-# sampler does; the whole row is sorted only when they hold less than top_p of the mass.
-_CANDIDATES = 1024
 
 
 def accept_greedy(targets: Sequence[int], drafts: Sequence[int]) -> list[int]:
@@ -64,7 +60,7 @@ def target_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarra
     if top_k:
         ids, vals = top_n_sorted(x[None], top_k)
     else:
-        ids, vals = top_n_sorted(x[None], min(vocab, _CANDIDATES))
+        ids, vals = top_n_sorted(x[None], min(vocab, TOP_P_CANDIDATES))
         row_mass = np.exp(x - mx).sum(dtype=np.float64)
         if np.exp(vals - mx).sum(dtype=np.float64) < params.top_p * row_mass:
             ids, vals = top_n_sorted(x[None], vocab)
