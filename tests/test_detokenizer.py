@@ -365,6 +365,20 @@ def test_invalid_bytes_are_released_by_later_text(smollm2: Case) -> None:
     assert detok.finish() == ""
 
 
+@pytest.mark.slow
+def test_a_run_of_invalid_bytes_is_streamed_before_the_end(smollm2: Case) -> None:
+    tok = smollm2.tok
+    # A random model's output: stray continuation bytes, never a valid character. All but the
+    # last few are final as they arrive, so the stream must not wait for finish().
+    stray = next(i for i in smollm2.tricky_ids if tok.decode([i]) == "\ufffd")
+    ids = _encode(tok, "a") + [stray] * 20
+    detok = IncrementalDetokenizer(tok, [])
+    streamed = "".join(detok.step([i]) for i in ids)
+    assert streamed == tok.decode(ids)[: len(streamed)]
+    assert len(streamed) >= 1 + 20 - 3
+    assert streamed + detok.finish() == tok.decode(ids)
+
+
 def test_numpy_ids_are_accepted(case: Case) -> None:
     ids = np.array(_encode(case.tok, "numpy 😀 ids"), dtype=np.int64)
     detok = IncrementalDetokenizer(case.tok, np.array([], dtype=np.int64))

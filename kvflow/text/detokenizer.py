@@ -33,6 +33,8 @@ _INITIAL_CONTEXT_TOKENS = 5
 # so that a chat template ending in special tokens still gives the first token its leading space.
 _MAX_CONTEXT_TOKENS = 64
 _REPLACEMENT_CHAR = "\ufffd"
+# The most bytes of a UTF-8 character that can be waiting for the rest of it.
+_MAX_OPEN_BYTES = 3
 
 
 def _is_byte_fallback_token(token: str | None) -> bool:
@@ -76,8 +78,9 @@ class IncrementalDetokenizer:
 
     Each :meth:`step` costs O(window + longest stop string), not O(output length): it decodes
     only the tokens since the last emitted boundary plus the tokens emitted at that boundary.
-    The window grows only while the text cannot be final yet: an unfinished character, an open
-    run of byte-fallback tokens, trailing invalid bytes, or tokens that decode to nothing.
+    The window grows only while the text cannot be final yet: an unfinished character (its
+    last 3 tokens at most), an open run of byte-fallback tokens, or tokens that decode to
+    nothing.
     """
 
     def __init__(
@@ -137,17 +140,50 @@ class IncrementalDetokenizer:
             return ""
         new_text = self._decode(self._tokens)
         # Not longer: the new tokens were skipped special tokens (or the decoder merged them
-        # into held text). Ending in U+FFFD: most likely a character whose remaining bytes are
-        # still to come; if the bytes really are invalid, later text releases them.
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+        # into held text).
+        if len(new_text) <= len(self._prefix_text):
             return ""
+        # Ending in U+FFFD: most likely a character whose remaining bytes are still to come.
+        # Only its last bytes can be waiting, so the text before them is released now.
+        if new_text.endswith(_REPLACEMENT_CHAR):
+            return self._release_before_open_tail(new_text)
         delta = new_text[len(self._prefix_text) :]
-        # The pending tokens become the next context. They produced text, so they include a
-        # token the decoder keeps, and decoders that strip the first token's leading space
-        # strip it from the context in both decodes, never from the new tokens.
+        self._advance(len(self._tokens))
+        return self._accept(delta, final=False)
+
+    def _advance(self, end: int) -> None:
+        """Make the pending tokens before ``end`` (emitted now) the next decoding context.
+
+        They produced text, so they include a token the decoder keeps, and decoders that strip
+        the first token's leading space strip it from the context in both decodes, never from
+        the tokens after it.
+        """
+        end -= self._read_offset
         del self._tokens[: self._read_offset]
-        self._read_offset = len(self._tokens)
-        self._prefix_text = self._decode(self._tokens)
+        self._read_offset = end
+        self._prefix_text = self._decode(self._tokens[:end])
+
+    def _release_before_open_tail(self, new_text: str) -> str:
+        """Emit the final text of a window whose text ends in U+FFFD; keep its last tokens.
+
+        A UTF-8 character is at most 4 bytes, so at most its first 3 can be waiting for the
+        rest: the text before the last 3 tokens that carry bytes is final if it is a prefix of
+        the window's text (it is not when those tokens complete a character it cut). Without
+        this, a run of invalid bytes (a small or random model emits them) would hold the whole
+        stream until the next valid character, or until the end.
+        """
+        special = self._get_special_ids() if self._skip_special_tokens else frozenset()
+        keep, carrying = len(self._tokens), 0
+        while keep > self._read_offset and carrying < _MAX_OPEN_BYTES:
+            keep -= 1
+            carrying += self._tokens[keep] not in special
+        if carrying < _MAX_OPEN_BYTES or keep == self._read_offset:
+            return ""
+        text = self._decode(self._tokens[:keep])
+        if len(text) <= len(self._prefix_text) or not new_text.startswith(text):
+            return ""
+        delta = text[len(self._prefix_text) :]
+        self._advance(keep)
         return self._accept(delta, final=False)
 
     def finish(self) -> str:
