@@ -8,7 +8,10 @@ import random
 
 import pytest
 
-from kvflow.openai_api.tool_parsers import TOOL_PARSERS, detect_parser
+from kvflow.openai_api.tool_parsers import TOOL_PARSERS, JsonListParser
+from kvflow.text.chat_tools import tool_call_format
+
+PARSERS = {**TOOL_PARSERS, "json_list": JsonListParser}
 
 CASES = {
     "hermes": [
@@ -29,6 +32,12 @@ CASES = {
         ('<|python_tag|>{"name": "a", "parameters": {"n": 1}}; {"name": "b", "parameters": {}}',
          "", [("a", {"n": 1}), ("b", {})]),
         ("The answer is 42.", "The answer is 42.", []),
+    ],
+    # tool_choice required: llguidance holds the output to this shape.
+    "json_list": [
+        ('[{"name": "add", "parameters": {"a": 1, "b": "[}"}}, {"name": "now", '
+         '"parameters": {}}]', "", [("add", {"a": 1, "b": "[}"}), ("now", {})]),
+        ('[{"name": "add", "parameters": {"a": 1', "", [("add", '{"a": 1')]),
     ],
     "pythonic": [
         ('[get_weather(city="Paris", days=3), now()]', "",
@@ -65,7 +74,7 @@ def reassemble(parser, text: str, seed: int):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_whole_and_streamed_outputs_give_the_same_calls(name):
-    parser = TOOL_PARSERS[name]()
+    parser = PARSERS[name]()
     for text, want_content, want_calls in CASES[name]:
         content, calls = parser.parse(text)
         assert content == want_content
@@ -95,9 +104,12 @@ def test_openai_shapes():
     assert calls[0].to_openai()["function"] == {"name": "f", "arguments": '{"a": 1}'}
 
 
-def test_detect_parser_from_the_chat_template():
-    assert detect_parser("{{ '<|python_tag|>' }}") == "llama3_json"
-    assert detect_parser(None) == "hermes"
+def test_tool_call_format_from_the_chat_template():
+    assert tool_call_format("{% if tools %}{{ '<|python_tag|>' }}{% endif %}") == "llama3_json"
+    assert tool_call_format("{% for t in tools %}[func_name1(a=1)]{% endfor %}") == "pythonic"
+    # No tools in the template: kvflow's fallback prompt, in the hermes format.
+    assert tool_call_format("{{ '<|python_tag|>' }}") == "hermes"
+    assert tool_call_format(None) == "hermes"
 
 
 @pytest.mark.parametrize("starts_open", [False, True])
@@ -129,12 +141,13 @@ def test_reasoning_split_whole_and_streamed(starts_open):
 
 
 def test_tools_and_tool_choice_are_checked_naming_the_field():
-    from kvflow.openai_api.tools import parse_tool_choice, parse_tools
+    from kvflow.openai_api.tools import parse_tool_choice
+    from kvflow.text.chat_tools import parse_tools
 
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
     tools = parse_tools([weather])
-    assert tools[0].name == "get_weather" and parse_tools([]) == [] == parse_tools(None)
+    assert tools[0].name == "get_weather" and parse_tools([]) == () == parse_tools(None)
     for bad, field in [([{"type": "code_interpreter"}], "tools[0].type"),
                        ([{"type": "function", "function": {"name": "a b"}}],
                         "tools[0].function.name"),
@@ -142,6 +155,7 @@ def test_tools_and_tool_choice_are_checked_naming_the_field():
         with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
             parse_tools(bad)
     assert parse_tool_choice(None, tools) == "auto" and parse_tool_choice(None, []) == "none"
+    assert parse_tool_choice("auto", []) == "none"  # tools: [] is a plain chat
     assert parse_tool_choice({"type": "function", "function": {"name": "get_weather"}},
                              tools) == "get_weather"
     with pytest.raises(ValueError, match="not in tools"):
@@ -154,7 +168,8 @@ def test_required_schema_guarantees_a_valid_call():
     """The schema accepts exactly calls of the tools with valid arguments."""
     import jsonschema
 
-    from kvflow.openai_api.tools import calls_of_required, parse_tools, required_schema
+    from kvflow.openai_api.tools import required_schema
+    from kvflow.text.chat_tools import parse_tools
 
     tools = parse_tools([
         {"type": "function", "function": {"name": "add", "parameters": {
@@ -172,4 +187,131 @@ def test_required_schema_guarantees_a_valid_call():
     jsonschema.validate([{"name": "now", "parameters": {}}] * 2, named)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "add", "parameters": {"a": 1}}], named)
-    assert calls_of_required('[{"name": "add", "parameters": {"a": 2}}]') == [("add", '{"a": 2}')]
+    _, calls = JsonListParser().parse('[{"name": "add", "parameters": {"a": 2}}]')
+    assert [(c.name, c.arguments) for c in calls] == [("add", '{"a": 2}')]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_tool_plans():
+    """none leaves the tools out; required and a named tool constrain the output to a call;
+    auto constrains hermes calls once begun, unless the request constrains the output."""
+    from kvflow.openai_api.tools import plan_tools
+
+    assert plan_tools({"tools": []}, "hermes").choice == "none"
+    none = plan_tools({"tools": [WEATHER], "tool_choice": "none"}, "hermes")
+    assert none.tools == () and none.parser is None and not none.constraint
+    required = plan_tools({"tools": [WEATHER], "tool_choice": "required"}, "hermes")
+    assert set(required.constraint) == {"guided_json"} and required.parser.name == "json_list"
+    named = plan_tools({"tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}, "pythonic")
+    assert named.choice == "get_weather" and "guided_json" in named.constraint
+    auto = plan_tools({"tools": [WEATHER]}, "hermes")
+    assert set(auto.constraint) == {"guided_grammar"} and auto.parser.name == "hermes"
+    assert not plan_tools({"tools": [WEATHER]}, "llama3_json").constraint
+    assert not plan_tools({"tools": [WEATHER], "response_format": {"type": "json_object"}},
+                          "hermes").constraint
+    with pytest.raises(ValueError, match="not both"):
+        plan_tools({"tools": [WEATHER], "tool_choice": "required",
+                    "guided_regex": "a+"}, "hermes")
+    bad = {"type": "function", "function": {"name": "broken", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}
+    with pytest.raises(ValueError, match=r"tools\[1\]\.function\.parameters \(broken\)"):
+        plan_tools({"tools": [WEATHER, bad], "tool_choice": "required"}, "hermes")
+
+
+def _byte_tokenizer():
+    """A byte-level tokenizer, one token per byte, as llguidance reads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab["</s>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["</s>"])
+    return tok
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_grammar_leaves_text_free_and_holds_calls_to_the_schema(parallel):
+    import llguidance
+    from llguidance import LLMatcher
+
+    from kvflow.openai_api.tools import auto_grammar
+    from kvflow.text.chat_tools import parse_tools
+
+    tok = _byte_tokenizer()
+    grammar = llguidance.grammar_from("grammar", auto_grammar(parse_tools([WEATHER]), parallel))
+    lltok = llguidance.LLTokenizer(tok.to_str())
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(lltok, grammar, log_level=0)
+        assert not matcher.get_error()
+        return all(matcher.consume_token(t) for t in tok.encode(text).ids) and \
+            matcher.is_accepting()
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert accepts("Just text: 2 < 3, <tool_ is not a call.")
+    assert accepts(f"Let me check. {call}")
+    assert accepts(f"Let me check. {call} Done.") == parallel  # one call ends the output
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}')
+    assert not accepts('<tool_call>\n{"name": "get_time", "arguments": {}}')
+    assert not accepts("<tool_call> hello")
+    assert accepts(f"{call}{call}") == parallel
+
+
+def test_chat_output_whole_and_streamed_agree():
+    """Reasoning, content and calls of one output: the whole message, and the stream's deltas
+    merged, are the same; a response's tokens inside the reasoning count as reasoning."""
+    from kvflow.openai_api.chat_output import ChatOutput
+    from kvflow.openai_api.reasoning import reasoning_parser
+    from kvflow.openai_api.tools import plan_tools
+
+    text = ('<think>The user wants weather.</think>Checking.\n<tool_call>\n{"name": '
+            '"get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    plan = plan_tools({"tools": [WEATHER]}, "hermes")
+    whole = ChatOutput(plan, reasoning_parser("think"))
+    message = whole.message(text)
+    assert message["reasoning_content"] == "The user wants weather."
+    assert message["content"] == "Checking."
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == \
+        "length"
+    for seed in range(10):
+        rng = random.Random(seed)
+        out = ChatOutput(plan, reasoning_parser("think"))
+        merged: dict = {"reasoning_content": "", "content": "", "args": "", "names": []}
+        i, sofar = 0, ""
+        while i < len(text):
+            piece = text[i:i + rng.randint(1, 6)]
+            i += len(piece)
+            sofar += piece
+            out.count(sofar, piece, 1)
+            delta = out.feed(piece, final=i >= len(text))
+            merged["reasoning_content"] += delta.get("reasoning_content", "")
+            merged["content"] += delta.get("content", "")
+            for call in delta.get("tool_calls", []):
+                if "name" in call["function"]:
+                    merged["names"].append(call["function"]["name"])
+                merged["args"] += call["function"]["arguments"]
+        assert merged["reasoning_content"] == message["reasoning_content"]
+        assert merged["content"] == message["content"]
+        assert merged["names"] == ["get_weather"]
+        assert merged["args"] == message["tool_calls"][0]["function"]["arguments"]
+        # One token per response: those of "<think>...</think>" are the reasoning's.
+        end = text.index("</think>") + len("</think>")
+        assert abs(out.reasoning_tokens(text) - _responses_until(text, end, seed)) <= 1
+
+
+def _responses_until(text: str, end: int, seed: int) -> int:
+    rng = random.Random(seed)
+    i = n = 0
+    while i < end:
+        i += rng.randint(1, 6)
+        n += 1
+    return n

@@ -32,13 +32,22 @@ from typing import Any
 from kvflow.openai_api.checks import load_body
 from kvflow.openai_api.errors import OpenAIError, bad_request, error_from_backend
 from kvflow.openai_api.pool import BackendError, TritonPool
-from kvflow.openai_api.protocol import CompletionRequest, parse_completion_request
+from kvflow.openai_api.protocol import ChatFormat, CompletionRequest, parse_completion_request
+from kvflow.openai_api.reasoning import REASONING_PARSERS, reasoning_parser
 from kvflow.openai_api.responses import (
     ChoiceState,
     choice_chunk,
     chunk,
     final_response,
+    new_states,
     usage,
+)
+from kvflow.openai_api.tool_parsers import TOOL_PARSERS
+from kvflow.triton_backend.protocol import (
+    MODEL_NAME,
+    REASONING_STARTS_OPEN_PARAMETER,
+    SERVED_MODEL_NAME_PARAMETER,
+    TOOL_CALL_PARSER_PARAMETER,
 )
 
 MAX_BODY_BYTES = 8 << 20
@@ -60,8 +69,18 @@ class FrontendConfig:
     served_model_name: str | None = None  # default: what the servers' model config names
     metrics_urls: tuple[str, ...] = ()  # the servers' Prometheus endpoints, for /metrics
     api_key: str | None = None  # clients send `Authorization: Bearer KEY`; passed on to Triton
+    # How tool calls are read out of chat outputs: a TOOL_PARSERS name, or "auto" (the format
+    # of the engine's chat template, which the server's model config names).
+    tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None  # a REASONING_PARSERS name: reasoning_content
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in ("auto", *TOOL_PARSERS):
+            raise ValueError(f"--tool-call-parser must be auto or one of "
+                             f"{', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of "
+                             f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if not self.triton_urls:
             raise ValueError("--triton-url must name at least one tritonserver (host:port)")
         for url in self.triton_urls:
@@ -98,9 +117,9 @@ def create_app(cfg: FrontendConfig) -> Any:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     async def model_name() -> str:
-        if state["model"] is None:
+        if state["model"] is None or "chat_format" not in state:
             try:
-                state["model"] = await state["pool"].served_model_name()
+                parameters = await state["pool"].model_parameters()
             except BackendError as e:
                 if not e.refused_key:
                     raise
@@ -108,6 +127,9 @@ def create_app(cfg: FrontendConfig) -> Any:
             except Exception as e:  # noqa: BLE001  not up yet
                 raise OpenAIError(503, f"no tritonserver is ready yet ({e})",
                                   code="backend_not_ready") from None
+            state["model"] = (cfg.served_model_name
+                              or parameters.get(SERVED_MODEL_NAME_PARAMETER) or MODEL_NAME)
+            state["chat_format"] = chat_format(cfg, parameters)
         return state["model"]
 
     def authorize(request: Request) -> None:
@@ -158,7 +180,8 @@ def create_app(cfg: FrontendConfig) -> Any:
         try:
             authorize(request)
             body = await _read_json(request)
-            parsed = parse_completion_request(body, await model_name(), chat)
+            parsed = parse_completion_request(body, await model_name(), chat,
+                                              state["chat_format"])
         except OpenAIError as e:
             return error_response(e, endpoint)
         pool: TritonPool = state["pool"]
@@ -172,7 +195,7 @@ def create_app(cfg: FrontendConfig) -> Any:
             generators = [g for c in parsed.choices if c.index % parsed.n == 0
                           for g in pool.generate_n(c, f"{parsed.id}-{c.prompt_index}",
                                                    parsed.n, avoid, window)]
-            states = [ChoiceState(c.index, generate=parsed.generate) for c in parsed.choices]
+            states = new_states(parsed)
             try:
                 if parsed.stream:
                     # The first response of every choice before the status line: a rejected
@@ -212,6 +235,17 @@ def create_app(cfg: FrontendConfig) -> Any:
         return await completions(request, chat=True)
 
     return app
+
+
+def chat_format(cfg: FrontendConfig, parameters: dict[str, str]) -> ChatFormat:
+    """How chat outputs are read: the configured parsers, ``auto`` resolved by the model
+    config's parameters (the launcher's reading of the engine's chat template)."""
+    parser = cfg.tool_call_parser
+    if parser == "auto":
+        parser = parameters.get(TOOL_CALL_PARSER_PARAMETER) or "hermes"
+        parser = parser if parser in TOOL_PARSERS else "hermes"
+    starts_open = parameters.get(REASONING_STARTS_OPEN_PARAMETER) == "true"
+    return ChatFormat(parser, reasoning_parser(cfg.reasoning_parser, starts_open))
 
 
 def _backend_error(error: BackendError, parsed: CompletionRequest) -> OpenAIError:
@@ -349,6 +383,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "through by /metrics")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` (default: $KVFLOW_API_KEY)")
+    add_chat_format_args(p)
+
+
+def add_chat_format_args(p: argparse.ArgumentParser) -> None:
+    """The flags that say how chat outputs are read (``kvflow openai`` and ``kvflow serve``)."""
+    p.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_PARSERS),
+                   help="how tool calls are read out of chat outputs (default: the format of "
+                        "the engine's chat template; hermes for kvflow's fallback prompt)")
+    p.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
+                   help="split <think>...</think> into reasoning_content (default: none)")
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
@@ -358,7 +402,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         tuple(u.strip() for u in args.triton_url.split(",") if u.strip()), args.host,
         args.port, args.served_model_name,
         tuple(u.strip() for u in args.metrics_url.split(",") if u.strip()),
-        args.api_key or envs.api_key())
+        args.api_key or envs.api_key(), args.tool_call_parser, args.reasoning_parser)
 
 
 def served_model_name_arg(text: str) -> str:

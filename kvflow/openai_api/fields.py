@@ -21,10 +21,12 @@ TENSOR_FIELDS = ("user", "priority", "cache_salt")
 COMMON_FIELDS = ("model", "max_tokens", "n", "stream", "stream_options", "logprobs",
                  "prompt_logprobs", "response_format", *SAMPLING_FIELDS, *TENSOR_FIELDS)
 COMPLETION_FIELDS = ("prompt", "echo", *COMMON_FIELDS)
-CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", *COMMON_FIELDS)
+CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+               "parallel_tool_calls", *COMMON_FIELDS)
 # Fields packed for the backend: their text must be Unicode (UTF-8 cannot carry a lone
 # surrogate).
-PACKED_FIELDS = ("prompt", "messages", "response_format", *SAMPLING_FIELDS, *TENSOR_FIELDS)
+PACKED_FIELDS = ("prompt", "messages", "tools", "response_format", *SAMPLING_FIELDS,
+                 *TENSOR_FIELDS)
 # OpenAI fields that change nothing kvflow serves and that clients send anyway: accepted
 # whatever their value, and ignored with a warning in the log (as vLLM does).
 IGNORED_FIELDS = ("metadata", "store", "reasoning_effort", "prompt_cache_key",
@@ -33,8 +35,7 @@ IGNORED_FIELDS = ("metadata", "store", "reasoning_effort", "prompt_cache_key",
 # absent, null or a value that asks for nothing.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, False, True),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
 }
 # The JSON type of each typed field; "10" is not an integer (OpenAI refuses it too).
 FIELD_TYPES: dict[str, str] = {
@@ -44,9 +45,10 @@ FIELD_TYPES: dict[str, str] = {
                      "timeout_ms", "priority", "top_logprobs", "prompt_logprobs"),
                     "an integer"),
     **dict.fromkeys(("echo", "stream", "ignore_eos", "skip_special_tokens",
-                     "guided_json_object", "speculative"), "a boolean"),
+                     "guided_json_object", "speculative", "parallel_tool_calls"),
+                    "a boolean"),
     **dict.fromkeys(("model", "user", "cache_salt", "guided_regex", "guided_grammar"),
                     "a string"),
-    "guided_choice": "a list", "stop_token_ids": "a list",
+    "guided_choice": "a list", "stop_token_ids": "a list", "tools": "a list",
 }
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")

@@ -15,7 +15,6 @@ from kvflow.triton_backend.protocol import (
     ERROR_OUTPUT_PARAMETER,
     GRPC_API_KEY_HEADER,
     MODEL_NAME,
-    SERVED_MODEL_NAME_PARAMETER,
 )
 
 _OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
@@ -67,9 +66,9 @@ class TritonPool:
         up = [i for i in order if self.down_until[i] <= now]
         return min(up or order, key=lambda i: self.in_flight[i])
 
-    async def served_model_name(self) -> str:
-        """The name ``kvflow serve`` wrote into the model config, from the first server that
-        answers."""
+    async def model_parameters(self) -> dict[str, str]:
+        """The string parameters ``kvflow serve`` wrote into the model config (the name it
+        serves, the chat template's tool format), from the first server that answers."""
         error: Exception | None = None
         for client in self.clients:
             try:
@@ -80,8 +79,8 @@ class TritonPool:
                          if RESTRICTED in str(e) else e)
                 continue
             parameters = config.get("config", {}).get("parameters", {})
-            name = parameters.get(SERVED_MODEL_NAME_PARAMETER, {}).get("string_value")
-            return name or MODEL_NAME
+            return {k: v.get("string_value", "") for k, v in parameters.items()
+                    if isinstance(v, dict)}
         assert error is not None
         raise error
 

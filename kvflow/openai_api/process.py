@@ -39,6 +39,9 @@ class FrontendProcess(ManagedProcess):
                     "--metrics-url", ",".join(self.cfg.metrics_urls)]
         if self.cfg.served_model_name:
             self.cmd += ["--served-model-name", self.cfg.served_model_name]
+        self.cmd += ["--tool-call-parser", self.cfg.tool_call_parser]
+        if self.cfg.reasoning_parser:
+            self.cmd += ["--reasoning-parser", self.cfg.reasoning_parser]
         env = dict(os.environ)
         env.pop(envs.API_KEY, None)
         if self.cfg.api_key:  # NOTE: in the environment, never on a command line (ps shows it)

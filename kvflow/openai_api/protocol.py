@@ -31,12 +31,15 @@ from kvflow.openai_api.fields import (
     SAMPLING_FIELDS,
     STREAM_OPTIONS,
 )
+from kvflow.openai_api.reasoning import ReasoningParser
+from kvflow.openai_api.tools import ToolPlan, plan_tools
 from kvflow.orchestrator.sampling.params import GUIDED_FIELDS, MAX_LOGPROBS, short_repr
 from kvflow.triton_backend.params import (
     MAX_MESSAGES_JSON_BYTES,
     MAX_MESSAGES_JSON_DEPTH,
     MAX_PRIORITY,
     MAX_SAMPLING_JSON_BYTES,
+    MAX_SAMPLING_JSON_DEPTH,
     BadRequestError,
     check_json_bounds,
 )
@@ -66,6 +69,15 @@ class ChoiceRequest:
     echo: bool = False
 
 
+@dataclass(frozen=True)
+class ChatFormat:
+    """How the server reads chat outputs: its ``--tool-call-parser`` (resolved: the engine's
+    own when it was ``auto``) and ``--reasoning-parser`` (None: none)."""
+
+    tool_call_parser: str = "hermes"
+    reasoning: ReasoningParser | None = None
+
+
 @dataclass
 class CompletionRequest:
     """A parsed OpenAI request: its choices, and how to shape the answer."""
@@ -85,6 +97,9 @@ class CompletionRequest:
     backend_prompt_logprobs: int | None = None
     # False for echo with max_tokens 0: the engine generates one token, which is dropped.
     generate: bool = True
+    # Chat: what the request's tools ask of the output, and the server's reasoning parser.
+    tools: ToolPlan | None = None
+    reasoning: ReasoningParser | None = None
     id: str = ""
     created: int = 0
 
@@ -103,8 +118,10 @@ def _bytes_tensor(text: str) -> np.ndarray:
     return np.array([text.encode("utf-8")], dtype=np.object_)
 
 
-def parse_completion_request(body: Any, served_model: str, chat: bool) -> CompletionRequest:
-    """Validate the shape of an OpenAI request body and build its engine requests.
+def parse_completion_request(body: Any, served_model: str, chat: bool,
+                             chat_format: ChatFormat | None = None) -> CompletionRequest:
+    """Validate the shape of an OpenAI request body and build its engine requests
+    (``chat_format``: how the server reads chat outputs).
 
     Raises:
         OpenAIError: 400 for a malformed body or an unsupported field, 404 for another model.
@@ -144,8 +161,13 @@ def parse_completion_request(body: Any, served_model: str, chat: bool) -> Comple
     logprobs = _logprobs(body, chat, renamed)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    chat_format = chat_format or ChatFormat()
+    plan = _tool_plan(body, chat_format.tool_call_parser) if chat else None
+    if plan is not None and plan.constraint:
+        sampling.update(plan.constraint)
+        renamed.update(dict.fromkeys(plan.constraint, "tools"))
     sampling.update(_response_format(body.get("response_format"), sampling, renamed))
-    prompts = _chat_prompt(body) if chat else _completion_prompts(body)
+    prompts = _chat_prompt(body, plan) if chat else _completion_prompts(body)
     # A token-id prompt's echo is its tokens' text: the backend's prompt_logprobs carry it.
     echo_ids = echo and any(not text for _, text in prompts)
     backend_k = _prompt_logprobs(body.get("prompt_logprobs"),
@@ -180,7 +202,16 @@ def parse_completion_request(body: Any, served_model: str, chat: bool) -> Comple
     return CompletionRequest(chat, served_model, stream, bool(options.get("include_usage")),
                              bool(options.get("continuous_usage_stats")), logprobs, choices,
                              renamed, n=n, prompt_logprobs=body.get("prompt_logprobs"),
-                             backend_prompt_logprobs=backend_k, generate=generate)
+                             backend_prompt_logprobs=backend_k, generate=generate,
+                             tools=plan, reasoning=chat_format.reasoning if chat else None)
+
+
+def _tool_plan(body: dict[str, Any], parser_name: str) -> ToolPlan:
+    try:
+        return plan_tools(body, parser_name)
+    except ValueError as e:
+        field = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+        raise bad_request(str(e), field) from None
 
 
 def _prompt_logprobs(own: int | None, echoed: int | None, renamed: dict[str, str]) -> int | None:
@@ -297,16 +328,25 @@ def _completion_prompts(body: dict[str, Any]) -> list[tuple[dict[str, np.ndarray
     return out
 
 
-def _chat_prompt(body: dict[str, Any]) -> list[tuple[dict[str, np.ndarray], str]]:
+def _chat_prompt(body: dict[str, Any], plan: ToolPlan | None
+                 ) -> list[tuple[dict[str, np.ndarray], str]]:
     """``messages`` goes to the backend as JSON, within its limits on that JSON; the engine's
-    ChatPrompt checks each message."""
+    ChatPrompt checks each message. The tools the plan offers go beside them (``tools``),
+    as the client sent them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects",
                           "messages")
-    text = json.dumps(messages, ensure_ascii=False)
-    try:  # the backend's own bounds, named for the client here
-        check_json_bounds("messages", text, MAX_MESSAGES_JSON_BYTES, MAX_MESSAGES_JSON_DEPTH)
-    except BadRequestError as e:
-        raise bad_request(str(e), "messages") from None
-    return [({"messages": _bytes_tensor(text)}, "")]
+    inputs = {}
+    for name, value in (("messages", messages),
+                        ("tools", body["tools"] if plan is not None and plan.tools else None)):
+        if value is None:
+            continue
+        text = json.dumps(value, ensure_ascii=False)
+        try:  # the backend's own bounds, named for the client here
+            check_json_bounds(name, text, MAX_MESSAGES_JSON_BYTES, MAX_MESSAGES_JSON_DEPTH
+                              if name == "messages" else MAX_SAMPLING_JSON_DEPTH)
+        except BadRequestError as e:
+            raise bad_request(str(e), name) from None
+        inputs[name] = _bytes_tensor(text)
+    return [(inputs, "")]

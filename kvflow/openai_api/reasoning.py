@@ -23,6 +23,21 @@ class ReasoningSplit:
     content: str | None
 
 
+# --reasoning-parser names -> (start, end) markers. vLLM's deepseek_r1 and qwen3 are the same
+# <think> markers.
+REASONING_PARSERS = {"think": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>"),
+                     "qwen3": ("<think>", "</think>")}
+
+
+def reasoning_parser(name: str | None, starts_open: bool = False) -> ReasoningParser | None:
+    """The parser ``--reasoning-parser name`` asks for (None: none); ``starts_open``: the chat
+    template opens the reasoning in the prompt."""
+    if name is None:
+        return None
+    start, end = REASONING_PARSERS[name]
+    return ReasoningParser(start, end, starts_open)
+
+
 class ReasoningParser:
     """Splits reasoning from content; a stream's pieces always join to the whole split."""
 
@@ -52,6 +67,18 @@ class ReasoningParser:
             keep = 0 if final else held_back(body, self.end)
             return body[:len(body) - keep], head
         return body[:j], head + body[j + len(self.end):]
+
+    def span(self, text: str) -> tuple[int, int | None] | None:
+        """Where the reasoning begins in ``text`` (its start marker) and ends (after its end
+        marker; None while it is open), or None when it has not begun."""
+        start = 0
+        if not self.starts_open:
+            found = text.find(self.start)
+            if found < 0:
+                return None
+            start = found
+        end = text.find(self.end, start)
+        return start, None if end < 0 else end + len(self.end)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.openai_api.chat_output import ChatOutput
 from kvflow.openai_api.protocol import ChoiceRequest, CompletionRequest
 from kvflow.orchestrator.outputs import TokenLogprobs
 
@@ -40,6 +41,8 @@ class ChoiceState:
     # Per prompt token (the first's logprob None), once the backend sent them.
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs_new: bool = False  # they came with the last update
+    # A chat choice whose text is read for reasoning or tool calls (None: the text is content).
+    output: ChatOutput | None = None
 
     def update(self, outputs: dict[str, Any]) -> tuple[str, list[TokenLogprobs]]:
         """Apply one response's outputs (name -> decoded value); returns its new text and
@@ -60,7 +63,10 @@ class ChoiceState:
             return "", []
         delta = outputs.get("text_output", "")
         self.text += delta
-        self.completion_tokens = outputs.get("num_output_tokens", self.completion_tokens)
+        before, self.completion_tokens = self.completion_tokens, outputs.get(
+            "num_output_tokens", self.completion_tokens)
+        if self.output is not None:
+            self.output.count(self.text, delta, self.completion_tokens - before)
         entries = [TokenLogprobs.from_wire(e) for e in json.loads(outputs["output_logprobs"])
                    ] if outputs.get("output_logprobs") else []
         self.logprobs += entries
@@ -72,6 +78,15 @@ class ChoiceState:
         if not choice.echo or choice.echo_text:
             return choice.echo_text
         return "".join(e.token or "" for e in self.prompt_logprobs or ())
+
+
+def new_states(request: CompletionRequest) -> list[ChoiceState]:
+    """One empty state per choice of ``request``."""
+    read = request.chat and (request.tools is not None and request.tools.parser is not None
+                             or request.reasoning is not None)
+    return [ChoiceState(c.index, generate=request.generate,
+                        output=ChatOutput(request.tools, request.reasoning) if read else None)
+            for c in request.choices]
 
 
 def _top(entry: TokenLogprobs, k: int) -> list[tuple[str, float]]:
@@ -140,11 +155,17 @@ def usage(request: CompletionRequest, states: list[ChoiceState]) -> dict[str, An
            "total_tokens": prompt + completion,
            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens
                                                           for s in firsts.values())}}
+    details: dict[str, int] = {}
     drafts = sum(s.draft_tokens for s in firsts.values())
     if drafts:  # speculative decoding, in OpenAI's words for predicted outputs
         accepted = sum(s.accepted_tokens for s in firsts.values())
-        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                            "rejected_prediction_tokens": drafts - accepted}
+        details.update(accepted_prediction_tokens=accepted,
+                       rejected_prediction_tokens=drafts - accepted)
+    if request.reasoning is not None:
+        details["reasoning_tokens"] = sum(s.output.reasoning_tokens(s.text) for s in states
+                                          if s.output is not None)
+    if details:
+        out["completion_tokens_details"] = details
     return out
 
 
@@ -175,9 +196,12 @@ def final_response(request: CompletionRequest, states: list[ChoiceState]) -> dic
         logprobs = _choice_logprobs(request, state.logprobs, len(echo),
                                     state.prompt_logprobs if choice.echo else None)
         if request.chat:
+            message = (state.output.message(state.text) if state.output is not None
+                       else {"role": "assistant", "content": state.text})
+            reason = (state.output.finish_reason(state.finish_reason)
+                      if state.output is not None else state.finish_reason)
             choices.append({"index": choice.index, "logprobs": logprobs,
-                            "finish_reason": state.finish_reason,
-                            "message": {"role": "assistant", "content": state.text}})
+                            "finish_reason": reason, "message": message})
         else:
             choices.append({"index": choice.index, "text": echo + state.text,
                             "logprobs": logprobs, "finish_reason": state.finish_reason,
@@ -214,10 +238,17 @@ def choice_chunk(request: CompletionRequest, choice: ChoiceRequest, state: Choic
     finish = state.finish_reason
     extra = _prompt_field(request, state) if state.prompt_logprobs_new else {}
     if request.chat:
-        message: dict[str, Any] = ({"role": "assistant", "content": delta} if first
-                                   else {"content": delta} if delta else {})
+        message: dict[str, Any] = {"role": "assistant"} if first else {}
+        if state.output is None:
+            message.update({"content": delta} if first or delta else {})
+        else:
+            message.update(state.output.feed(delta, final=bool(finish)))
+            finish = state.output.finish_reason(finish)
+            if first and "content" not in message and "tool_calls" not in message:
+                message["content"] = ""
         return {"index": choice.index, "delta": message, "logprobs": logprobs,
                 "finish_reason": finish, **extra}
     text = (echo if first else "") + delta
     return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
             **extra}
+

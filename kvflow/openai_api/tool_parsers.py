@@ -242,6 +242,31 @@ class Llama3JsonParser(ToolParser):
         return Partial("", calls)
 
 
+class JsonListParser(ToolParser):
+    """``[{"name": ..., "parameters": {...}}, ...]``: the output under ``tool_choice``
+    ``required`` or a named function, which llguidance holds to this shape
+    (:func:`kvflow.openai_api.tools.required_schema`). Not a ``--tool-call-parser``."""
+
+    name = "json_list"
+
+    def partial(self, text: str, final: bool) -> Partial:
+        stripped = text.lstrip()
+        if not stripped or stripped[0] != "[":
+            return Partial(text if final else "", [])
+        calls: list[PartialCall] = []
+        i = 1
+        while True:
+            while i < len(stripped) and stripped[i] in " \n\t\r,":
+                i += 1
+            if i >= len(stripped) or stripped[i] != "{":
+                break
+            call, i = object_call(stripped, i, ("parameters", "arguments"))
+            calls.append(call)
+            if not call.complete:
+                break
+        return Partial("", calls)
+
+
 class PythonicParser(ToolParser):
     """``[f(a=1, b="x"), g()]``: Python calls with literal arguments, emitted once the list
     is complete (a partial Python expression cannot be read safely)."""
@@ -284,13 +309,3 @@ def _python_calls(text: str) -> list[tuple[str, str]] | None:
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser)}
 
-
-def detect_parser(chat_template: str | None) -> str:
-    """The parser a chat template's own tool format asks for; ``hermes`` (kvflow's fallback
-    prompt's format) when it names none."""
-    t = chat_template or ""
-    if "<|python_tag|>" in t or "ipython" in t:
-        return "llama3_json"
-    if "[func_name1(" in t or "pythonic" in t:
-        return "pythonic"
-    return "hermes"

@@ -1,75 +1,75 @@
-"""The OpenAI ``tools`` and ``tool_choice`` fields: checked (errors name the field), the JSON
-schema that guarantees a call under ``required`` or a named function (vLLM's way: the output
-is a JSON list of ``{"name", "parameters"}`` objects, constrained by llguidance), and the
-system preamble for chat templates that know no tools. Pure Python.
+"""A chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` -> a
+:class:`ToolPlan`: what the prompt offers, how the output is constrained, how it is read.
 
-Not yet wired into the frontend (issue 34): these are its parts, tested alone.
+* ``none`` (or no tools): the tools are left out of the prompt, and nothing is parsed.
+* ``required``, or a named function: vLLM's way of guaranteeing a call. The output is
+  constrained (llguidance, ``guided_json``) to a JSON list of ``{"name", "parameters"}``
+  objects, each one of the allowed tools with parameters valid against its schema: one call,
+  or several with ``parallel_tool_calls``. Even a 135M model then always makes a valid call.
+* ``auto``: the model decides, and its output is read by the server's ``--tool-call-parser``.
+  In the ``hermes`` format (kvflow's fallback prompt's) the output is free text until
+  ``<tool_call>``, then constrained to a valid call of one of the tools (``guided_grammar``,
+  :func:`auto_grammar`); the other formats are read as the model writes them.
+
+Each tool's schema is compiled here, so that one that llguidance cannot compile is a 400
+naming the tool. Pure Python (llguidance's schema check included).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-# The preamble's call format is the ``hermes`` parser's (kvflow.openai_api.tool_parsers).
-PREAMBLE = (
-    "You can call functions. The functions are listed below as JSON schemas.\n"
-    "<tools>\n{tools}\n</tools>\n"
-    "To call a function, write a JSON object with the function's name and its arguments "
-    "between <tool_call> and </tool_call>, like this:\n"
-    '<tool_call>\n{{"name": "function_name", "arguments": {{"arg": "value"}}}}\n</tool_call>'
-)
+from kvflow.openai_api.tool_parsers import TOOL_PARSERS, JsonListParser, ToolParser
+from kvflow.orchestrator.sampling.params import GUIDED_FIELDS
+from kvflow.orchestrator.sampling.structured import JSON_OPTIONS, schema_error
+from kvflow.text.chat_tools import FunctionTool, parse_tools
+
 TOOL_CHOICES = ("none", "auto", "required")
 
 
 @dataclass(frozen=True)
-class FunctionTool:
-    """One function tool: its name, description and parameters' JSON schema."""
+class ToolPlan:
+    """How one chat request's tools shape it: ``tools`` go into the prompt, ``constraint``
+    (guided field -> value) into its sampling parameters, and ``parser`` reads the output
+    (None: no calls are read). ``renamed``: the constraint's field -> the client's, for the
+    backend's errors."""
 
-    name: str
-    description: str
-    parameters: dict[str, Any]
-
-    def to_openai(self) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": self.name,
-                                                 "description": self.description,
-                                                 "parameters": self.parameters}}
-
-
-def parse_tools(value: Any) -> list[FunctionTool]:
-    """The request's ``tools`` (None or ``[]``: none), each checked; a ValueError names the
-    field (``tools[1].function.name``)."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise ValueError("tools must be a list of function tools")
-    tools: list[FunctionTool] = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise ValueError(f'{where}.type must be "function" (the only tool type served)')
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            raise ValueError(f"{where}.function must be an object")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64 or not all(
-                c.isalnum() or c in "_-" for c in name):
-            raise ValueError(f"{where}.function.name must be 1-64 letters, digits, _ or -, "
-                             f"got {name!r}")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise ValueError(f"{where}.function.parameters must be a JSON schema object")
-        description = fn.get("description") or ""
-        if not isinstance(description, str):
-            raise ValueError(f"{where}.function.description must be a string")
-        if any(t.name == name for t in tools):
-            raise ValueError(f"{where}.function.name {name!r} is given twice")
-        tools.append(FunctionTool(name, description, params))
-    return tools
+    choice: str
+    tools: tuple[FunctionTool, ...] = ()
+    parser: ToolParser | None = None
+    parallel: bool = True
+    constraint: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_tool_choice(value: Any, tools: list[FunctionTool]) -> str:
+def plan_tools(body: dict[str, Any], parser_name: str) -> ToolPlan:
+    """The request's tool plan; a ValueError names the field (``tools[1].function.parameters``,
+    ``tool_choice``)."""
+    tools = parse_tools(body.get("tools"))
+    choice = parse_tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls") is not False
+    if choice == "none":
+        return ToolPlan("none")
+    for i, tool in enumerate(tools):
+        error = schema_error(tool.parameters)
+        if error:
+            raise ValueError(f"tools[{i}].function.parameters ({tool.name}) is not a JSON "
+                             f"schema kvflow can enforce: {error}")
+    guided = [k for k in (*GUIDED_FIELDS, "response_format") if body.get(k) is not None]
+    if choice != "auto":
+        if guided:
+            raise ValueError(f"tool_choice {choice!r} constrains the output itself: give it or "
+                             f"{guided[0]}, not both")
+        return ToolPlan(choice, tools, JsonListParser(), parallel,
+                        {"guided_json": required_schema(tools, choice, parallel)})
+    parser = TOOL_PARSERS[parser_name]()
+    constraint = {} if guided or parser_name != "hermes" else {
+        "guided_grammar": auto_grammar(tools, parallel)}
+    return ToolPlan("auto", tools, parser, parallel, constraint)
+
+
+def parse_tool_choice(value: Any, tools: tuple[FunctionTool, ...] | list[FunctionTool]) -> str:
     """``none``, ``auto``, ``required`` or the name of the function to call (default: auto
     with tools, none without); a ValueError names the field and the known names."""
     if value is None:
@@ -77,45 +77,51 @@ def parse_tool_choice(value: Any, tools: list[FunctionTool]) -> str:
     if isinstance(value, str):
         if value not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {list(TOOL_CHOICES)} or a named "
-                             f"function, got {value!r}")
+                             f"function, got {value[:40]!r}")
         if value == "required" and not tools:
             raise ValueError("tool_choice 'required' needs tools")
-        return value
+        return "none" if not tools else value
     fn = value.get("function") if isinstance(value, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise ValueError('tool_choice must be a string or {"type": "function", "function": '
                          '{"name": ...}}')
     if all(t.name != name for t in tools):
-        raise ValueError(f"tool_choice names the function {name!r}, which is not in tools "
-                         f"({[t.name for t in tools]})")
+        raise ValueError(f"tool_choice names the function {name[:70]!r}, which is not in "
+                         f"tools ({[t.name for t in tools]})")
     return name
 
 
-def required_schema(tools: list[FunctionTool], choice: str, parallel: bool) -> dict[str, Any]:
+def _chosen(tools: tuple[FunctionTool, ...] | list[FunctionTool], choice: str,
+            args_key: str) -> list[dict[str, Any]]:
+    """One JSON schema per allowed call: ``{"name": <const>, args_key: <its schema>}``."""
+    return [{"type": "object",
+             "properties": {"name": {"const": t.name}, args_key: t.parameters},
+             "required": ["name", args_key], "additionalProperties": False}
+            for t in tools if choice in ("required", "auto") or t.name == choice]
+
+
+def required_schema(tools: tuple[FunctionTool, ...] | list[FunctionTool], choice: str,
+                    parallel: bool) -> dict[str, Any]:
     """The JSON schema of the output under ``required`` or a named function: a list of one
     call (several with ``parallel``), each ``{"name": <a tool>, "parameters": <its
     schema>}``."""
-    chosen = [t for t in tools if choice == "required" or t.name == choice]
-    call = [{"type": "object",
-             "properties": {"name": {"const": t.name}, "parameters": t.parameters},
-             "required": ["name", "parameters"], "additionalProperties": False}
-            for t in chosen]
-    items = call[0] if len(call) == 1 else {"anyOf": call}
+    calls = _chosen(tools, choice, "parameters")
+    items = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return {"type": "array", "items": items, "minItems": 1,
             **({} if parallel else {"maxItems": 1})}
 
 
-def calls_of_required(text: str) -> list[tuple[str, str]]:
-    """The (name, arguments JSON) of an output constrained by :func:`required_schema`."""
-    return [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
-
-
-def preamble(tools: list[FunctionTool]) -> str:
-    """The system text that lists the tools, for a chat template without tool support."""
-    return PREAMBLE.format(tools="\n".join(json.dumps(t.to_openai()) for t in tools))
-
-
-def template_supports_tools(chat_template: str | None) -> bool:
-    """Whether a chat template renders a ``tools`` variable itself (HF's convention)."""
-    return bool(chat_template) and "tools" in chat_template  # type: ignore[operator]
+def auto_grammar(tools: tuple[FunctionTool, ...] | list[FunctionTool], parallel: bool) -> str:
+    """llguidance's Lark for ``auto`` in the ``hermes`` format: free text, where each
+    ``<tool_call>`` (found lazily: the first one ends the text) must go on with a valid call,
+    ``{"name": <a tool>, "arguments": <valid>}``, and ``</tool_call>``; without ``parallel``,
+    the output ends after one call."""
+    calls = _chosen(tools, "auto", "arguments")
+    schema = {"anyOf": calls, "x-guidance": dict(JSON_OPTIONS)}
+    # Without parallel calls, the output ends after its one call.
+    start = "(before call)* TEXT" if parallel else "before call | TEXT"
+    return ("start: " + start + "\n"
+            "before[lazy]: /(.|\\n)*<tool_call>/\n"
+            "call: /[ \\n]*/ %json " + json.dumps(schema) + " /[ \\n]*/ \"</tool_call>\"\n"
+            "TEXT: /(.|\\n)*/\n")

@@ -172,10 +172,12 @@ class LLM:
             results[rid].prompt_logprobs = entries
         return [results[rid] for rid in order]
 
-    def chat(self, messages: list[dict[str, str]],
-             sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """One chat turn, rendered with the model's chat template."""
-        return self.generate([ChatPrompt(messages)], sampling_params)[0]
+    def chat(self, messages: list[dict[str, Any]],
+             sampling_params: SamplingParams | None = None,
+             tools: list[dict[str, Any]] | None = None) -> RequestOutput:
+        """One chat turn, rendered with the model's chat template; ``tools``: OpenAI function
+        tools offered to the model (:mod:`kvflow.text.chat_tools`)."""
+        return self.generate([ChatPrompt(messages, tools)], sampling_params)[0]
 
     def close(self) -> None:
         self.engine.close()

@@ -17,31 +17,43 @@ if TYPE_CHECKING:
     from jinja2 import Template
 
 from kvflow.orchestrator.sampling.params import check_text, list_unknown
+from kvflow.text.chat_tools import (
+    FunctionTool,
+    check_tool_calls,
+    fallback_messages,
+    has_tool_turns,
+    parse_tools,
+    template_messages,
+    template_supports_tools,
+)
 
 
 class ChatTemplateError(ValueError):
     """The engine has no chat template, or the messages do not render."""
 
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_CHAT_MESSAGES = 1024
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Chat messages (``role``/``content`` dicts), rendered with the model's chat template when
-    the engine tokenizes the request.
+    """Chat messages, and the function tools offered, rendered with the model's chat template
+    when the engine tokenizes the request (tools and tool turns as :mod:`.chat_tools` says).
 
     Checked when built, naming the message and the field: ``role`` is one of ``system``,
-    ``user``, ``assistant`` (OpenAI's ``developer`` is taken as ``system``); ``content`` is a
-    string or a list of OpenAI text parts (``{"type": "text", "text": ...}``, joined), or null
-    for an assistant turn (taken as ""); text must be valid Unicode (no lone surrogate); an
+    ``user``, ``assistant``, ``tool`` (OpenAI's ``developer`` is taken as ``system``);
+    ``content`` is a string or a list of OpenAI text parts (``{"type": "text", "text": ...}``,
+    joined; any other part, an image, is refused: the model reads text), or null for an
+    assistant turn (taken as ""); an assistant turn may carry ``tool_calls``, a tool turn
+    carries the ``tool_call_id`` it answers; text must be valid Unicode (no lone surrogate); an
     optional ``name`` is kept for the template. Raises ValueError otherwise.
     """
 
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[FunctionTool, ...] = ()
 
-    def __init__(self, messages: Sequence[dict[str, Any]]) -> None:
+    def __init__(self, messages: Sequence[dict[str, Any]], tools: Any = None) -> None:
         if not isinstance(messages, list | tuple) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
         if len(messages) > MAX_CHAT_MESSAGES:
@@ -49,43 +61,67 @@ class ChatPrompt:
                              f"{MAX_CHAT_MESSAGES}")
         object.__setattr__(self, "messages", tuple(_chat_message(i, m)
                                                    for i, m in enumerate(messages)))
+        object.__setattr__(self, "tools", parse_tools(tools))
+        for t in self.tools:
+            check_text(t.description, f"tools ({t.name}).function.description")
 
 
-def _chat_message(i: int, message: Any) -> dict[str, str]:
+_MESSAGE_KEYS = {"system": ("role", "content", "name"), "user": ("role", "content", "name"),
+                 "assistant": ("role", "content", "name", "tool_calls"),
+                 "tool": ("role", "content", "name", "tool_call_id")}
+
+
+def _chat_message(i: int, message: Any) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise ValueError(f"{where} must be an object with role and content, got "
                          f"{type(message).__name__}")
-    unknown = sorted(set(message) - {"role", "content", "name"}, key=str)
-    if unknown:
-        raise ValueError(f"{where} has unknown key(s) {list_unknown([str(k) for k in unknown])}"
-                         "; known: role, content, name")
     role = message.get("role")
     role = "system" if role == "developer" else role
     if role not in CHAT_ROLES:
         raise ValueError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got "
                          f"{str(role)[:40]!r}")
+    known = _MESSAGE_KEYS[role]
+    unknown = sorted(set(message) - set(known), key=str)
+    if unknown:
+        raise ValueError(f"{where} has unknown key(s) {list_unknown([str(k) for k in unknown])}"
+                         f" for role {role}; known: {', '.join(known)}")
     content = message.get("content")
     if content is None and role == "assistant":  # OpenAI allows it (the turn made tool calls)
         content = ""
     if isinstance(content, list):
-        texts = []
-        for k, part in enumerate(content):
-            if (not isinstance(part, dict) or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)):
-                raise ValueError(f"{where}.content[{k}] must be a text part "
-                                 '{"type": "text", "text": "..."} (only text is supported)')
-            texts.append(part["text"])
-        content = "".join(texts)
+        content = _text_parts(where, content)
     if not isinstance(content, str):
         raise ValueError(f"{where}.content must be a string or a list of text parts, got "
                          f"{type(content).__name__}")
-    out = {"role": role, "content": check_text(content, f"{where}.content")}
+    out: dict[str, Any] = {"role": role, "content": check_text(content, f"{where}.content")}
     if "name" in message:
         if not isinstance(message["name"], str):
             raise ValueError(f"{where}.name must be a string")
         out["name"] = check_text(message["name"], f"{where}.name")
+    if message.get("tool_calls"):
+        out["tool_calls"] = check_tool_calls(f"{where}.tool_calls", message["tool_calls"])
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise ValueError(f"{where}.tool_call_id must be the string id of the call this "
+                             "tool turn answers")
+        out["tool_call_id"] = check_text(call_id, f"{where}.tool_call_id")
     return out
+
+
+def _text_parts(where: str, parts: list[Any]) -> str:
+    texts = []
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("image_url", "input_image", "image", "input_audio", "file"):
+            raise ValueError(f"{where}.content[{k}] is an {kind} part; this model reads text "
+                             "only")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.content[{k}] must be a text part "
+                             '{"type": "text", "text": "..."} (only text is supported)')
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 # What a request's prompt may be: text, token ids, or chat messages.
@@ -100,7 +136,7 @@ def tokenize_prompt(tokenizer: EngineTokenizer | None, prompt: Prompt) -> list[i
             raise ValueError("this engine has no tokenizer: pass prompt token ids")
         if isinstance(prompt, str):
             return tokenizer.encode(check_text(prompt, "prompt"))
-        return tokenizer.encode_chat(list(prompt.messages))
+        return tokenizer.encode_chat(list(prompt.messages), tools=prompt.tools)
     return [int(t) for t in prompt]
 
 
@@ -140,8 +176,8 @@ class EngineTokenizer:
             value = value.get("content")
         return value or ""
 
-    def encode_chat(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: tuple[FunctionTool, ...] = ()) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template, where only the template's
         own markup becomes control tokens: special-token text inside a message's content (a
         user's ``<|im_end|>``) is encoded as plain text, so no message can forge a turn.
@@ -152,17 +188,19 @@ class EngineTokenizer:
         each content without. A template that does not pass the markers through intact (it
         rewrites content) cannot be split so, and such a request is refused.
         """
+        messages, tool_specs = self._with_tools(messages, tools)
         contents = [m.get("content") for m in messages]
         hostile = [i for i, c in enumerate(contents)
                    if isinstance(c, str) and any(t in c for t in self._special_texts)]
         if not hostile:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt,
+                                                        tool_specs),
                                add_special_tokens=False)
         nonce = uuid.uuid4().hex
         masked = [{**m, "content": f"\x00{nonce}{i}\x00"} if isinstance(c, str) else m
                   for i, (m, c) in enumerate(zip(messages, contents, strict=True))]
         pieces = re.split(f"\x00{nonce}(\\d+)\x00",
-                          self.apply_chat_template(masked, add_generation_prompt))
+                          self.apply_chat_template(masked, add_generation_prompt, tool_specs))
         if not set(hostile) <= {int(i) for i in pieces[1::2]}:
             raise ChatTemplateError(f"messages[{hostile[0]}].content holds special-token text, "
                                     "and this chat template rewrites content, so it cannot be "
@@ -176,9 +214,31 @@ class EngineTokenizer:
                                               add_special_tokens=False).ids
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's own template (sandboxed Jinja, as HF does)."""
+    def _with_tools(self, messages: list[dict[str, Any]], tools: tuple[FunctionTool, ...]
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools the template is given (:mod:`.chat_tools`): as they are for
+        a template with tools, else the fallback, all in message content."""
+        if not tools and not has_tool_turns(messages):
+            return messages, None
+        if not template_supports_tools(self.chat_template):
+            return fallback_messages(messages, tools), None
+        specs = [t.to_openai() for t in tools] or None
+        # The template writes these outside any content, where the content protection cannot
+        # reach: special-token text there is refused.
+        for where, text in [*((f"tools ({t.name})", json.dumps(t.to_openai())) for t in tools),
+                            *((f"messages[{i}].tool_calls", json.dumps(m["tool_calls"]))
+                              for i, m in enumerate(messages) if m.get("tool_calls"))]:
+            special = next((t for t in self._special_texts if t in text), None)
+            if special is not None:
+                raise ChatTemplateError(f"{where} holds the special-token text {special!r}, "
+                                        "which this chat template would not keep plain text")
+        return template_messages(messages), specs
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render ``messages`` with the model's own template (sandboxed Jinja, as HF does);
+        ``tools``: OpenAI function tools, for a template that renders them."""
         if not self.chat_template:
             raise ChatTemplateError("this engine's tokenizer has no chat template")
         if self._compiled is None:
@@ -194,7 +254,7 @@ class EngineTokenizer:
             self._compiled = env.from_string(self.chat_template)
         try:
             return self._compiled.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
         except Exception as e:  # jinja errors of every kind
             raise ChatTemplateError(f"chat template failed: {e}") from e

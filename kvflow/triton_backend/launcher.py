@@ -35,8 +35,10 @@ from kvflow.triton_backend.protocol import (
     API_KEY_HEADER,
     ENGINE_FAILED_FILE,
     MODEL_NAME,
+    REASONING_STARTS_OPEN_PARAMETER,
     SERVE_FILE,
     SERVED_MODEL_NAME_PARAMETER,
+    TOOL_CALL_PARSER_PARAMETER,
     TRACE_SIGNAL_FILE,
 )
 from kvflow.utils.procs import ManagedProcess, ServeError, free_port, url_host
@@ -168,7 +170,7 @@ def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], di
     # The name the OpenAI frontend serves, then one model parameter per engine option given,
     # generated from EngineOptions.
     parameters = {SERVED_MODEL_NAME_PARAMETER: served_model_name(cfg.engine_dir),
-                  **options_to_parameters(engine_args)}
+                  **chat_format_parameters(cfg.engine_dir), **options_to_parameters(engine_args)}
     for key, value in parameters.items():
         config += (f'parameters {{ key: "{key}", value: {{ string_value: '
                    f'"{_pbtxt_escape(value)}" }} }}\n')
@@ -205,6 +207,21 @@ def served_model_name(engine_dir: Path) -> str:
     name = re.sub(r"\.(gguf|safetensors)$", "", name, flags=re.IGNORECASE)
     name = re.sub(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", "", name, flags=re.IGNORECASE)
     return name.lower() or MODEL_NAME
+
+
+def chat_format_parameters(engine_dir: Path) -> dict[str, str]:
+    """How the engine's chat template writes tool calls and whether it opens the reasoning
+    in the prompt, for the OpenAI frontend (none for an engine without a template)."""
+    from kvflow.text.chat_tools import tool_call_format
+    from kvflow.text.tokenizer import ChatTemplateError, EngineTokenizer
+
+    try:
+        tokenizer = EngineTokenizer(engine_dir)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+    except (OSError, ChatTemplateError):
+        return {}
+    return {TOOL_CALL_PARSER_PARAMETER: tool_call_format(tokenizer.chat_template),
+            REASONING_STARTS_OPEN_PARAMETER: str(prompt.rstrip().endswith("<think>")).lower()}
 
 
 def _pbtxt_escape(text: str) -> str:

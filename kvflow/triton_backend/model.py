@@ -29,6 +29,7 @@ from kvflow.triton_backend.params import (
     parse_request,
 )
 from kvflow.triton_backend.protocol import (
+    CHAT_FORMAT_PARAMETERS,
     ENGINE_FAILED_FILE,
     ERROR_OUTPUT_PARAMETER,
     SERVE_FILE,
@@ -47,7 +48,8 @@ from kvflow.triton_backend.streams import (
 # as a parameter); every other parameter is an engine option.
 # The files beside the model (SERVE_FILE, ENGINE_FAILED_FILE, TRACE_SIGNAL_FILE) are named in
 # .protocol, which the launcher reads too.
-BACKEND_PARAMETERS = ("engine_dir", "python_paths", SERVED_MODEL_NAME_PARAMETER)
+BACKEND_PARAMETERS = ("engine_dir", "python_paths", SERVED_MODEL_NAME_PARAMETER,
+                      *CHAT_FORMAT_PARAMETERS)
 
 
 def _parameter(model_config: dict, key: str, default: str = "") -> str:

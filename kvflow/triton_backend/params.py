@@ -11,8 +11,10 @@ ignored: kvflow ends on the model's own EOS ids and always streams deltas).
 
 The prompt is one of ``text_input`` (text), ``input_ids`` (token ids) or ``messages`` (a JSON
 list of chat messages, rendered with the model's chat template: what the OpenAI frontend sends
-for ``/v1/chat/completions``). ``user`` (or ``tenant`` in ``sampling_parameters``) names the
-tenant the request is accounted to (the ``fair`` policy's unit). ``timeout_ms`` in
+for ``/v1/chat/completions``), with the function tools offered in ``tools`` (a JSON list of
+OpenAI tools, rendered as :mod:`kvflow.text.chat_tools` says). ``user`` (or ``tenant`` in
+``sampling_parameters``) names the tenant the request is accounted to (the ``fair`` policy's
+unit). ``timeout_ms`` in
 ``sampling_parameters`` is the request's deadline.
 
 Integer tensors are INT64, so that no value is wrapped before kvflow can check its range
@@ -69,7 +71,7 @@ REQUEST_PARAMETERS = (*TRITON_REQUEST_PARAMETERS, ERROR_OUTPUT_PARAMETER)
 
 
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")
-INPUT_NAMES = (*PROMPT_INPUTS, "user", "stream", "exclude_input_in_output",
+INPUT_NAMES = (*PROMPT_INPUTS, "tools", "user", "stream", "exclude_input_in_output",
                "sampling_parameters", "max_tokens", "temperature", "top_p", "top_k", "seed",
                "stop", "priority", "apply_chat_template", "cache_salt", "min_length",
                *IGNORED_INPUTS)
@@ -302,12 +304,18 @@ def _prompt(inputs: Mapping[str, np.ndarray], apply_chat_template: bool) -> tupl
         if ids.dtype.kind not in "iu":
             raise BadRequestError(f"input_ids must be integers, got {ids.dtype}")
         return [int(t) for t in ids], ""
+    tools = None
+    if "tools" in inputs:
+        if given != ["messages"]:
+            raise BadRequestError("tools are offered in a chat: give them with messages")
+        tools = _bounded_json("tools", _text("tools", _scalar("tools", inputs["tools"])),
+                              MAX_MESSAGES_JSON_BYTES, MAX_SAMPLING_JSON_DEPTH)
     if given == ["messages"]:
         raw = _bounded_json("messages", _text("messages", _scalar("messages",
                                                                   inputs["messages"])),
                             MAX_MESSAGES_JSON_BYTES, MAX_MESSAGES_JSON_DEPTH)
         try:
-            return ChatPrompt(raw), ""
+            return ChatPrompt(raw, tools), ""
         except ValueError as e:
             raise BadRequestError(str(e)) from None
     text = _text("text_input", _scalar("text_input", inputs["text_input"]))

@@ -27,6 +27,11 @@ ERROR_OUTPUT_PARAMETER = "kvflow_error_output"
 
 # The model parameter that names the model for the OpenAI frontend (the launcher writes it).
 SERVED_MODEL_NAME_PARAMETER = "served_model_name"
+# The model parameters that tell the OpenAI frontend how the engine's chat template writes tool
+# calls (a --tool-call-parser name) and whether it opens the reasoning in the prompt ("true").
+TOOL_CALL_PARSER_PARAMETER = "tool_call_parser"
+REASONING_STARTS_OPEN_PARAMETER = "reasoning_starts_open"
+CHAT_FORMAT_PARAMETERS = (TOOL_CALL_PARSER_PARAMETER, REASONING_STARTS_OPEN_PARAMETER)
 
 # Files beside the model's config.pbtxt in the launcher's workspace.
 # The engine folder and this environment's paths, written by the launcher, out of clients'

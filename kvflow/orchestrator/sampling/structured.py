@@ -23,10 +23,11 @@ Pure Python over llguidance and NumPy: no torch, so that the simulator can run i
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
@@ -214,6 +215,16 @@ class GrammarCompiler:
                 raise RuntimeError(f"GrammarCompiler: llguidance refused the tokenizer with "
                                    f"vocab_size {self.vocab_size}: {e}") from e
         return self._tokenizer
+
+
+def schema_error(schema: dict[str, Any]) -> str:
+    """Why llguidance cannot compile JSON schema ``schema`` as :func:`_build_matcher` would
+    ("" when it can), checked without a tokenizer: for a front door to name the field."""
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        return _short(str(e))
+    return _short(LLMatcher.validate_grammar(grammar, limits=PARSER_LIMITS))
 
 
 def _build_matcher(so: StructuredOutput, tokenizer: LLTokenizer) -> LLMatcher:
