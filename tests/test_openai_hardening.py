@@ -238,9 +238,12 @@ def test_fields_that_would_change_the_output_are_refused(openai_frontend, name, 
 
 
 def test_their_defaults_are_accepted(openai_frontend):
-    status, answer = complete(openai_frontend, suffix="", best_of=1, logit_bias={}, tools=[],
-                              tool_choice="auto", functions=[], function_call="none",
-                              parallel_tool_calls=True)
+    status, answer = complete(openai_frontend, suffix="", best_of=1, logit_bias={},
+                              functions=[], function_call="none")
+    assert status == 200, answer
+    # Open WebUI's plain chats carry an empty tool list.
+    status, answer = chat(openai_frontend, [{"role": "user", "content": "Hi"}], tools=[],
+                          tool_choice="auto", parallel_tool_calls=True, max_tokens=2)
     assert status == 200, answer
 
 

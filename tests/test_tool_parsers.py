@@ -184,9 +184,13 @@ def test_required_schema_guarantees_a_valid_call():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, one)
     named = required_schema(tools, "now", parallel=True)
-    jsonschema.validate([{"name": "now", "parameters": {}}] * 2, named)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate([{"name": "add", "parameters": {"a": 1}}], named)
+    jsonschema.validate([{"name": "now", "parameters": {}}], named)
+    for bad in ([{"name": "add", "parameters": {"a": 1}}],
+                [{"name": "now", "parameters": {}}] * 2):  # a named function: one call
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, named)
+    several = required_schema(tools, "required", parallel=True)
+    jsonschema.validate([{"name": "now", "parameters": {}}] * 2, several)
     _, calls = JsonListParser().parse('[{"name": "add", "parameters": {"a": 2}}]')
     assert [(c.name, c.arguments) for c in calls] == [("add", '{"a": 2}')]
 

@@ -7,8 +7,9 @@ sequences, which share the prompt's KV blocks), sent to the server with the fewe
 flight, so any number of frontends can stand in front of any number of servers.
 
 - ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
-  Server-Sent Events, or whole), ``GET /health``, ``GET /metrics`` (the servers' Prometheus
-  text, then the frontend's own counters).
+  Server-Sent Events, or whole; tool calls and reasoning read out of chat outputs),
+  ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /health``, ``GET /metrics``
+  (the servers' Prometheus text, then the frontend's own counters).
 - The request translation is :mod:`.protocol`'s (after :mod:`.checks`' body checks), the
   response shapes :mod:`.responses`' and the errors :mod:`.errors`'; validation is the
   backend's. :mod:`.pool` holds the gRPC clients; :mod:`.process` runs this server as a
@@ -41,6 +42,13 @@ from kvflow.openai_api.responses import (
     final_response,
     new_states,
     usage,
+)
+from kvflow.openai_api.tokenize import (
+    detokenize_request,
+    detokenize_response,
+    tokenize_error,
+    tokenize_request,
+    tokenize_response,
 )
 from kvflow.openai_api.tool_parsers import TOOL_PARSERS
 from kvflow.triton_backend.protocol import (
@@ -226,6 +234,34 @@ def create_app(cfg: FrontendConfig) -> Any:
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    async def tokenizer(request: Request, detokenize: bool) -> Any:
+        endpoint = "/detokenize" if detokenize else "/tokenize"
+        try:
+            authorize(request)
+            body = await _read_json(request)
+            model = await model_name()
+            options: dict[str, bool] = {}
+            if detokenize:
+                inputs = detokenize_request(body, model)
+            else:
+                inputs, options = tokenize_request(body, model)
+            try:
+                answer = await state["pool"].tokenize(inputs, options)
+            except BackendError as e:
+                raise tokenize_error(_backend_error(e, None)) from None
+        except OpenAIError as e:
+            return error_response(e, endpoint)
+        counts[endpoint, 200] += 1
+        return detokenize_response(answer) if detokenize else tokenize_response(answer)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        return await tokenizer(request, detokenize=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        return await tokenizer(request, detokenize=True)
+
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Any:
         return await completions(request, chat=False)
@@ -248,7 +284,7 @@ def chat_format(cfg: FrontendConfig, parameters: dict[str, str]) -> ChatFormat:
     return ChatFormat(parser, reasoning_parser(cfg.reasoning_parser, starts_open))
 
 
-def _backend_error(error: BackendError, parsed: CompletionRequest) -> OpenAIError:
+def _backend_error(error: BackendError, parsed: CompletionRequest | None) -> OpenAIError:
     if error.refused_key:  # the frontend's configuration: nothing a client can fix or retry
         return OpenAIError(502, str(error), code="backend_auth_failed")
     if error.transport:  # no server answered: the client may retry, here or elsewhere
@@ -326,16 +362,18 @@ async def _sse(parsed: CompletionRequest, generators: list[Any], states: list[Ch
 
     def render(k: int, outputs: dict[str, Any], first: bool) -> bytes:
         delta, entries = states[k].update(outputs)
-        body = chunk(parsed, [choice_chunk(parsed, parsed.choices[k], states[k], delta,
-                                           entries, first)],
-                     usage(parsed, states) if parsed.continuous_usage else None)
+        piece = choice_chunk(parsed, parsed.choices[k], states[k], delta, entries, first)
+        if parsed.chat and piece["delta"] == {} and piece == {
+                "index": piece["index"], "delta": {}, "logprobs": None, "finish_reason": None}:
+            return b""  # nothing new to say (text held back, or read into a call later)
+        body = chunk(parsed, [piece], usage(parsed, states) if parsed.continuous_usage else None)
         return _event(body)
 
     tasks: list[asyncio.Task] = []
     try:
         open_choices = 0
         for k, outputs in enumerate(firsts):
-            yield render(k, outputs, True)
+            yield render(k, outputs, True)  # the first chunk (its role) always goes
             if not states[k].finish_reason:
                 open_choices += 1
                 tasks.append(asyncio.create_task(pump(k)))
@@ -349,7 +387,9 @@ async def _sse(parsed: CompletionRequest, generators: list[Any], states: list[Ch
                 yield _event(err.body())
                 break
             else:
-                yield render(k, item, False)
+                event = render(k, item, False)
+                if event:
+                    yield event
         if parsed.include_usage:
             yield _event({**chunk(parsed, []), "usage": usage(parsed, states)})
         yield b"data: [DONE]\n\n"

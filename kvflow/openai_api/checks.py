@@ -15,6 +15,7 @@ from typing import Any
 
 from kvflow.openai_api.errors import bad_request
 from kvflow.openai_api.fields import (
+    CHAT_FIELDS,
     FIELD_TYPES,
     IGNORED_FIELDS,
     PACKED_FIELDS,
@@ -88,6 +89,10 @@ def _check_fields(body: dict[str, Any], known: tuple[str, ...], endpoint: str) -
                               f"{short_repr(body[name])})", name)
     unknown = sorted((k for k in body if k not in known and k not in UNSUPPORTED_FIELDS
                       and k not in IGNORED_FIELDS), key=str)
+    chat_only = [k for k in unknown if k in CHAT_FIELDS]
+    if chat_only:
+        raise bad_request(f"{chat_only[0]} is not supported by kvflow's {endpoint}: it is a "
+                          "/v1/chat/completions field", chat_only[0])
     if unknown:
         raise bad_request(f"unknown field(s) {list_unknown(unknown)}; known: "
                           f"{', '.join(sorted(known))}", unknown[0])

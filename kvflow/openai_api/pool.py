@@ -15,6 +15,7 @@ from kvflow.triton_backend.protocol import (
     ERROR_OUTPUT_PARAMETER,
     GRPC_API_KEY_HEADER,
     MODEL_NAME,
+    TOKENIZE_PARAMETER,
 )
 
 _OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
@@ -174,6 +175,54 @@ class TritonPool:
             if not finished and responses is not None:
                 responses.cancel()  # the client left (or failed): Triton aborts the request
             self.in_flight[server] -= 1
+
+    async def tokenize(self, inputs: dict[str, Any], options: dict[str, bool]
+                       ) -> dict[str, Any]:
+        """One tokenize (or detokenize) request's answer (:mod:`kvflow.triton_backend.tokenize`):
+        ``token_ids`` and ``max_model_len``, or ``text_output``."""
+        server = self._pick(frozenset())
+        request = {"model_name": MODEL_NAME, "inputs": infer_inputs(inputs),
+                   "parameters": {ERROR_OUTPUT_PARAMETER: True, TOKENIZE_PARAMETER: True,
+                                  **options}}
+
+        done = asyncio.Event()
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield request
+            await done.wait()  # NOTE: the stream stays open until the answer (see _generate)
+
+        responses, answered = None, False
+        try:
+            responses = self.clients[server].stream_infer(requests(), headers=self.headers)
+            async for result, error in responses:
+                if error is not None:
+                    raise BackendError(str(error))
+                code = result.as_numpy("error_code")
+                if code is not None:
+                    raise BackendError(result.as_numpy("error").reshape(-1)[0].decode("utf-8"),
+                                       code=code.reshape(-1)[0].decode("utf-8"))
+                out: dict[str, Any] = {}
+                answered = True
+                for name in ("token_ids", "max_model_len", "text_output"):
+                    array = result.as_numpy(name)
+                    if array is not None:
+                        out[name] = ([int(t) for t in array.reshape(-1)] if name == "token_ids"
+                                     else int(array.reshape(-1)[0]) if name == "max_model_len"
+                                     else array.reshape(-1)[0].decode("utf-8"))
+                return out
+        except BackendError:
+            raise
+        except Exception as e:
+            if RESTRICTED in str(e):
+                raise self._refused_key(server, str(e)) from e
+            raise BackendError(f"tritonserver {self.urls[server]}: {e}", transport=True,
+                               server=server) from e
+        finally:
+            done.set()
+            if not answered and responses is not None:
+                responses.cancel()
+        raise BackendError(f"tritonserver {self.urls[server]} sent no answer", transport=True,
+                           server=server)
 
     def _refused_key(self, server: int, message: str) -> BackendError:
         return BackendError(f"tritonserver {self.urls[server]} refused this frontend's API key "

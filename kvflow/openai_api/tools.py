@@ -4,8 +4,9 @@
 * ``none`` (or no tools): the tools are left out of the prompt, and nothing is parsed.
 * ``required``, or a named function: vLLM's way of guaranteeing a call. The output is
   constrained (llguidance, ``guided_json``) to a JSON list of ``{"name", "parameters"}``
-  objects, each one of the allowed tools with parameters valid against its schema: one call,
-  or several with ``parallel_tool_calls``. Even a 135M model then always makes a valid call.
+  objects, each one of the allowed tools with parameters valid against its schema: one call
+  of a named function; under ``required`` one or more (one without ``parallel_tool_calls``).
+  Even a 135M model then always makes a valid call.
 * ``auto``: the model decides, and its output is read by the server's ``--tool-call-parser``.
   In the ``hermes`` format (kvflow's fallback prompt's) the output is free text until
   ``<tool_call>``, then constrained to a valid call of one of the tools (``guided_grammar``,
@@ -103,13 +104,14 @@ def _chosen(tools: tuple[FunctionTool, ...] | list[FunctionTool], choice: str,
 
 def required_schema(tools: tuple[FunctionTool, ...] | list[FunctionTool], choice: str,
                     parallel: bool) -> dict[str, Any]:
-    """The JSON schema of the output under ``required`` or a named function: a list of one
-    call (several with ``parallel``), each ``{"name": <a tool>, "parameters": <its
-    schema>}``."""
+    """The JSON schema of the output under ``required`` or a named function: a list of
+    calls, each ``{"name": <a tool>, "parameters": <its schema>}``: one call of the named
+    function (as vLLM and OpenAI make it), or under ``required`` at least one (exactly one
+    without ``parallel``)."""
     calls = _chosen(tools, choice, "parameters")
     items = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {"type": "array", "items": items, "minItems": 1,
-            **({} if parallel else {"maxItems": 1})}
+    one = choice != "required" or not parallel
+    return {"type": "array", "items": items, "minItems": 1, **({"maxItems": 1} if one else {})}
 
 
 def auto_grammar(tools: tuple[FunctionTool, ...] | list[FunctionTool], parallel: bool) -> str:

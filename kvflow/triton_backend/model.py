@@ -34,6 +34,7 @@ from kvflow.triton_backend.protocol import (
     ERROR_OUTPUT_PARAMETER,
     SERVE_FILE,
     SERVED_MODEL_NAME_PARAMETER,
+    TOKENIZE_PARAMETER,
     TRACE_SIGNAL_FILE,
 )
 from kvflow.triton_backend.signals import SignalWatch
@@ -42,6 +43,7 @@ from kvflow.triton_backend.streams import (
     ResponseStream,
     error_response,
 )
+from kvflow.triton_backend.tokenize import tokenize_outputs
 
 # The backend's own model parameters (a hand-written repository's; `kvflow serve` writes the
 # paths into SERVE_FILE instead, out of clients' sight, and the name the OpenAI frontend serves
@@ -167,6 +169,13 @@ class KvflowTritonModel:
                         inputs[name] = tensor.as_numpy()
                 parameters = _request_parameters(request)
                 error_output = parameters.get(ERROR_OUTPUT_PARAMETER) is True
+                if parameters.get(TOKENIZE_PARAMETER) is True:
+                    outputs = tokenize_outputs(self.engine.tokenizer, inputs, parameters,
+                                               self.max_model_len)
+                    sender.send(pb.InferenceResponse(output_tensors=[
+                        pb.Tensor(k, v) for k, v in outputs.items()]),
+                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
                 parsed = parse_request(inputs, self.max_model_len, parameters=parameters)
             except BadRequestError as e:
                 self.metrics.count_rejected("bad_request")

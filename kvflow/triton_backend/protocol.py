@@ -24,6 +24,9 @@ GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
 # overloaded or engine_error) instead of a Triton error: over gRPC streams a Triton error is a
 # message alone, and the code must cross as data (the OpenAI frontend asks for it).
 ERROR_OUTPUT_PARAMETER = "kvflow_error_output"
+# The request parameter (a bool) that makes a request a tokenize (or, with input_ids alone, a
+# detokenize) request: one response, token_ids and max_model_len (or text_output).
+TOKENIZE_PARAMETER = "kvflow_tokenize"
 
 # The model parameter that names the model for the OpenAI frontend (the launcher writes it).
 SERVED_MODEL_NAME_PARAMETER = "served_model_name"
