@@ -125,14 +125,19 @@ def create_app(cfg: FrontendConfig) -> Any:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     async def model_name() -> str:
-        if state["model"] is None or "chat_format" not in state:
+        """The served name; on the first call that reaches a server, also the chat format
+        its model config names (with --served-model-name, a server that cannot be reached
+        yet is left for the request itself to find)."""
+        if "chat_format" not in state:
             try:
                 parameters = await state["pool"].model_parameters()
-            except BackendError as e:
-                if not e.refused_key:
+            except Exception as e:  # noqa: BLE001  not up yet, or the key refused
+                if cfg.served_model_name:
+                    return cfg.served_model_name
+                if isinstance(e, BackendError) and e.refused_key:
+                    raise OpenAIError(502, str(e), code="backend_auth_failed") from None
+                if isinstance(e, BackendError):
                     raise
-                raise OpenAIError(502, str(e), code="backend_auth_failed") from None
-            except Exception as e:  # noqa: BLE001  not up yet
                 raise OpenAIError(503, f"no tritonserver is ready yet ({e})",
                                   code="backend_not_ready") from None
             state["model"] = (cfg.served_model_name
@@ -189,7 +194,7 @@ def create_app(cfg: FrontendConfig) -> Any:
             authorize(request)
             body = await _read_json(request)
             parsed = parse_completion_request(body, await model_name(), chat,
-                                              state["chat_format"])
+                                              state.get("chat_format") or chat_format(cfg, {}))
         except OpenAIError as e:
             return error_response(e, endpoint)
         pool: TritonPool = state["pool"]
