@@ -44,6 +44,7 @@ from kvflow.openai_api.responses import (
     usage,
 )
 from kvflow.openai_api.tokenize import (
+    TOKENIZE_OUTPUTS,
     detokenize_request,
     detokenize_response,
     tokenize_error,
@@ -55,6 +56,8 @@ from kvflow.triton_backend.protocol import (
     MODEL_NAME,
     REASONING_STARTS_OPEN_PARAMETER,
     SERVED_MODEL_NAME_PARAMETER,
+    STATE_PARAMETER,
+    TOKENIZE_PARAMETER,
     TOOL_CALL_PARSER_PARAMETER,
 )
 
@@ -251,13 +254,37 @@ def create_app(cfg: FrontendConfig) -> Any:
             else:
                 inputs, options = tokenize_request(body, model)
             try:
-                answer = await state["pool"].tokenize(inputs, options)
+                answer = await state["pool"].ask(inputs, {TOKENIZE_PARAMETER: True, **options},
+                                                 TOKENIZE_OUTPUTS)
             except BackendError as e:
                 raise tokenize_error(_backend_error(e, None)) from None
         except OpenAIError as e:
             return error_response(e, endpoint)
         counts[endpoint, 200] += 1
         return detokenize_response(answer) if detokenize else tokenize_response(answer)
+
+    @app.get("/v1/kvflow/state")
+    async def engine_state(request: Request) -> Any:
+        """Each server's engine snapshot (kvflow.console.state), for the console and
+        scripts."""
+        endpoint = "/v1/kvflow/state"
+        try:
+            authorize(request)
+            pool: TritonPool = state["pool"]
+            answers = await asyncio.gather(*(pool.ask({}, {STATE_PARAMETER: True}, ("state",),
+                                                      server=k)
+                                             for k in range(len(pool.urls))),
+                                           return_exceptions=True)
+        except OpenAIError as e:
+            return error_response(e, endpoint)
+        servers = []
+        for url, answer in zip(pool.urls, answers, strict=True):
+            if isinstance(answer, BaseException):
+                servers.append({"url": url, "error": str(answer)})
+            else:
+                servers.append({"url": url, **json.loads(answer["state"].reshape(-1)[0])})
+        counts[endpoint, 200] += 1
+        return {"object": "kvflow.state", "servers": servers}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:

@@ -15,7 +15,6 @@ from kvflow.triton_backend.protocol import (
     ERROR_OUTPUT_PARAMETER,
     GRPC_API_KEY_HEADER,
     MODEL_NAME,
-    TOKENIZE_PARAMETER,
 )
 
 _OUTPUTS = (("text_output", str), ("finish_reason", str), ("num_input_tokens", int),
@@ -176,15 +175,14 @@ class TritonPool:
                 responses.cancel()  # the client left (or failed): Triton aborts the request
             self.in_flight[server] -= 1
 
-    async def tokenize(self, inputs: dict[str, Any], options: dict[str, bool]
-                       ) -> dict[str, Any]:
-        """One tokenize (or detokenize) request's answer (:mod:`kvflow.triton_backend.tokenize`):
-        ``token_ids`` and ``max_model_len``, or ``text_output``."""
-        server = self._pick(frozenset())
+    async def ask(self, inputs: dict[str, Any], parameters: dict[str, Any],
+                  outputs: tuple[str, ...], server: int | None = None) -> dict[str, Any]:
+        """The one answer of a request the backend answers at once (``parameters`` say which:
+        :data:`TOKENIZE_PARAMETER`, :data:`STATE_PARAMETER`): its ``outputs`` as NumPy
+        arrays (absent ones left out), from ``server`` (default: the least loaded)."""
+        server = self._pick(frozenset()) if server is None else server
         request = {"model_name": MODEL_NAME, "inputs": infer_inputs(inputs),
-                   "parameters": {ERROR_OUTPUT_PARAMETER: True, TOKENIZE_PARAMETER: True,
-                                  **options}}
-
+                   "parameters": {ERROR_OUTPUT_PARAMETER: True, **parameters}}
         done = asyncio.Event()
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
@@ -195,21 +193,15 @@ class TritonPool:
         try:
             responses = self.clients[server].stream_infer(requests(), headers=self.headers)
             async for result, error in responses:
+                answered = True
                 if error is not None:
                     raise BackendError(str(error))
                 code = result.as_numpy("error_code")
                 if code is not None:
                     raise BackendError(result.as_numpy("error").reshape(-1)[0].decode("utf-8"),
                                        code=code.reshape(-1)[0].decode("utf-8"))
-                out: dict[str, Any] = {}
-                answered = True
-                for name in ("token_ids", "max_model_len", "text_output"):
-                    array = result.as_numpy(name)
-                    if array is not None:
-                        out[name] = ([int(t) for t in array.reshape(-1)] if name == "token_ids"
-                                     else int(array.reshape(-1)[0]) if name == "max_model_len"
-                                     else array.reshape(-1)[0].decode("utf-8"))
-                return out
+                return {name: result.as_numpy(name) for name in outputs
+                        if result.as_numpy(name) is not None}
         except BackendError:
             raise
         except Exception as e:

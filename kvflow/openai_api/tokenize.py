@@ -88,13 +88,18 @@ def detokenize_request(body: Any, served_model: str) -> dict[str, np.ndarray]:
     return {"input_ids": np.array(tokens, dtype=np.int64)}
 
 
-def tokenize_response(answer: dict[str, Any]) -> dict[str, Any]:
-    return {"count": len(answer["token_ids"]), "max_model_len": answer["max_model_len"],
-            "tokens": answer["token_ids"], "token_strs": None}
+# The backend's parameter that asks for a tokenize answer, and the outputs it answers with.
+TOKENIZE_OUTPUTS = ("token_ids", "max_model_len", "text_output")
 
 
-def detokenize_response(answer: dict[str, Any]) -> dict[str, Any]:
-    return {"prompt": answer["text_output"]}
+def tokenize_response(answer: dict[str, np.ndarray]) -> dict[str, Any]:
+    tokens = [int(t) for t in answer["token_ids"].reshape(-1)]
+    return {"count": len(tokens), "max_model_len": int(answer["max_model_len"].reshape(-1)[0]),
+            "tokens": tokens, "token_strs": None}
+
+
+def detokenize_response(answer: dict[str, np.ndarray]) -> dict[str, Any]:
+    return {"prompt": answer["text_output"].reshape(-1)[0].decode("utf-8")}
 
 
 def tokenize_error(error: OpenAIError) -> OpenAIError:

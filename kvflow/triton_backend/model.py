@@ -19,6 +19,9 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from kvflow.console.state import engine_state
 from kvflow.orchestrator.engine_loop import EngineLoop
 from kvflow.orchestrator.options import options_from_parameters
 from kvflow.orchestrator.outputs import ErrorCode
@@ -34,6 +37,7 @@ from kvflow.triton_backend.protocol import (
     ERROR_OUTPUT_PARAMETER,
     SERVE_FILE,
     SERVED_MODEL_NAME_PARAMETER,
+    STATE_PARAMETER,
     TOKENIZE_PARAMETER,
     TRACE_SIGNAL_FILE,
 )
@@ -169,6 +173,12 @@ class KvflowTritonModel:
                         inputs[name] = tensor.as_numpy()
                 parameters = _request_parameters(request)
                 error_output = parameters.get(ERROR_OUTPUT_PARAMETER) is True
+                if parameters.get(STATE_PARAMETER) is True:
+                    snapshot = self.loop.call(engine_state)  # between steps, on its thread
+                    sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(
+                        "state", np.array([json.dumps(snapshot).encode()], dtype=np.object_))]),
+                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
                 if parameters.get(TOKENIZE_PARAMETER) is True:
                     outputs = tokenize_outputs(self.engine.tokenizer, inputs, parameters,
                                                self.max_model_len)

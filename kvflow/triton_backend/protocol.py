@@ -27,6 +27,9 @@ ERROR_OUTPUT_PARAMETER = "kvflow_error_output"
 # The request parameter (a bool) that makes a request a tokenize (or, with input_ids alone, a
 # detokenize) request: one response, token_ids and max_model_len (or text_output).
 TOKENIZE_PARAMETER = "kvflow_tokenize"
+# The request parameter (a bool) that asks for the engine's state snapshot
+# (kvflow.console.state): one response, its JSON in the output ``state``.
+STATE_PARAMETER = "kvflow_state"
 
 # The model parameter that names the model for the OpenAI frontend (the launcher writes it).
 SERVED_MODEL_NAME_PARAMETER = "served_model_name"

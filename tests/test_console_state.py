@@ -1,0 +1,167 @@
+"""The console's snapshot against known engine states, on the simulated runner: requests and
+their phases, blocks owned, shared by forks and prefix hits, cached when free, and the grid
+summarised when the pool is large."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvflow import SamplingParams
+from kvflow.console.state import engine_state
+from kvflow.orchestrator.engine import LLMEngine
+from kvflow.orchestrator.options import EngineOptions
+from kvflow.sim.cost_model import FixedCostModel
+from kvflow.sim.runner import SIM_EOS, SimClock, SimRunner, sim_engine_config
+
+BLOCK = 4
+
+
+def make_engine(num_blocks: int = 40, **options) -> LLMEngine:
+    runner = SimRunner(sim_engine_config(BLOCK, 128, 32, 8), num_blocks, FixedCostModel(1.0),
+                       SimClock())
+    config = EngineOptions(**{"max_num_seqs": 8, "max_num_batched_tokens": 16,
+                              "max_model_len": 128, "debug_checks": True, **options})
+    return LLMEngine(runner, None, config, (SIM_EOS,), clock=runner.clock)
+
+
+def greedy(n: int = 1, max_tokens: int = 20) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, n=n)
+
+
+def test_requests_phases_and_blocks():
+    engine = make_engine()
+    engine.add_request(list(range(10, 40)), greedy(), request_id="long", tenant="team-a",
+                       priority=2)
+    engine.add_request(list(range(50, 56)), greedy(), request_id="short")
+    state = engine_state(engine)
+    assert [(r["id"], r["state"]) for r in state["requests"]] == [("long", "waiting"),
+                                                                   ("short", "waiting")]
+    assert state["kv"]["cells"] == "." * 39 and state["kv"]["free"] == 39
+    engine.step()  # 16 tokens: the long prompt's first chunk
+    state = engine_state(engine)
+    long = state["requests"][0]
+    assert (long["state"], long["computed_tokens"], long["prompt_tokens"]) == ("prefill", 16,
+                                                                                30)
+    assert (long["tenant"], long["priority"], long["blocks"]) == ("team-a", 2, 4)
+    assert state["steps"][-1]["prefill"] == 16 and state["steps"][-1]["batch"] == 1
+    owned = [i for i, c in enumerate(state["kv"]["cells"]) if c == "o"]
+    assert len(owned) == state["kv"]["owned"] == 4
+    assert all(state["kv"]["owner"][i] == 0 and state["kv"]["refs"][i] == 1 for i in owned)
+    while any(r["state"] != "decode" for r in engine_state(engine)["requests"]):
+        engine.step()
+    state = engine_state(engine)
+    assert {r["state"] for r in state["requests"]} == {"decode"}
+    assert all(r["ttft_s"] > 0 and r["output_tokens"] >= 1 for r in state["requests"])
+    json.dumps(state)  # what the endpoint sends
+
+
+def test_forks_share_blocks_and_finished_prefixes_stay_cached():
+    engine = make_engine(enable_prefix_caching=True)
+    engine.add_request(list(range(10, 26)), greedy(n=3, max_tokens=6), request_id="fork")
+    engine.step()
+    engine.step()
+    kv = engine_state(engine)["kv"]
+    assert kv["shared"] == 4 and set(kv["refs"][i] for i, c in enumerate(kv["cells"])
+                                     if c == "s") == {3}
+    while engine.has_unfinished_requests():
+        engine.step()
+    kv = engine_state(engine)["kv"]
+    assert kv["owned"] == kv["shared"] == 0
+    assert kv["cached"] >= 4 and kv["free"] + kv["cached"] == kv["num_blocks"]
+    # A second request with the same prompt hits the cache: its blocks are owned again.
+    engine.add_request(list(range(10, 26)), greedy(max_tokens=2), request_id="hit")
+    engine.step()
+    state = engine_state(engine)
+    assert state["requests"][0]["cached_tokens"] > 0
+    assert state["counters"]["prefix_cache_hits"] > 0
+
+
+def test_the_snapshot_is_bounded_whatever_the_load():
+    engine = make_engine(num_blocks=5001, max_num_seqs=64, max_num_batched_tokens=512)
+    for i in range(200):
+        engine.add_request([7] * 8 + [i], greedy(max_tokens=50), request_id=f"r{i}")
+    for _ in range(5):
+        engine.step()
+    state = engine_state(engine, max_requests=32, max_cells=1000, max_steps=3)
+    assert len(state["requests"]) == 32 and state["num_running"] + state["num_waiting"] == 200
+    assert [r["state"] for r in state["requests"]][:1] == ["decode"]
+    kv = state["kv"]
+    assert kv["blocks_per_cell"] == 5 and len(kv["cells"]) == len(kv["refs"]) == 1000
+    assert kv["owned"] + kv["shared"] + kv["free"] + kv["cached"] == 5000
+    assert kv["cells"].count("o") > 0 and len(state["steps"]) == 3
+    assert len(json.dumps(state)) < 64 << 10
+
+
+# --- served: GET /v1/kvflow/state, fed by the backend over Triton -----------------------------
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
+                                    timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.slow
+def test_the_state_endpoint_shows_requests_running_then_gone(openai_frontend, triton_server):
+    import threading
+
+    import openai
+
+    client = openai.OpenAI(base_url=openai_frontend.url + "/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    done = threading.Event()
+
+    def chat() -> None:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Count to fifty."}],
+            max_tokens=200, temperature=0, extra_body={"ignore_eos": True, "user": "console"})
+        done.set()
+
+    thread = threading.Thread(target=chat)
+    thread.start()
+    seen = None
+    while not done.is_set():
+        status, body = _get(openai_frontend.url + "/v1/kvflow/state")
+        assert status == 200, body
+        [server] = body["servers"]
+        assert server["url"] == triton_server.grpc_url
+        running = [r for r in server["requests"] if r["tenant"] == "console"]
+        if running and running[0]["state"] == "decode":
+            seen = server
+            break
+    thread.join()
+    assert seen is not None, "the request never showed as decoding"
+    request = next(r for r in seen["requests"] if r["tenant"] == "console")
+    assert request["blocks"] > 0 and request["output_tokens"] >= 1
+    owners = [i for i, c in enumerate(seen["kv"]["cells"]) if c in "os"]
+    assert owners and seen["kv"]["usage"] > 0 and seen["steps"]
+    after = _get(openai_frontend.url + "/v1/kvflow/state")[1]["servers"][0]
+    assert all(r["tenant"] != "console" for r in after["requests"])
+    assert after["kv"]["owned"] + after["kv"]["shared"] == after["num_running"] == 0
+
+
+@pytest.mark.slow
+def test_with_an_api_key_the_state_needs_it(keyed_server, tmp_path):
+    from kvflow.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.utils.procs import free_port
+
+    frontend = FrontendProcess(FrontendConfig((keyed_server.grpc_url,), port=free_port(),
+                                              api_key="s3cret-key"),
+                               log_path=tmp_path / "frontend.log")
+    frontend.start()
+    try:
+        assert _get(frontend.url + "/v1/kvflow/state")[0] == 401
+        status, body = _get(frontend.url + "/v1/kvflow/state",
+                            {"Authorization": "Bearer s3cret-key"})
+        assert status == 200 and "kv" in body["servers"][0], body
+    finally:
+        assert frontend.stop() == 0
