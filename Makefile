@@ -1,5 +1,5 @@
 # kvflow: two commands set up everything on a fresh machine.
-#   make test   venv, install (and Debian's prometheus, etcd, NATS; PyPI's Dynamo), run the tests
+#   make test   venv, install (and Debian's prometheus, etcd, NATS, Chromium; PyPI's Dynamo), run the tests
 #   make serve  venv, install, build the default engine, start Triton
 PYTHON ?= python3
 VENV   := .venv
@@ -13,7 +13,7 @@ TRT_STUBS := $(VENV)/trt-stubs
 TENSORRT_CODE := kvflow/build/tensorrt_build.py kvflow/runtime/tensorrt_runner.py \
                  kvflow/plugins/tensorrt_plugin.py
 
-.PHONY: install test lint typecheck prometheus dynamo cluster serve engine bench-step clean
+.PHONY: install test lint typecheck prometheus dynamo browser cluster serve engine bench-step clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -91,7 +91,17 @@ dynamo: $(VENV)/.dynamo
 cluster: engine dynamo
 	$(VENV)/bin/kvflow cluster up --engine $(ENGINE) --workers $(or $(WORKERS),2)
 
-test: install lint typecheck prometheus dynamo
+# Debian's Chromium and its driver: tests/test_console_browser.py drives the live console in a
+# real headless browser with Selenium (a browser that downloads itself cannot be installed
+# here). Needs root, as CI has.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    chromium chromium-driver; \
+	  else echo "make browser: not root; the browser test is skipped (apt-get install chromium chromium-driver)"; fi
+
+test: install lint typecheck prometheus dynamo browser
 	$(VENV)/bin/pytest -q -ra tests
 
 engine: install

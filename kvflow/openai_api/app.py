@@ -20,6 +20,7 @@ flight, so any number of frontends can stand in front of any number of servers.
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -149,14 +150,33 @@ def create_app(cfg: FrontendConfig) -> Any:
         return state["model"]
 
     def authorize(request: Request) -> None:
+        """The API key, as ``Authorization: Bearer KEY``, ``x-api-key: KEY`` or (a browser on
+        the console) HTTP Basic with the key as the password."""
         if not cfg.api_key:
             return
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else request.headers.get(
-            "x-api-key", "")
-        if token != cfg.api_key:
+        if api_key_of(request.headers) != cfg.api_key:
             raise OpenAIError(401, "a valid API key is required (Authorization: Bearer KEY)",
                               code="invalid_api_key")
+
+    @app.get("/")
+    async def console(request: Request) -> Any:
+        """The live console's page (kvflow/console/static)."""
+        try:
+            authorize(request)
+        except OpenAIError as e:  # a browser asks for the key (any user name)
+            return Response(e.message, status_code=401, media_type="text/plain",
+                            headers={"WWW-Authenticate": 'Basic realm="kvflow"'})
+        return Response(console_file("index.html"), media_type="text/html")
+
+    @app.get("/console/{name}")
+    async def console_asset(name: str, request: Request) -> Any:
+        try:
+            authorize(request)
+        except OpenAIError as e:
+            return error_response(e, "/console")
+        if name not in CONSOLE_ASSETS:
+            return Response("not found", status_code=404, media_type="text/plain")
+        return Response(console_file(name), media_type=CONSOLE_ASSETS[name])
 
     @app.get("/health")
     async def health() -> Any:
@@ -303,6 +323,30 @@ def create_app(cfg: FrontendConfig) -> Any:
         return await completions(request, chat=True)
 
     return app
+
+
+# The console's files (kvflow/console/static) and their media types.
+CONSOLE_ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
+
+
+def console_file(name: str) -> bytes:
+    from importlib.resources import files
+
+    return files("kvflow.console").joinpath("static", name).read_bytes()
+
+
+def api_key_of(headers: Any) -> str:
+    """The key a request carries: ``Authorization: Bearer KEY``, ``x-api-key: KEY``, or
+    ``Authorization: Basic`` with the key as the password."""
+    given = headers.get("authorization", "")
+    if given.lower().startswith("bearer "):
+        return given[7:]
+    if given.lower().startswith("basic "):
+        try:
+            return base64.b64decode(given[6:], validate=True).decode("utf-8").partition(":")[2]
+        except ValueError:
+            return ""
+    return headers.get("x-api-key", "")
 
 
 def chat_format(cfg: FrontendConfig, parameters: dict[str, str]) -> ChatFormat:

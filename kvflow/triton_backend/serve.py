@@ -152,6 +152,9 @@ models)
   curl http://{host}:{openai_port}/v1/chat/completions -H "Content-Type: application/json"\
 {bearer} \\
       -d '{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'
+
+  Console    http://{host}:{openai_port}/  (the engine live, and a chat{
+    "; any user name, the API key as password" if cfg.api_key else ""})
 """, flush=True)
     for warning in exposure_warnings(cfg):
         print(f"[kvflow serve] WARNING: {warning}", file=sys.stderr, flush=True)
