@@ -165,3 +165,47 @@ def test_with_an_api_key_the_state_needs_it(keyed_server, tmp_path):
         assert status == 200 and "kv" in body["servers"][0], body
     finally:
         assert frontend.stop() == 0
+
+
+def test_a_simulated_run_feeds_the_same_console():
+    """``kvflow simulate --console``: the run is paced to the wall clock and its engine's
+    snapshots are served with the page; a chat gets a 400 (there is no model)."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from kvflow.console.replay import ConsoleReplay
+    from kvflow.sim.simulator import simulate
+    from kvflow.utils.procs import free_port
+    from kvflow.workloads.specs import RequestSpec
+
+    console = ConsoleReplay(speed=1.0, port=free_port())
+    try:
+        specs = [RequestSpec(0.05 * i, 40, 30) for i in range(12)]
+        seen: list[dict] = []
+
+        def run() -> None:
+            simulate(specs, FixedCostModel(0.01), EngineOptions(max_num_seqs=4,
+                                                               max_num_batched_tokens=64),
+                     200, block_size=4, on_step=console.on_step)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        while thread.is_alive():
+            status, body = _get(console.url + "v1/kvflow/state")
+            assert status == 200
+            server = body["servers"][0]
+            if server.get("requests"):
+                seen.append(server)
+        thread.join()
+        assert seen, "no snapshot showed a request"
+        assert any(r["state"] == "decode" for s in seen for r in s["requests"])
+        assert max(s["num_running"] for s in seen) <= 4
+        with urllib.request.urlopen(console.url, timeout=10) as r:
+            assert b"kvflow console" in r.read()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(
+                console.url + "v1/chat/completions", b"{}", method="POST"), timeout=10)
+        assert e.value.code == 400
+    finally:
+        console.close()

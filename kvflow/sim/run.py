@@ -99,6 +99,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-max-steps", type=int, default=10_000,
                    help="steps the timeline keeps (the last ones)")
     p.add_argument("--out", default="reports/simulate")
+    p.add_argument("--console", action="store_true",
+                   help="watch the run in the live console: the simulation is paced to the "
+                        "wall clock and its engine served at http://127.0.0.1:PORT/")
+    p.add_argument("--console-speed", type=float, default=1.0,
+                   help="with --console: simulated seconds per wall second")
+    p.add_argument("--console-port", type=int, default=9000, help="with --console: its port")
+    p.add_argument("--console-exit", action="store_true",
+                   help="with --console: exit when the run ends (default: keep showing its "
+                        "final state until Ctrl-C)")
     p.add_argument("--speculative-acceptance", type=float, default=None, metavar="RATE",
                    help="speculative decoding: each draft position accepted with this "
                         "probability (the scheduler, verification and draft-length code are "
@@ -239,9 +248,11 @@ def run_one(specs: list[RequestSpec], mode: str, cost: CostModel, args: argparse
         done[0] = n
 
     t0 = time.perf_counter()
+    console = getattr(args, "console_replay", None)
     result = simulate(specs, cost, sched, num_blocks, args.block_size, prompts=prompts,
                       series_period_s=args.series_period_s, progress=progress,
-                      priorities=priorities, proposer=speculation_of(args))
+                      priorities=priorities, proposer=speculation_of(args),
+                      on_step=console.on_step if console is not None else None)
     wall = time.perf_counter() - t0
     series = thin(result.series)
     frag = [r["kvflow_kv_cache_fragmentation_ratio"] for r in result.series]
@@ -311,6 +322,12 @@ def simulate_main(args: argparse.Namespace) -> int:
         specs, prompts, info = build_sim_workload(ns)
         workloads.append((rate, specs, prompts, info))
 
+    if args.console:
+        from kvflow.console.replay import ConsoleReplay
+
+        args.console_replay = ConsoleReplay(args.console_speed, port=args.console_port)
+        print(f"console: {args.console_replay.url} (the run paced at x{args.console_speed})",
+              flush=True)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -337,7 +354,23 @@ def simulate_main(args: argparse.Namespace) -> int:
             bar.close()
     if not single:
         write_sweep(out, results, cost_info, slo, args)
+    if args.console:
+        linger(args.console_replay, args.console_exit)
     return 0
+
+
+def linger(console: Any, exit_now: bool) -> None:
+    """Keep the console showing the run's final state until Ctrl-C (or not: ``exit_now``)."""
+    try:
+        if not exit_now:
+            print(f"console: the run is over; its final state stays at {console.url} until "
+                  "Ctrl-C", flush=True)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        console.close()
 
 
 def write_sweep(out: Path, results: dict[str, list[dict[str, Any]]], cost_info: dict[str, Any],

@@ -238,12 +238,13 @@ def simulate(specs: Sequence[RequestSpec], cost: CostModel, sched: EngineOptions
              series_period_s: float = 0.25,
              progress: Callable[[int], None] | None = None,
              priorities: Sequence[int] | None = None,
-             proposer: Callable[[], Proposer] | None = None) -> SimResult:
+             proposer: Callable[[], Proposer] | None = None,
+             on_step: Callable[[int, LLMEngine], None] | None = None) -> SimResult:
     """Run ``specs`` through the real scheduler in simulated time: :func:`simulate_cluster`
     with one replica (the arguments are its own), seen as one engine's run."""
     result = simulate_cluster(specs, cost, sched, num_blocks, ClusterSpec(), block_size,
-                              prompts, series_period_s, progress, priorities, keep_steps=True,
-                              proposer=proposer)
+                              prompts, series_period_s, progress, priorities, on_step=on_step,
+                              keep_steps=True, proposer=proposer)
     return SimResult(result.timings, result.queue_s, result.instance_steps[0], result.series,
                      result.duration_s, result.counters[0], result.metrics[0])
 
