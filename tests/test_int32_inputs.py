@@ -69,11 +69,15 @@ def stream(server, arrays: dict[str, np.ndarray]) -> tuple[str, int]:
 
 
 def trtllm_request(dtype: type, max_tokens: int = 6, **integers: int) -> dict[str, np.ndarray]:
-    """A greedy streamed request with its integer inputs of ``dtype``."""
+    """A greedy streamed request with its integer inputs of ``dtype``. The tiny model's weights
+    are random, so its greedy tokens may all be special ones, whose text is empty: a regex
+    holds it to letters, so that there is text to compare."""
     return {"text_input": np.array([b"The sky is"], dtype=np.object_),
             "max_tokens": np.array([max_tokens], dtype=dtype),
             "temperature": np.array([0.0], dtype=np.float32),
             "stream": np.array([True]),
+            "sampling_parameters": np.array([b'{"guided_regex": "( [a-z]+){6}"}'],
+                                            dtype=np.object_),
             **{name: np.array([v], dtype=dtype) for name, v in integers.items()}}
 
 

@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,8 @@ from kvflow.triton_backend.tokenize import tokenize_outputs
 # as a parameter); every other parameter is an engine option.
 # The files beside the model (SERVE_FILE, ENGINE_FAILED_FILE, TRACE_SIGNAL_FILE) are named in
 # .protocol, which the launcher reads too.
+# The engine's state snapshot is taken at most this often (kvflow.console.state).
+STATE_MIN_PERIOD_S = 0.1
 BACKEND_PARAMETERS = ("engine_dir", "python_paths", SERVED_MODEL_NAME_PARAMETER,
                       *CHAT_FORMAT_PARAMETERS)
 
@@ -113,6 +116,7 @@ class KvflowTritonModel:
         self.responder = Responder(self.loop.abort)
         self.trace_watch = self._watch_trace_signal(pb_utils)
         self._ids = itertools.count()
+        self._snapshot: tuple[float, bytes] | None = None  # (taken at, JSON): see _state
         self.model_name = args.get("model_name", "kvflow")
         tokenizer = self.engine.tokenizer
         self._decode_token = None if tokenizer is None else (
@@ -174,9 +178,8 @@ class KvflowTritonModel:
                 parameters = _request_parameters(request)
                 error_output = parameters.get(ERROR_OUTPUT_PARAMETER) is True
                 if parameters.get(STATE_PARAMETER) is True:
-                    snapshot = self.loop.call(engine_state)  # between steps, on its thread
                     sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(
-                        "state", np.array([json.dumps(snapshot).encode()], dtype=np.object_))]),
+                        "state", np.array([self._state()], dtype=np.object_))]),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
                 if parameters.get(TOKENIZE_PARAMETER) is True:
@@ -202,6 +205,14 @@ class KvflowTritonModel:
                              parsed.priority, cache_salt=parsed.cache_salt,
                              tenant=parsed.tenant)
         return None
+
+    def _state(self) -> bytes:
+        """The engine's snapshot as JSON, taken between steps on its thread; one a
+        STATE_MIN_PERIOD_S at most, whatever the number of consoles asking."""
+        now = time.monotonic()
+        if self._snapshot is None or now - self._snapshot[0] >= STATE_MIN_PERIOD_S:
+            self._snapshot = (now, json.dumps(self.loop.call(engine_state)).encode())
+        return self._snapshot[1]
 
     def finalize(self) -> None:
         # NOTE: metrics first: while the model unloads, a metrics call from the loop thread
