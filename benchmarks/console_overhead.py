@@ -1,6 +1,6 @@
 """What the live console costs the engine while it is open: ``kvflow bench serve`` through the
 OpenAI API with no console, with the requests of one open elsewhere (a poller of
-``GET /v1/kvflow/state`` at the page's four a second: all the server sees of a page), and with
+``GET /v1/kvflow/state`` at the page's three a second: all the server sees of a page), and with
 the page open in a real headless Chromium (Debian's, driven by Selenium) on this machine,
 rounds alternating, on one server.
 
@@ -33,6 +33,8 @@ from kvflow.reports.writers import pyplot, save_figure, write_report
 from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 from kvflow.utils.procs import free_port
 
+POLL_S = 0.333  # the page's rate (console.js, POLL_MS)
+
 
 class Page:
     """The console open in headless Chromium on this machine (``browser``), or what the
@@ -60,10 +62,10 @@ class Page:
 
     @property
     def kind(self) -> str:
-        return "headless Chromium" if self.driver is not None else "a 4 Hz poller"
+        return "headless Chromium" if self.driver is not None else "a 3 Hz poller"
 
     def _poll(self) -> None:
-        while not self._stop.wait(0.25):
+        while not self._stop.wait(POLL_S):
             with urllib.request.urlopen(self.url + "v1/kvflow/state", timeout=30) as r:
                 r.read()
             self.polls += 1
@@ -129,7 +131,7 @@ def main() -> int:
     cost = {m: 1 - statistics.median(tput[m]) / closed for m in modes[1:]}
     report = {"config": vars(args), "browser": kind, "throughput": tput, "itl_mean_ms": itl,
               "median": {m: statistics.median(tput[m]) for m in modes}, "cost": cost}
-    label = {"closed": "no console", "poller": "a console open elsewhere (its 4 Hz polls)",
+    label = {"closed": "no console", "poller": "a console open elsewhere (its 3 Hz polls)",
              "browser": f"a console open in {kind} on this machine"}
     lines = ["# The live console's cost to the engine", "",
              f"`kvflow bench serve` (OpenAI chat, {args.num_prompts} requests of 128 prompt and "

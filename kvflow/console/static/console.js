@@ -5,7 +5,7 @@
 // every same-origin request.
 "use strict";
 
-const POLL_MS = 250;
+const POLL_MS = 333;  // three updates a second
 const WINDOW_S = 60;
 const COLORS = { ".": "--free", c: "--cached", o: "--owned", s: "--shared" };
 const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
