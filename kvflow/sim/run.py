@@ -313,6 +313,9 @@ def simulate_main(args: argparse.Namespace) -> int:
     rates: list[float | None] = (list(parse_rates(args.rates)) if args.rates
                                  else [None])
     if is_cluster_run(args):
+        if args.console:
+            raise ValueError("--console shows one engine: not with --replicas or "
+                             "--disaggregate")
         return cluster_main(args, cost, cost_info, num_blocks, modes, rates, build_sim_workload)
     out = Path(args.out)
     workloads = []
