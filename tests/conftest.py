@@ -258,6 +258,14 @@ def openai_frontend(triton_server, tmp_path_factory):
     assert frontend.stop() == 0, log.read_text()[-3000:]
 
 
+@pytest.fixture(scope="session")
+def client(openai_frontend):
+    """The official ``openai`` client of the session's frontend."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=openai_frontend.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
 @pytest.fixture(scope="module")
 def keyed_server(tiny_engines):
     """A tritonserver of a tiny engine that wants the API key ``s3cret-key``."""

@@ -31,12 +31,6 @@ GREEDY = {"temperature": 0.0, "max_tokens": 12}
 
 
 @pytest.fixture(scope="module")
-def client(openai_frontend):
-    return openai.OpenAI(base_url=openai_frontend.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=300)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(default_engines):
     from kvflow.text.tokenizer import EngineTokenizer
 

@@ -189,13 +189,6 @@ def test_triton_refuses_a_bad_k_naming_the_field(triton_server, value):
 
 # --- served: the OpenAI API -------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def client(openai_frontend):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=openai_frontend.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=300)
-
-
 @pytest.mark.slow
 def test_echo_with_logprobs_returns_the_prompt_then_the_output(client, default_llm):
     ids, engine = engine_prompt_logprobs(default_llm, PROMPT, 2)

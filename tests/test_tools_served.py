@@ -29,12 +29,6 @@ GREEDY = {"max_tokens": 64, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def client(openai_frontend):
-    return openai.OpenAI(base_url=openai_frontend.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=300)
-
-
-@pytest.fixture(scope="module")
 def model(client):
     return client.models.list().data[0].id
 

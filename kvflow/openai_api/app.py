@@ -443,8 +443,8 @@ async def _sse(parsed: CompletionRequest, generators: list[Any], states: list[Ch
     def render(k: int, outputs: dict[str, Any], first: bool) -> bytes:
         delta, entries = states[k].update(outputs)
         piece = choice_chunk(parsed, parsed.choices[k], states[k], delta, entries, first)
-        if parsed.chat and piece["delta"] == {} and piece == {
-                "index": piece["index"], "delta": {}, "logprobs": None, "finish_reason": None}:
+        if parsed.chat and piece == {"index": piece["index"], "delta": {}, "logprobs": None,
+                                     "finish_reason": None}:
             return b""  # nothing new to say (text held back, or read into a call later)
         body = chunk(parsed, [piece], usage(parsed, states) if parsed.continuous_usage else None)
         return _event(body)

@@ -19,8 +19,8 @@ from kvflow.openai_api.tools import ToolPlan
 
 
 class ChatOutput:
-    """Reads one chat choice's text as it arrives (:meth:`feed`, :meth:`finish`) or whole
-    (:meth:`message`)."""
+    """Reads one chat choice's text as it arrives (:meth:`feed`; ``final`` with the last
+    piece) or whole (:meth:`message`)."""
 
     def __init__(self, plan: ToolPlan | None, reasoning: ReasoningParser | None) -> None:
         self.plan = plan if plan is not None and plan.parser is not None else None

@@ -133,17 +133,7 @@ class TritonPool:
         try:
             responses = self.clients[server].stream_infer(requests(), headers=self.headers)
             async for result, error in responses:
-                if error is not None:
-                    message = str(error.message() if hasattr(error, "message") else error)
-                    if RESTRICTED in message:
-                        raise self._refused_key(server, message)
-                    raise BackendError(message)
-                code = result.as_numpy("error_code")
-                if code is not None:
-                    error = result.as_numpy("error")
-                    raise BackendError("" if error is None else
-                                       error.reshape(-1)[0].decode("utf-8"),
-                                       code=code.reshape(-1)[0].decode("utf-8"))
+                self._raise_failed(server, result, error)
                 columns: dict[str, list[Any]] = {}
                 for name, kind in _OUTPUTS:
                     array = result.as_numpy(name)
@@ -194,12 +184,7 @@ class TritonPool:
             responses = self.clients[server].stream_infer(requests(), headers=self.headers)
             async for result, error in responses:
                 answered = True
-                if error is not None:
-                    raise BackendError(str(error))
-                code = result.as_numpy("error_code")
-                if code is not None:
-                    raise BackendError(result.as_numpy("error").reshape(-1)[0].decode("utf-8"),
-                                       code=code.reshape(-1)[0].decode("utf-8"))
+                self._raise_failed(server, result, error)
                 return {name: result.as_numpy(name) for name in outputs
                         if result.as_numpy(name) is not None}
         except BackendError:
@@ -215,6 +200,21 @@ class TritonPool:
                 responses.cancel()
         raise BackendError(f"tritonserver {self.urls[server]} sent no answer", transport=True,
                            server=server)
+
+    def _raise_failed(self, server: int, result: Any, error: Any) -> None:
+        """Raise the BackendError of a failed response: a Triton error (the key refused, or
+        another), or the backend's error as outputs (``error``, ``error_code``: see
+        :data:`ERROR_OUTPUT_PARAMETER`)."""
+        if error is not None:
+            message = str(error.message() if hasattr(error, "message") else error)
+            if RESTRICTED in message:
+                raise self._refused_key(server, message)
+            raise BackendError(message)
+        code = result.as_numpy("error_code")
+        if code is not None:
+            text = result.as_numpy("error")
+            raise BackendError("" if text is None else text.reshape(-1)[0].decode("utf-8"),
+                               code=code.reshape(-1)[0].decode("utf-8"))
 
     def _refused_key(self, server: int, message: str) -> BackendError:
         return BackendError(f"tritonserver {self.urls[server]} refused this frontend's API key "

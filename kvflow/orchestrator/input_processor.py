@@ -117,11 +117,17 @@ class InputProcessor:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids[{i}] is {t}; the vocabulary has {vocab} "
                                  f"tokens (ids 0..{vocab - 1})")
-        if self.check_token_ids and prompt_ids and not (
-                min(prompt_ids) >= 0 and max(prompt_ids) < vocab):
-            i = next(i for i, t in enumerate(prompt_ids) if not 0 <= t < vocab)
-            raise ValueError(f"prompt token {i} is {prompt_ids[i]}; the vocabulary has {vocab} "
-                             f"tokens (ids 0..{vocab - 1})")
+        if self.check_token_ids:
+            check_in_vocab(prompt_ids, vocab, "prompt token {}")
+
+
+def check_in_vocab(ids: Sequence[int], vocab: int, label: str) -> None:
+    """A ValueError naming the first of ``ids`` outside the vocabulary (``label``: how an id
+    is named, ``{}`` its index) and the vocabulary's size."""
+    if ids and not (min(ids) >= 0 and max(ids) < vocab):
+        i = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
+        raise ValueError(f"{label.format(i)} is {ids[i]}; the vocabulary has {vocab} tokens "
+                         f"(ids 0..{vocab - 1})")
 
 
 def _max_token_chars(tokenizer: EngineTokenizer | None) -> int:

@@ -177,16 +177,16 @@ class KvflowTritonModel:
                         inputs[name] = tensor.as_numpy()
                 parameters = _request_parameters(request)
                 error_output = parameters.get(ERROR_OUTPUT_PARAMETER) is True
+                # Asked for the state snapshot or tokens: one answer at once, no engine request.
+                answer = None
                 if parameters.get(STATE_PARAMETER) is True:
-                    sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(
-                        "state", np.array([self._state()], dtype=np.object_))]),
-                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                    continue
-                if parameters.get(TOKENIZE_PARAMETER) is True:
-                    outputs = tokenize_outputs(self.engine.tokenizer, inputs, parameters,
-                                               self.max_model_len)
+                    answer = {"state": np.array([self._state()], dtype=np.object_)}
+                elif parameters.get(TOKENIZE_PARAMETER) is True:
+                    answer = tokenize_outputs(self.engine.tokenizer, inputs, parameters,
+                                              self.max_model_len)
+                if answer is not None:
                     sender.send(pb.InferenceResponse(output_tensors=[
-                        pb.Tensor(k, v) for k, v in outputs.items()]),
+                        pb.Tensor(k, v) for k, v in answer.items()]),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
                 parsed = parse_request(inputs, self.max_model_len, parameters=parameters)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.orchestrator.input_processor import check_in_vocab
 from kvflow.orchestrator.sampling.params import list_unknown
 from kvflow.text.tokenizer import ChatPrompt, EngineTokenizer
 from kvflow.triton_backend.params import REQUEST_PARAMETERS, BadRequestError, parse_request
@@ -45,11 +46,10 @@ def tokenize_outputs(tokenizer: EngineTokenizer | None, inputs: Mapping[str, np.
     prompt = parsed.prompt
     if not isinstance(prompt, str | ChatPrompt):  # token ids: detokenize them
         prompt = list(prompt)
-        vocab = tokenizer.vocab_size
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise BadRequestError(f"input_ids[{bad}] is {prompt[bad]}; the vocabulary has "
-                                  f"{vocab} tokens (ids 0..{vocab - 1})")
+        try:
+            check_in_vocab(prompt, tokenizer.vocab_size, "input_ids[{}]")
+        except ValueError as e:
+            raise BadRequestError(str(e)) from None
         text = tokenizer.decode(prompt, skip_special_tokens=False)
         return {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
     try:
