@@ -14,9 +14,11 @@
    tokens of context, replayed from CUDA graphs and launched eagerly (and the two steps'
    logits compared), and decode throughput at batch 64 next to HF transformers' ``generate``
    on the same GPU when transformers is installed. Target: at least 5x for the 1B model.
-4. **TensorRT**: when TensorRT is importable, a bf16 engine of the default model's shape
-   (random weights) is built and run on the prefill and decode steps the Triton runner runs,
-   logits compared and the batch-64 decode step timed; otherwise it says why not.
+4. **TensorRT** (``--parts tensorrt``, which benchmarks/gpu_session.sh runs first): when
+   TensorRT is importable, a float16 engine of the default model's shape (random weights) is
+   built with Polygraphy; ``kvflow check-engine`` compares it with ONNX Runtime on its
+   recorded steps (plots beside ``--out``); the cuda-python runner's prefill and decode steps
+   are timed, and its logits compared with the Triton runner's; otherwise it says why not.
 
 It writes every figure to ``--out`` (JSON) and prints a table last. ``--dry-run`` runs every
 part at toy sizes on the CPU (kernels in Triton's interpreter, wall-clock timing) to check the
@@ -314,8 +316,10 @@ def hf_baseline(label: str, cfg: Any) -> None:
 
 
 def check_tensorrt() -> None:
-    """Build a TensorRT engine of the default model's shape (random weights, bf16), then run
-    the same steps through it and through the Triton runner: logits compared, decode timed."""
+    """TensorRT through the toolchain the design card names: a float16 engine of the default
+    model's shape (random weights) built with Polygraphy, ``kvflow check-engine`` against ONNX
+    Runtime on its recorded steps, then the cuda-python runner's step times, and its logits
+    against the Triton runner's on the same steps."""
     from kvflow.build.builder import tensorrt_available
 
     reason = tensorrt_available()
@@ -327,6 +331,7 @@ def check_tensorrt() -> None:
     import numpy as np
 
     from kvflow.build.builder import write_graph_artifacts
+    from kvflow.build.check_engine import check_engine
     from kvflow.build.engine_config import BuildLimits, EngineConfig
     from kvflow.kv_manager import KVCacheManager
     from kvflow.model.llama import LlamaForCausalLM
@@ -340,38 +345,61 @@ def check_tensorrt() -> None:
     num_blocks = pool_blocks()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        engine = EngineConfig(cfg, "tensorrt", "bfloat16", limits, {"name": "random weights"}, {})
+        engine = EngineConfig(cfg, "tensorrt", "float16", limits, {"name": "random weights"}, {})
         t0 = time.perf_counter()
         engine.files.update(write_graph_artifacts(net, engine, folder))
         engine.save(folder)
-        RESULTS["TensorRT export + build s"] = time.perf_counter() - t0
+        RESULTS["TensorRT export + Polygraphy build s"] = time.perf_counter() - t0
+        report = json.loads((folder / "build_report.json").read_text())["tensorrt"]
+        RESULTS["TensorRT network layers"] = report["num_layers"]
+        RESULTS["TensorRT plugin layers"] = report["num_plugins"]
+        # 1. What a user runs first when an engine looks wrong.
+        checked = check_engine(folder, reference="onnxruntime",
+                               plot_dir=OUT_DIR / "check_engine" if OUT_DIR else None)
+        for r in checked.results:
+            RESULTS[f"check-engine {r.step} max abs / mean abs"] = (
+                f"{r.max_abs:.4g} / {r.mean_abs:.4g} (top-1 {r.top1_agree}/{r.rows}, "
+                f"{'ok' if r.passed else 'DIFFERS'} at atol {checked.tolerance.atol:g}, "
+                f"rtol {checked.tolerance.rtol:g})")
+        # 2. The cuda-python runner's step times, and its logits against the Triton runner's.
         trt_runner = TensorRTRunner(folder, engine, num_blocks)
-        ref = TritonRunner.from_model(engine, net, num_blocks, device=DEVICE, cuda_graphs=False)
+        ref = TritonRunner.from_model(engine, net, num_blocks, device=DEVICE,
+                                      cuda_graphs=False)
         try:
             kv = KVCacheManager(num_blocks, 16)
             prompt = [int(t) for t in torch.randint(3, cfg.vocab_size, (CONTEXT,))]
             batch = 64
             for i in range(batch):
                 kv.allocate_slots(i, CONTEXT)
-            # The prompts (prefill, four sequences a step), then one decode step of all.
             worst = 0.0
-            for first in range(0, batch, 4):
-                step = build_step(kv, [SeqChunk(i, prompt, 0, CONTEXT - 1, True)
-                                       for i in range(first, first + 4)])
+            prefills = [build_step(kv, [SeqChunk(i, prompt, 0, CONTEXT - 1, True)
+                                        for i in range(first, first + 4)])
+                        for first in range(0, batch, 4)]
+            for step in prefills:
                 a, b = trt_runner.execute(step), ref.execute(step)
                 worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
-            decode = build_step(kv, [SeqChunk(i, prompt, CONTEXT - 1, 1, True)
-                                     for i in range(batch)])
-            a, b = trt_runner.execute(decode), ref.execute(decode)
-            worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+            RESULTS[f"TensorRT prefill step ms (4 x {CONTEXT - 1} tokens)"] = cuda_time_ms(
+                lambda: trt_runner.execute(prefills[0]), repeats=10)
+            for b_size in (1, 16, 64):
+                decode = build_step(kv, [SeqChunk(i, prompt, CONTEXT - 1, 1, True)
+                                         for i in range(b_size)])
+                if b_size == batch:
+                    a, b = trt_runner.execute(decode), ref.execute(decode)
+                    worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+                RESULTS[f"TensorRT decode step ms b={b_size}"] = cuda_time_ms(
+                    lambda decode=decode: trt_runner.execute(decode), repeats=10)
             RESULTS["TensorRT vs Triton runner max rel logit diff"] = worst
-            RESULTS[f"TensorRT decode step ms b={batch}"] = cuda_time_ms(
-                lambda: trt_runner.execute(decode), repeats=10)
             if worst > 5e-2:
                 raise AssertionError(f"TensorRT logits differ from the Triton runner's by {worst}")
+            if not checked.passed:
+                raise AssertionError(f"check-engine: {checked.first_failure()}")
         finally:
             trt_runner.close()
             ref.close()
+
+
+PARTS = ("tensorrt", "kernels", "bandwidth", "runner")
+OUT_DIR: Path | None = None  # where check-engine's plots go (beside --out)
 
 
 def main() -> int:
@@ -381,8 +409,14 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=12)
     p.add_argument("--dry-run", action="store_true",
                    help="toy sizes on the CPU, kernels in Triton's interpreter")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated parts to run, of {','.join(PARTS)}")
     args = p.parse_args()
-    global DEVICE, DRY, CONTEXT
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    if not parts or any(x not in PARTS for x in parts):
+        p.error(f"--parts must name some of {','.join(PARTS)}, got {args.parts!r}")
+    global DEVICE, DRY, CONTEXT, OUT_DIR
+    OUT_DIR = Path(args.out).parent
     if args.dry_run:
         import os
 
@@ -395,10 +429,11 @@ def main() -> int:
     else:
         RESULTS["device"] = torch.cuda.get_device_name()
     status = 0
-    for name, fn in (("kernels", lambda: check_kernels(4 if DRY else args.trials)),
-                     ("bandwidth", check_bandwidth),
-                     ("runner", check_runner),
-                     ("tensorrt", check_tensorrt)):
+    checks = {"tensorrt": check_tensorrt,
+              "kernels": lambda: check_kernels(4 if DRY else args.trials),
+              "bandwidth": check_bandwidth, "runner": check_runner}
+    for name in parts:
+        fn = checks[name]
         t0 = time.perf_counter()
         print(f"[gpu_check] {name} ...", flush=True)
         try:

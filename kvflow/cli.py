@@ -1,6 +1,7 @@
 """The ``kvflow`` command line: one subcommand per job.
 
     kvflow build-engine --model default --output engines/smollm2-135m
+    kvflow check-engine engines/smollm2-135m
     kvflow serve --engine engines/smollm2-135m
     kvflow openai --triton-url 127.0.0.1:8001
     kvflow generate --prompt "Hello" --chat
@@ -17,6 +18,7 @@ from types import ModuleType
 from kvflow import client
 from kvflow.bench import compare, quality, step
 from kvflow.bench import serve as bench_serve
+from kvflow.build import check_engine
 from kvflow.build import command as build_command
 from kvflow.dynamo import launcher as dynamo_launcher
 from kvflow.dynamo.worker_args import add_worker_args
@@ -50,6 +52,9 @@ def make_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _module(sub, "build-engine", "build an engine folder from a checkpoint", build_command)
+    _module(sub, "check-engine", "compare an engine's outputs with a reference (torch or "
+                                 "onnxruntime) on the same steps, with Polygraphy",
+            check_engine)
     _module(sub, "serve", "serve an engine with a real tritonserver", serve)
     _module(sub, "openai", "the OpenAI-compatible API in front of running tritonservers "
                            "(kvflow serve starts one itself)", openai_app)

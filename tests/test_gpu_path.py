@@ -44,7 +44,7 @@ def test_half_precision_export_is_valid_and_typed_for_a_strongly_typed_network(
 
 
 def test_optimization_profile_spans_the_build_limits():
-    from kvflow.build.tensorrt_build import profile_shapes
+    from kvflow.build.profile import profile_shapes
 
     shapes = profile_shapes(BuildLimits(1024, 512, 32, 16), TINY)
     assert shapes["input_ids"] == ((1,), (16,), (512,))

@@ -7,6 +7,7 @@ dtype, limits), the tokenizer and its chat template, and the backend's artifact:
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from kvflow.build.engine_config import (
     EngineConfigError,
     checkpoint_source,
 )
+from kvflow.build.report import PLUGIN_OP, write_report
 
 if TYPE_CHECKING:
     from kvflow.model.loader import Checkpoint
@@ -34,20 +36,20 @@ def _print_progress(msg: str) -> None:
 
 
 def tensorrt_available() -> str | None:
-    """None when TensorRT and an NVIDIA GPU are usable; else the reason they are not."""
+    """None when TensorRT, cuda-python and an NVIDIA GPU are usable; else the reason they are
+    not."""
     try:
         import tensorrt
     except ImportError:
         tensorrt = None
     if getattr(tensorrt, "Builder", None) is None:  # missing, or only a namespace of stubs
         return "TensorRT is not installed (pip install 'kvflow[tensorrt]' on a GPU machine)"
-    try:
-        import torch
+    from kvflow.runtime.cuda_runtime import CudaError, device_count
 
-        if not torch.cuda.is_available():
-            return "no NVIDIA GPU is visible (torch.cuda.is_available() is False)"
-    except ImportError:
-        return "PyTorch is missing"
+    try:
+        device_count()
+    except (ImportError, CudaError) as e:
+        return str(e)
     return None
 
 
@@ -147,6 +149,7 @@ def build_engine(
                  if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
         save_file(state, str(out / "weights.safetensors"))
         files["weights"] = "weights.safetensors"
+        files["report"] = write_report(out, limits, cfg, backend, dtype).name
     else:
         from kvflow.model.llama import LlamaForCausalLM
 
@@ -200,6 +203,7 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
         schemes = ", ".join(f"{n} {s}" for s, n in report.schemes.most_common())
         progress(f"      quantized weights: {schemes} layers, {report.fp32_bytes / 1e6:.0f} MB "
                  f"-> {report.quantized_bytes / 1e6:.0f} MB")
+    network, extra = None, {}
     if engine.backend == "onnxruntime":
         import onnx
 
@@ -209,10 +213,18 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
         # second for the default model: it needs the weights, which it concatenates).
         _, fusion = fuse_for_ort(onnx.load(str(out / "model.onnx")))
         progress(f"      ONNX Runtime graph fused at load: {fusion.summary()}")
+        extra["onnxruntime_fusion_at_load"] = fusion.summary()
     if engine.backend == "tensorrt":
         from kvflow.build.tensorrt_build import build_plan
 
-        progress("      compiling the TensorRT plan")
-        build_plan(out / "model.onnx", out / "model.plan", engine.limits, engine.model)
+        progress("      compiling the TensorRT plan (Polygraphy)")
+        network = build_plan(out / "model.onnx", out / "model.plan", engine.limits,
+                             engine.model)
         files["plan"] = "model.plan"
+    report_path = write_report(out, engine.limits, engine.model, engine.backend, engine.dtype,
+                               out / "model.onnx", network, extra)
+    onnx_part = json.loads(report_path.read_text())["onnx"]
+    progress(f"      {report_path.name}: {onnx_part['num_layers']} ONNX nodes, "
+             f"{onnx_part['num_plugins']} {PLUGIN_OP} (polygraphy inspect model)")
+    files["report"] = report_path.name
     return files

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
@@ -361,13 +361,18 @@ def _flag_type(name: str) -> Callable[[str], Any]:
     return parse
 
 
-def add_engine_option_args(p: argparse.ArgumentParser) -> None:
-    """One flag per :class:`~kvflow.orchestrator.options.EngineOptions` field, generated from
-    it: ``--max-num-seqs N``; a boolean that is on by default, ``enable_X``, becomes
-    ``--no-X``; a field with a switch of its own (``--enforce-eager``) gets that. Flags not
-    given are absent from the namespace, so the engine folder's limits apply."""
-    g = p.add_argument_group("engine options (any kvflow.LLM option)")
+def add_engine_option_args(p: argparse.ArgumentParser,
+                           only: Sequence[str] | None = None) -> None:
+    """One flag per :class:`~kvflow.orchestrator.options.EngineOptions` field (or per field
+    named in ``only``), generated from it: ``--max-num-seqs N``; a boolean that is on by
+    default, ``enable_X``, becomes ``--no-X``; a field with a switch of its own
+    (``--enforce-eager``) gets that. Flags not given are absent from the namespace, so the
+    engine folder's limits apply."""
+    g = p.add_argument_group("engine options (any kvflow.LLM option)" if only is None
+                             else "engine options (as kvflow.LLM takes them)")
     for f in option_fields():
+        if only is not None and f.name not in only:
+            continue
         meta, kind = f.metadata, option_kind(f.name)[0]
         common = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"]}
         if meta["flag"]:

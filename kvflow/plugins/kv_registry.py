@@ -5,9 +5,10 @@ The engine graph never holds the KV pool as a tensor: it receives the pool's bas
 kernel dereferences them directly. A host (CPU) implementation cannot safely turn an arbitrary
 integer into memory, so the owner of a host pool registers every K and V array here under its
 address, and the kernels look them up. An address that was never registered is an error, not a
-crash. Device pools (torch tensors, on a GPU or, for the Triton interpreter, on the host) are
-registered apart: an implementation that finds the address there launches the Triton kernels
-on that tensor.
+crash. Device pools are registered apart: torch tensors (the Triton runner's, on a GPU or, for
+the Triton interpreter, on the host) or :class:`DeviceArray` descriptions of raw device memory
+(the TensorRT runner's, allocated with cuda-python); an implementation that finds the address
+there launches the Triton kernels on that memory.
 
 The runner also leaves here what it knows on the host about the step it is running
 (:func:`step_hints`): the most new tokens of any sequence sizes the attention grid, and a
@@ -20,6 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,23 +62,49 @@ def lookup(addr: int) -> np.ndarray:
         ) from None
 
 
-def register_device(tensor: Any) -> int:
-    """Register a contiguous torch tensor (a device pool's K or V); returns its address."""
-    if not tensor.is_contiguous():
+# __cuda_array_interface__ type strings of the device pools' element types. NOTE: the interface
+# has no bfloat16; a bf16 pool is described as int16, and its reader views it as bfloat16.
+CUDA_TYPESTRS = {"fp32": "<f4", "fp16": "<f2", "bf16": "<i2"}
+
+
+@dataclass(frozen=True)
+class DeviceArray:
+    """C-contiguous device memory of ``shape`` and ``kv_cache_dtype`` at address ``ptr``: a
+    device pool's K or V that no framework owns. It offers ``__cuda_array_interface__``, so a
+    framework (the plugin's torch) can view it without copying."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    kv_cache_dtype: str
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": self.shape, "typestr": CUDA_TYPESTRS[self.kv_cache_dtype],
+                "data": (self.ptr, False), "strides": None, "version": 3}
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def register_device(pool: Any) -> int:
+    """Register a device pool's K or V (a contiguous torch tensor or a :class:`DeviceArray`);
+    returns its address."""
+    if not isinstance(pool, DeviceArray) and not pool.is_contiguous():
         raise ValueError("a KV cache tensor must be contiguous")
-    addr = int(tensor.data_ptr())
+    addr = int(pool.data_ptr())
     with _lock:
-        _device[addr] = tensor
+        _device[addr] = pool
     return addr
 
 
-def unregister_device(tensor: Any) -> None:
+def unregister_device(pool: Any) -> None:
     with _lock:
-        _device.pop(int(tensor.data_ptr()), None)
+        _device.pop(int(pool.data_ptr()), None)
 
 
 def lookup_device(addr: int) -> Any | None:
-    """The torch tensor registered at ``addr`` as a device pool, or None."""
+    """The torch tensor or :class:`DeviceArray` registered at ``addr`` as a device pool, or
+    None."""
     return _device.get(int(addr))
 
 

@@ -7,8 +7,10 @@ OpenAI Triton kernels on TensorRT's stream.
 
 The KV pool is passed as the engine I/O contract says: ``kv_cache_ptrs`` holds addresses, never
 the pool as a tensor, so TensorRT never allocates, copies or aliases it. The runner that owns
-the pool registers its K/V tensors in :mod:`kvflow.plugins.kv_registry` and the host copy of
-the address table with :func:`bind_pool_addresses`, so that a step needs no device-to-host read.
+the pool (cuda-python memory) registers its K and V in :mod:`kvflow.plugins.kv_registry` and
+the host copy of the address table with :func:`bind_pool_addresses`, so that a step needs no
+device-to-host read. The implementation alone uses torch: OpenAI Triton's CUDA driver imports
+it to launch kernels, so the kernels get torch views of the pool's memory.
 
 At build time TensorRT may run plugins on inputs filled with arbitrary data; block tables and
 addresses of arbitrary data would send the kernels reading anywhere. Builds therefore run
@@ -50,13 +52,14 @@ def building() -> Iterator[None]:
         _state.building = False
 
 
-def bind_pool_addresses(device_ptrs: torch.Tensor) -> None:
-    """Record the host copy of the ``kv_cache_ptrs`` buffer living at ``device_ptrs``."""
-    _host_addresses[int(device_ptrs.data_ptr())] = device_ptrs.cpu().numpy()
+def bind_pool_addresses(device_address: int, host: np.ndarray) -> None:
+    """Record ``host``, the host copy of the ``kv_cache_ptrs`` table at ``device_address``."""
+    _host_addresses[int(device_address)] = np.array(host, dtype=np.int64)
 
 
-def unbind_pool_addresses(device_ptrs: torch.Tensor) -> None:
-    _host_addresses.pop(int(device_ptrs.data_ptr()), None)
+def unbind_pool_addresses(device_address: int) -> None:
+    _host_addresses.pop(int(device_address), None)
+    _pool_views.clear()
 
 
 _TORCH_DTYPES = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
@@ -79,6 +82,28 @@ def as_torch(tensor: Any) -> torch.Tensor:
             "strides": tuple(2 * s for s in tensor.strides)}
 
     return torch.as_tensor(_Int16View(), device="cuda").view(torch.bfloat16)
+
+
+# torch views of the TensorRT runner's pool (kv_registry.DeviceArray), made once per array.
+_pool_views: dict[int, tuple[Any, torch.Tensor]] = {}
+
+
+def pool_tensor(addr: int) -> torch.Tensor:
+    """The device pool registered at ``addr`` as a torch tensor (the Triton kernels take
+    those): a registered torch tensor itself, or a view of a ``DeviceArray``'s memory."""
+    pool = kv_registry.lookup_device(addr)
+    if pool is None:
+        raise KeyError(f"kv_cache_ptrs holds address {addr:#x}, which is no registered device "
+                       "KV pool")
+    if isinstance(pool, torch.Tensor):
+        return pool
+    cached = _pool_views.get(addr)
+    if cached is None or cached[0] is not pool:
+        view = torch.as_tensor(pool, device="cuda")  # through __cuda_array_interface__
+        if pool.kv_cache_dtype == "bf16":
+            view = view.view(torch.bfloat16)
+        cached = _pool_views[addr] = (pool, view)
+    return cached[1]
 
 
 @trtp.register(PLUGIN_ID)
@@ -112,10 +137,8 @@ def paged_attention_impl(
         host = _host_addresses.get(int(kv_cache_ptrs.data_ptr))
         if host is None:  # unbound: read the table (one small synchronous copy)
             host = as_torch(kv_cache_ptrs).cpu().numpy()
-        k_cache = kv_registry.lookup_device(int(host[layer_idx, 0]))
-        v_cache = kv_registry.lookup_device(int(host[layer_idx, 1]))
-        if k_cache is None or v_cache is None:
-            raise KeyError(f"kv_cache_ptrs[{layer_idx}] holds no registered device KV pool")
+        k_cache = pool_tensor(int(host[layer_idx, 0]))
+        v_cache = pool_tensor(int(host[layer_idx, 1]))
         t = q.shape[0]
         paged_attention_triton(
             as_torch(q).view(t, num_heads, head_dim), as_torch(k).view(t, num_kv_heads, head_dim),

@@ -32,19 +32,23 @@ def load_model(engine_dir: Path, engine: EngineConfig) -> LlamaForCausalLM:
 
 class TorchRunner(PoolRunner):
     """Runs :class:`LlamaForCausalLM` eagerly on the CPU over a host KV pool of
-    ``kv_cache_dtype`` (``fp32`` or ``fp16``: the reference op reads it in fp32)."""
+    ``kv_cache_dtype`` (``fp32`` or ``fp16``: the reference op reads it in fp32).
+
+    ``model``: an fp32 model to run instead of the engine folder's weights (``kvflow
+    check-engine``'s reference, loaded from the checkpoint the engine was built from)."""
 
     name = "torch"
 
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
-                 num_host_blocks: int = 0, kv_cache_dtype: str = "fp32") -> None:
+                 num_host_blocks: int = 0, kv_cache_dtype: str = "fp32",
+                 model: LlamaForCausalLM | None = None) -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
         kv_dtype = kv_cache_numpy_dtype(kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
-        if engine.dtype != "float32":
+        if model is None and engine.dtype != "float32":
             raise ValueError(f"the torch runner computes in float32 on the CPU; this engine is "
                              f"{engine.dtype}: run it with --runner triton (a CUDA GPU)")
-        self.model = load_model(Path(engine_dir), engine)
+        self.model = model.eval() if model is not None else load_model(Path(engine_dir), engine)
         m = engine.model
         self.pool = HostKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
                                m.num_key_value_heads, m.head_dim, kv_dtype, num_host_blocks)

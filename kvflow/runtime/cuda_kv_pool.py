@@ -1,0 +1,109 @@
+"""The TensorRT runner's KV pool: device memory it allocates with cuda-python and owns.
+
+Per layer, K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]`` of the pool's
+element type (the engine I/O contract's layout), each one ``cudaMalloc``; the swap space is
+pinned host memory of the same layout. The plugin reaches the pool by address
+(``kv_cache_ptrs``): every K and V is registered in :mod:`kvflow.plugins.kv_registry` as a
+:class:`~kvflow.plugins.kv_registry.DeviceArray`. Swaps and block copies are queued on the
+runner's stream, the one its steps run on, so they are ordered with the steps without a wait;
+runs of consecutive blocks move in one copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvflow.plugins import kv_registry
+from kvflow.runtime.base import KV_CACHE_DTYPE_BYTES
+from kvflow.runtime.cuda_runtime import DeviceBuffer, PinnedBuffer, Stream
+
+
+def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(src, dst)`` block pairs as ``(src, dst, count)`` runs of consecutive blocks, in the
+    pairs' order: each run is one copy. A run never has its source and destination ranges
+    overlap (a copy within one pool could then read what it wrote)."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs:
+            s, d, n = runs[-1]
+            if src == s + n and dst == d + n and (d >= s + n + 1 or s >= d + n + 1):
+                runs[-1] = (s, d, n + 1)
+                continue
+        runs.append((int(src), int(dst), 1))
+    return runs
+
+
+class CudaKVPool:
+    """KV pool in device memory (see the module doc); ``ptrs`` is the int64
+    ``[num_layers, 2]`` address table the engine's ``kv_cache_ptrs`` holds."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, kv_cache_dtype: str, stream: Stream,
+                 num_host_blocks: int = 0) -> None:
+        if kv_cache_dtype not in kv_registry.CUDA_TYPESTRS:
+            raise ValueError(f"a device KV pool holds one of {tuple(kv_registry.CUDA_TYPESTRS)}, "
+                             f"got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.stream = stream
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_nbytes = block_size * num_kv_heads * head_dim * KV_CACHE_DTYPE_BYTES[
+            kv_cache_dtype]
+        self.device: list[tuple[DeviceBuffer, DeviceBuffer]] = []
+        self.host: list[tuple[PinnedBuffer, PinnedBuffer]] = []
+        self.arrays: list[kv_registry.DeviceArray] = []
+        try:
+            for _ in range(num_layers):
+                kv = (DeviceBuffer(num_blocks * self.block_nbytes),
+                      DeviceBuffer(num_blocks * self.block_nbytes))
+                self.device.append(kv)
+                for buf in kv:
+                    stream.zero(buf.ptr, buf.nbytes)
+                    self.arrays.append(kv_registry.DeviceArray(buf.ptr, shape, kv_cache_dtype))
+                    kv_registry.register_device(self.arrays[-1])
+                if num_host_blocks:  # block 0 unused, as in the device pool
+                    self.host.append((PinnedBuffer((num_host_blocks + 1) * self.block_nbytes),
+                                      PinnedBuffer((num_host_blocks + 1) * self.block_nbytes)))
+        except BaseException:
+            self.close()
+            raise
+        self.ptrs = np.array([[k.ptr, v.ptr] for k, v in self.device],
+                             dtype=np.int64).reshape(num_layers, 2)
+        self.nbytes = 2 * num_layers * num_blocks * self.block_nbytes
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """``(device_block, host_block)`` copies, every layer, K and V."""
+        bn = self.block_nbytes
+        for (k, v), (hk, hv) in zip(self.device, self.host, strict=True):
+            for src, dst, n in block_runs(pairs):
+                self.stream.copy_to_host(hk.ptr + dst * bn, k.ptr + src * bn, n * bn)
+                self.stream.copy_to_host(hv.ptr + dst * bn, v.ptr + src * bn, n * bn)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """``(host_block, device_block)`` copies, every layer, K and V."""
+        bn = self.block_nbytes
+        for (k, v), (hk, hv) in zip(self.device, self.host, strict=True):
+            for src, dst, n in block_runs(pairs):
+                self.stream.copy_to_device(k.ptr + dst * bn, hk.ptr + src * bn, n * bn)
+                self.stream.copy_to_device(v.ptr + dst * bn, hv.ptr + src * bn, n * bn)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """``(src, dst)`` device-block copies, every layer, K and V (destinations distinct)."""
+        bn = self.block_nbytes
+        for k, v in self.device:
+            for src, dst, n in block_runs(pairs):
+                self.stream.copy_on_device(k.ptr + dst * bn, k.ptr + src * bn, n * bn)
+                self.stream.copy_on_device(v.ptr + dst * bn, v.ptr + src * bn, n * bn)
+
+    def close(self) -> None:
+        """Wait for queued copies, then unregister and free everything (idempotent)."""
+        if self.stream.handle is not None and (self.device or self.host):
+            self.stream.synchronize()
+        for array in self.arrays:
+            kv_registry.unregister_device(array)
+        for k, v in self.device:
+            k.close()
+            v.close()
+        for hk, hv in self.host:
+            hk.close()
+            hv.close()
+        self.arrays, self.device, self.host = [], [], []
