@@ -16,7 +16,7 @@ from kvflow.build.engine_config import BuildLimits, EngineConfig
 from kvflow.build.profile import INPUT_DTYPES, profile_shapes
 from kvflow.kv_manager import KVCacheManager
 from kvflow.model.config import ModelConfig
-from kvflow.runtime.cuda_kv_pool import block_runs
+from kvflow.runtime.cuda_kv_pool import block_runs, copies_in_order_are_safe
 from kvflow.runtime.step_builder import SeqChunk, build_step
 from kvflow.runtime.tensorrt_buffers import ALIGNMENT, STEP_INPUTS, plan_buffers, unpack
 
@@ -103,6 +103,31 @@ def test_block_copies_merge_runs_of_consecutive_blocks_but_never_overlapping_one
     # (1 -> 2, 2 -> 3) as one copy would read block 2 while writing it.
     assert block_runs([(1, 2), (2, 3)]) == [(1, 2, 1), (2, 3, 1)]
     assert block_runs([]) == []
+    # Between the device pool and the swap space the same block numbers never overlap.
+    assert block_runs([(1, 1), (2, 2), (3, 3)], same_pool=False) == [(1, 1, 3)]
+
+
+def test_block_copies_in_order_are_safe_unless_a_destination_is_also_a_source():
+    """The host pool reads every source first; the device pool copies in order where that
+    gives the same result, and stages the sources through host memory where it would not."""
+
+    def in_order(pairs, blocks):
+        for src, dst in pairs:
+            blocks[dst] = blocks[src]
+        return blocks
+
+    def sources_first(pairs, blocks):
+        src, dst = zip(*pairs, strict=True)
+        blocks[list(dst)] = blocks[list(src)]
+        return blocks
+
+    for pairs in ([(1, 5), (2, 6), (3, 7)], [(1, 5), (2, 6), (5, 7)], [(1, 2), (2, 1)],
+                  [(4, 10), (5, 11)]):
+        same = (in_order(pairs, np.arange(12)) == sources_first(pairs, np.arange(12))).all()
+        if copies_in_order_are_safe(pairs):
+            assert same, pairs
+    assert not copies_in_order_are_safe([(1, 5), (2, 6), (5, 7)])  # 7 would get old 1
+    assert not copies_in_order_are_safe([(1, 2), (2, 1)])  # a swap
 
 
 # --- cuda-python's real bindings, on a machine without a GPU ----------------------------------
@@ -134,6 +159,20 @@ def test_cuda_python_is_installed():
 def test_every_cuda_allocation_without_a_gpu_says_no_cuda_device(call):
     with pytest.raises(cuda.NoCudaDevice, match="no CUDA device: cuda"):
         call()
+
+
+def test_closing_frees_everything_even_after_an_error_then_raises_the_first():
+    closed = []
+
+    def fail(name):
+        def close():
+            closed.append(name)
+            raise cuda.CudaError("cudaFree", "cudaErrorIllegalAddress", name)
+        return close
+
+    with pytest.raises(cuda.CudaError, match="first"):
+        cuda.close_all([fail("first"), lambda: closed.append("b"), fail("second")])
+    assert closed == ["first", "b", "second"]
 
 
 def test_cuda_errors_are_raised_with_their_names():

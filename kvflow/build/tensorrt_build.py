@@ -39,7 +39,9 @@ def network_report(network: Any) -> dict[str, Any]:
     from polygraphy.backend.trt import util as trt_util
 
     layers = [network.get_layer(i) for i in range(network.num_layers)]
-    plugin_types = {trt.LayerType.PLUGIN, trt.LayerType.PLUGIN_V2, trt.LayerType.PLUGIN_V3}
+    # NOTE: by name: a TensorRT release may drop the older plugin layer types.
+    plugin_types = {getattr(trt.LayerType, t) for t in ("PLUGIN", "PLUGIN_V2", "PLUGIN_V3")
+                    if hasattr(trt.LayerType, t)}
     plugins = [layer for layer in layers if layer.type in plugin_types]
     _, inputs = trt_util.get_network_input_names_meta(network)
     _, outputs = trt_util.get_network_output_names_meta(network)

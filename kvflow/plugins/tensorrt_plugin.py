@@ -99,7 +99,7 @@ def pool_tensor(addr: int) -> torch.Tensor:
         return pool
     cached = _pool_views.get(addr)
     if cached is None or cached[0] is not pool:
-        view = torch.as_tensor(pool, device="cuda")  # through __cuda_array_interface__
+        view = torch.as_tensor(pool)  # through __cuda_array_interface__, on its own device
         if pool.kv_cache_dtype == "bf16":
             view = view.view(torch.bfloat16)
         cached = _pool_views[addr] = (pool, view)

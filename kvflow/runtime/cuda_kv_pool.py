@@ -11,26 +11,37 @@ runs of consecutive blocks move in one copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from kvflow.plugins import kv_registry
 from kvflow.runtime.base import KV_CACHE_DTYPE_BYTES
-from kvflow.runtime.cuda_runtime import DeviceBuffer, PinnedBuffer, Stream
+from kvflow.runtime.cuda_runtime import DeviceBuffer, PinnedBuffer, Stream, close_all
 
 
-def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+def block_runs(pairs: list[tuple[int, int]], same_pool: bool = True
+               ) -> list[tuple[int, int, int]]:
     """``(src, dst)`` block pairs as ``(src, dst, count)`` runs of consecutive blocks, in the
-    pairs' order: each run is one copy. A run never has its source and destination ranges
-    overlap (a copy within one pool could then read what it wrote)."""
+    pairs' order: each run is one copy. Within one pool (``same_pool``) a run never has its
+    source and destination ranges overlap (the copy could read what it wrote)."""
     runs: list[tuple[int, int, int]] = []
     for src, dst in pairs:
         if runs:
             s, d, n = runs[-1]
-            if src == s + n and dst == d + n and (d >= s + n + 1 or s >= d + n + 1):
+            apart = not same_pool or d >= s + n + 1 or s >= d + n + 1
+            if src == s + n and dst == d + n and apart:
                 runs[-1] = (s, d, n + 1)
                 continue
         runs.append((int(src), int(dst), 1))
     return runs
+
+
+def copies_in_order_are_safe(pairs: list[tuple[int, int]]) -> bool:
+    """Whether copying ``pairs`` one after another gives what reading every source first
+    gives (the host pool's semantics): no destination is also a source. Copy on write asks
+    for such copies; the pool stages any others through host memory."""
+    return not {d for _, d in pairs} & {s for s, _ in pairs}
 
 
 class CudaKVPool:
@@ -70,40 +81,62 @@ class CudaKVPool:
                              dtype=np.int64).reshape(num_layers, 2)
         self.nbytes = 2 * num_layers * num_blocks * self.block_nbytes
 
+    def _swap_space(self) -> None:
+        if not self.host:
+            raise RuntimeError("this KV pool has no swap space (num_host_blocks=0)" if self.device
+                               else "this KV pool is closed")
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """``(device_block, host_block)`` copies, every layer, K and V."""
+        self._swap_space()
         bn = self.block_nbytes
         for (k, v), (hk, hv) in zip(self.device, self.host, strict=True):
-            for src, dst, n in block_runs(pairs):
+            for src, dst, n in block_runs(pairs, same_pool=False):
                 self.stream.copy_to_host(hk.ptr + dst * bn, k.ptr + src * bn, n * bn)
                 self.stream.copy_to_host(hv.ptr + dst * bn, v.ptr + src * bn, n * bn)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """``(host_block, device_block)`` copies, every layer, K and V."""
+        self._swap_space()
         bn = self.block_nbytes
         for (k, v), (hk, hv) in zip(self.device, self.host, strict=True):
-            for src, dst, n in block_runs(pairs):
+            for src, dst, n in block_runs(pairs, same_pool=False):
                 self.stream.copy_to_device(k.ptr + dst * bn, hk.ptr + src * bn, n * bn)
                 self.stream.copy_to_device(v.ptr + dst * bn, hv.ptr + src * bn, n * bn)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """``(src, dst)`` device-block copies, every layer, K and V (destinations distinct)."""
+        """``(src, dst)`` device-block copies, every layer, K and V, with the host pool's
+        meaning: every source is read before any destination is written."""
+        if not self.device:
+            raise RuntimeError("this KV pool is closed")
         bn = self.block_nbytes
-        for k, v in self.device:
-            for src, dst, n in block_runs(pairs):
-                self.stream.copy_on_device(k.ptr + dst * bn, k.ptr + src * bn, n * bn)
-                self.stream.copy_on_device(v.ptr + dst * bn, v.ptr + src * bn, n * bn)
+        if copies_in_order_are_safe(pairs):
+            for k, v in self.device:
+                for src, dst, n in block_runs(pairs):
+                    self.stream.copy_on_device(k.ptr + dst * bn, k.ptr + src * bn, n * bn)
+                    self.stream.copy_on_device(v.ptr + dst * bn, v.ptr + src * bn, n * bn)
+            return
+        # A destination is also a source: stage every source through host memory first (the
+        # stream runs the copies in order, so each buffer's reads finish before its writes).
+        staging = PinnedBuffer(len(pairs) * bn)
+        try:
+            for buf in (b for pair in self.device for b in pair):
+                for i, (src, _) in enumerate(pairs):
+                    self.stream.copy_to_host(staging.ptr + i * bn, buf.ptr + src * bn, bn)
+                for i, (_, dst) in enumerate(pairs):
+                    self.stream.copy_to_device(buf.ptr + dst * bn, staging.ptr + i * bn, bn)
+            self.stream.synchronize()
+        finally:
+            staging.close()
 
     def close(self) -> None:
-        """Wait for queued copies, then unregister and free everything (idempotent)."""
-        if self.stream.handle is not None and (self.device or self.host):
-            self.stream.synchronize()
+        """Wait for queued copies, then unregister and free everything (idempotent). Frees
+        all it can even after a CUDA error, then raises the first."""
         for array in self.arrays:
             kv_registry.unregister_device(array)
-        for k, v in self.device:
-            k.close()
-            v.close()
-        for hk, hv in self.host:
-            hk.close()
-            hv.close()
+        steps: list[Callable[[], None]] = [self.stream.synchronize] if (
+            self.stream.handle is not None and (self.device or self.host)) else []
+        steps += [buf.close for pair in self.device for buf in pair]
+        steps += [buf.close for pinned in self.host for buf in pinned]
         self.arrays, self.device, self.host = [], [], []
+        close_all(steps)

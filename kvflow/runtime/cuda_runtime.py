@@ -14,6 +14,7 @@ pinned host buffers, a stream and an event.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,8 @@ except ImportError:  # cuda-python older than 12.6, or not installed
 # Errors that mean "this machine has no GPU kvflow can use", whatever call met them first.
 _NO_DEVICE_ERRORS = ("cudaErrorNoDevice", "cudaErrorInsufficientDriver",
                      "cudaErrorInitializationError", "cudaErrorCompatNotSupportedOnDevice",
-                     "cudaErrorSystemDriverMismatch")
+                     "cudaErrorSystemDriverMismatch", "cudaErrorStubLibrary",
+                     "cudaErrorDevicesUnavailable")
 
 
 class CudaError(RuntimeError):
@@ -70,6 +72,19 @@ def check(call: str, result: tuple[Any, ...]) -> Any:
     return values[0] if len(values) == 1 else tuple(values)
 
 
+def close_all(closers: list[Callable[[], None]]) -> None:
+    """Call every closer, even after one fails (a sticky CUDA error fails them all); then
+    raise the first error."""
+    first: BaseException | None = None
+    for close in closers:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001  free the rest, then report
+            first = first or e
+    if first is not None:
+        raise first
+
+
 def device_count() -> int:
     """CUDA devices visible to this process; raises :class:`NoCudaDevice` when there are none."""
     rt = require_cuda_python()
@@ -107,11 +122,16 @@ class PinnedBuffer:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = int(nbytes)
         self.ptr = int(check("cudaMallocHost", cudart.cudaMallocHost(max(self.nbytes, 1))))
-        self.array = np.ctypeslib.as_array(
-            (ctypes.c_uint8 * max(self.nbytes, 1)).from_address(self.ptr))
+        try:
+            self.array = np.ctypeslib.as_array(
+                (ctypes.c_uint8 * max(self.nbytes, 1)).from_address(self.ptr))
+        except BaseException:
+            self.close()
+            raise
 
     def view(self, dtype: np.dtype | type, shape: tuple[int, ...]) -> np.ndarray:
-        """The first ``prod(shape)`` elements of ``dtype``, as an array over this memory."""
+        """The first ``prod(shape)`` elements of ``dtype``, as an array over this memory.
+        NOTE: the array does not keep the memory alive: copy what must outlive ``close()``."""
         count = int(np.prod(shape))
         return self.array[: count * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
 
@@ -169,5 +189,5 @@ class Stream:
     def close(self) -> None:
         if self.handle is not None:
             handle, event, self.handle, self._event = self.handle, self._event, None, None
-            check("cudaEventDestroy", cudart.cudaEventDestroy(event))
-            check("cudaStreamDestroy", cudart.cudaStreamDestroy(handle))
+            close_all([lambda: check("cudaEventDestroy", cudart.cudaEventDestroy(event)),
+                       lambda: check("cudaStreamDestroy", cudart.cudaStreamDestroy(handle))])

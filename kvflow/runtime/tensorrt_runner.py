@@ -59,6 +59,7 @@ class TensorRTRunner(PoolRunner):
         self._owned: list[Any] = []  # what close() frees, in reverse order
         self._stream: cuda.Stream | None = None
         self._ptrs_bound = 0
+        self._device = device
         cuda.use_device(device)  # without a GPU: NoCudaDevice, here
         plan_path = Path(engine_dir) / engine.files.get("plan", PLAN_FILE)
         if not plan_path.is_file():
@@ -84,6 +85,9 @@ class TensorRTRunner(PoolRunner):
                                "TensorRT or GPU?)")
         check_engine_io(self._engine, self.plan, plan_path, trt)
         self._context = self._engine.create_execution_context()
+        if self._context is None:
+            raise RuntimeError(f"TensorRT could not create an execution context for "
+                               f"{plan_path} (out of device memory?)")
         self._stream = self._own(cuda.Stream())
         plan = self.plan
         self._staging_host = self._own(cuda.PinnedBuffer(plan.staging_nbytes))
@@ -131,7 +135,11 @@ class TensorRTRunner(PoolRunner):
             for i in range(0, num_logits, most)])
 
     def _execute(self, step: StepInput) -> np.ndarray:
-        assert self._stream is not None
+        if self._stream is None:
+            raise RuntimeError("the tensorrt runner is closed")
+        # The engine may step on another thread than the one that built the runner; the
+        # current device is per thread.
+        cuda.check("cudaSetDevice", cuda.cudart.cudaSetDevice(self._device))
         packed = self.plan.pack(step, self._staging_host.array)
         self._stream.copy_to_device(self._staging.ptr, self._staging_host.ptr, packed.nbytes)
         for name, shape in packed.shapes.items():
@@ -143,33 +151,51 @@ class TensorRTRunner(PoolRunner):
                 raise RuntimeError("TensorRT failed to run the step (see its log above)")
         vocab = self.plan.logits.max_shape[1]
         rows = len(step.logits_indices)  # none for a step of middle prefill chunks
-        self._stream.copy_to_host(self._logits_host.ptr, self._logits.ptr, rows * vocab * 4)
+        self._stream.copy_to_host(self._logits_host.ptr, self._logits.ptr,
+                                  rows * vocab * self.plan.logits.dtype.itemsize)
         self._stream.synchronize()
         return self._logits_host.view(np.float32, (rows, vocab)).copy()
 
     def close(self) -> None:
-        """Free the pool, the buffers and the stream (idempotent)."""
+        """Free the pool, the buffers and the stream (idempotent). Everything is freed even
+        after a CUDA error; then the first error is raised."""
         if self._ptrs_bound:
             self._plugin.unbind_pool_addresses(self._ptrs_bound)
             self._ptrs_bound = 0
-        if self._stream is not None and self._stream.handle is not None:
-            self._stream.synchronize()
-        for resource in reversed(self._owned):
-            resource.close()
+        stream, self._stream = self._stream, None
+        closers = [stream.synchronize] if stream is not None and stream.handle is not None \
+            else []
+        closers += [resource.close for resource in reversed(self._owned)]
         self._owned = []
+        # The context and the engine go before the memory they were given.
+        self._context = self._engine = self._runtime = None
+        cuda.close_all(closers)
 
 
 def check_engine_io(engine: trt.ICudaEngine, plan: BufferPlan, plan_path: Path,
                     trt: Any) -> None:
-    """Refuse a plan whose inputs or logits differ from the I/O contract in type, or whose
-    profile differs from the build limits the engine folder states."""
+    """Refuse a plan whose I/O tensors differ from the I/O contract in name, type or (the
+    logits') vocabulary, or whose profile differs from the build limits the engine folder
+    states."""
     slots: list[TensorSlot] = [*plan.inputs.values(), plan.kv_cache_ptrs, plan.logits]
+    names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
+    if names != {slot.name for slot in slots}:
+        raise RuntimeError(f"{plan_path}: the engine's I/O tensors are {sorted(names)}; the "
+                           f"I/O contract's are {sorted(slot.name for slot in slots)}")
     for slot in slots:
-        dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(slot.name)))
+        trt_dtype = engine.get_tensor_dtype(slot.name)
+        try:
+            dtype = np.dtype(trt.nptype(trt_dtype))
+        except TypeError:  # no NumPy type (bf16, fp8): not the contract's either
+            dtype = None
         if dtype != slot.dtype:
-            raise RuntimeError(f"{plan_path}: engine tensor {slot.name} is {dtype}; the I/O "
-                               f"contract says {slot.dtype}")
+            raise RuntimeError(f"{plan_path}: engine tensor {slot.name} is {trt_dtype}; the "
+                               f"I/O contract says {slot.dtype}")
         if slot is plan.logits:
+            shape = engine.get_tensor_shape(slot.name)
+            if len(shape) != 2 or shape[1] != slot.max_shape[1]:
+                raise RuntimeError(f"{plan_path}: the engine's logits are {shape}; the engine "
+                                   f"folder says [num_logits, {slot.max_shape[1]}]")
             continue
         dims = engine.get_tensor_profile_shape(slot.name, 0)[2]
         most = tuple(int(dims[i]) for i in range(len(dims)))
