@@ -10,8 +10,10 @@ ENGINE ?= engines/smollm2-135m
 TRITON_VERSION ?= 3.9.0
 TRT_STUBS_VERSION ?= 10.13.0.35.1
 TRT_STUBS := $(VENV)/trt-stubs
+# The TensorRT path: checked against tensorrt-stubs, with the cuda-python code it runs on.
 TENSORRT_CODE := kvflow/build/tensorrt_build.py kvflow/runtime/tensorrt_runner.py \
-                 kvflow/plugins/tensorrt_plugin.py
+                 kvflow/plugins/tensorrt_plugin.py kvflow/runtime/cuda_runtime.py \
+                 kvflow/runtime/cuda_kv_pool.py kvflow/runtime/tensorrt_buffers.py
 
 .PHONY: install test lint typecheck prometheus dynamo browser cluster serve engine bench-step clean
 
@@ -61,6 +63,8 @@ lint: install
 	$(VENV)/bin/ruff check kvflow tests benchmarks model_repository
 
 # The TensorRT glue against its stubs (in a folder of their own), then all the rest of kvflow.
+# cuda-python (cuda.bindings) and Polygraphy ship no type information: the tests run their
+# calls instead (tests/test_tensorrt_runner_cpu.py up to the device; test_check_engine.py).
 typecheck: install $(TRT_STUBS)/.patched
 	MYPYPATH=$(TRT_STUBS) $(VENV)/bin/mypy $(TENSORRT_CODE)
 	$(VENV)/bin/mypy kvflow --exclude '^kvflow/(build/tensorrt_build|runtime/tensorrt_runner|plugins/tensorrt_plugin)\.py$$'
