@@ -2,7 +2,8 @@
 
 An engine folder holds everything a server needs: ``engine_config.json`` (model shape, backend,
 dtype, limits), the tokenizer and its chat template, and the backend's artifact: ``model.onnx`` +
-``model.onnx.data`` (onnxruntime), ``weights.safetensors`` (torch), or ``model.plan`` (tensorrt).
+``model.onnx.data`` (onnxruntime), ``weights.safetensors`` (torch), or ``model.plan`` (tensorrt);
+and ``build_report.json``, what Polygraphy sees in the artifact (:mod:`kvflow.build.report`).
 """
 
 from __future__ import annotations
