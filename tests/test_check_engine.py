@@ -19,6 +19,7 @@ from onnx import numpy_helper  # noqa: E402
 
 from kvflow.build.check_engine import check_engine, record_steps  # noqa: E402
 from kvflow.build.engine_config import EngineConfig  # noqa: E402
+from kvflow.build.export import save_graph  # noqa: E402
 
 MODEL = "llama-gqa4"
 
@@ -29,9 +30,7 @@ def corrupt_weights(engine_dir, out):
     model = onnx.load(str(out / "model.onnx"))
     (init,) = [t for t in model.graph.initializer if "layers.1" in t.name and "o_proj" in t.name]
     init.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(init), init.name))
-    (out / "model.onnx.data").unlink()
-    onnx.save_model(model, str(out / "model.onnx"), save_as_external_data=True,
-                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
+    save_graph(model, out / "model.onnx")
     return out
 
 

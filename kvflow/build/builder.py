@@ -8,7 +8,6 @@ and ``build_report.json``, what Polygraphy sees in the artifact (:mod:`kvflow.bu
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from kvflow.build.engine_config import (
     EngineConfigError,
     checkpoint_source,
 )
-from kvflow.build.report import PLUGIN_OP, write_report
+from kvflow.build.report import PLUGIN_OP, REPORT_FILE, write_report
 
 if TYPE_CHECKING:
     from kvflow.model.loader import Checkpoint
@@ -150,7 +149,8 @@ def build_engine(
                  if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
         save_file(state, str(out / "weights.safetensors"))
         files["weights"] = "weights.safetensors"
-        files["report"] = write_report(out, limits, cfg, backend, dtype).name
+        write_report(out, limits, cfg, backend, dtype)
+        files["report"] = REPORT_FILE
     else:
         from kvflow.model.llama import LlamaForCausalLM
 
@@ -185,7 +185,7 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
     random weights."""
     import torch
 
-    from kvflow.build.export import export_onnx
+    from kvflow.build.export import export_onnx, save_graph
 
     net = net.to(getattr(torch, engine.dtype)).eval()
     export_onnx(net, engine.limits.block_size, out / "model.onnx")
@@ -197,10 +197,7 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
 
         model = onnx.load(str(out / "model.onnx"))
         report = quantize_graph(model, quantized)
-        (out / "model.onnx.data").unlink()
-        onnx.save_model(model, str(out / "model.onnx"), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location="model.onnx.data",
-                        size_threshold=1024)
+        save_graph(model, out / "model.onnx")
         schemes = ", ".join(f"{n} {s}" for s, n in report.schemes.most_common())
         progress(f"      quantized weights: {schemes} layers, {report.fp32_bytes / 1e6:.0f} MB "
                  f"-> {report.quantized_bytes / 1e6:.0f} MB")
@@ -222,10 +219,9 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
         network = build_plan(out / "model.onnx", out / "model.plan", engine.limits,
                              engine.model)
         files["plan"] = "model.plan"
-    report_path = write_report(out, engine.limits, engine.model, engine.backend, engine.dtype,
-                               out / "model.onnx", network, extra)
-    onnx_part = json.loads(report_path.read_text())["onnx"]
-    progress(f"      {report_path.name}: {onnx_part['num_layers']} ONNX nodes, "
+    onnx_part = write_report(out, engine.limits, engine.model, engine.backend, engine.dtype,
+                             out / "model.onnx", network, extra)["onnx"]
+    progress(f"      {REPORT_FILE}: {onnx_part['num_layers']} ONNX nodes, "
              f"{onnx_part['num_plugins']} {PLUGIN_OP} (polygraphy inspect model)")
-    files["report"] = report_path.name
+    files["report"] = REPORT_FILE
     return files

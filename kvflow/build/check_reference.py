@@ -117,12 +117,12 @@ def fp32_engine(engine_dir: Path, engine: EngineConfig, out: Path) -> Path:
     (:func:`upcast_to_fp32`)."""
     import onnx
 
+    from kvflow.build.export import save_graph
+
     model = onnx.load(str(engine_dir / engine.files.get("onnx", "model.onnx")))
     upcast_to_fp32(model)
     out.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(model, str(out / "model.onnx"), save_as_external_data=True,
-                    all_tensors_to_one_file=True, location="model.onnx.data",
-                    size_threshold=1024)
+    save_graph(model, out / "model.onnx")
     dataclasses.replace(engine, backend="onnxruntime", dtype="float32",
                         files={"onnx": "model.onnx", "onnx_data": "model.onnx.data"}).save(out)
     return out

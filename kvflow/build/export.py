@@ -79,3 +79,12 @@ def export_onnx(model: LlamaForCausalLM, block_size: int, out_path: Path) -> onn
             f"{model.config.num_hidden_layers}"
         )
     return graph
+
+
+def save_graph(model: onnx.ModelProto, out_path: Path) -> None:
+    """Write ``model`` as an exported engine graph is laid out: ``out_path`` and its weights in
+    one external file beside it (``<name>.data``, replaced if present)."""
+    data = out_path.with_name(out_path.name + ".data")
+    data.unlink(missing_ok=True)
+    onnx.save_model(model, str(out_path), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=data.name, size_threshold=1024)

@@ -90,18 +90,19 @@ def weights_report(path: Path) -> dict[str, Any]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="numpy") as f:
+        names = list(f.keys())  # noqa: SIM118  (a safe_open handle, not a dict)
         dtypes = Counter(_SAFETENSORS_DTYPES.get(f.get_slice(k).get_dtype(), "other")
-                         for k in f.keys())  # noqa: SIM118
-        num = len(list(f.keys()))  # noqa: SIM118
-    return {"file": path.name, "num_weights": num, "weight_dtypes": dict(dtypes.most_common())}
+                         for k in names)
+    return {"file": path.name, "num_weights": len(names),
+            "weight_dtypes": dict(dtypes.most_common())}
 
 
 def write_report(out: Path, limits: BuildLimits, cfg: ModelConfig, backend: str,
                  dtype: str, onnx_path: Path | None = None,
                  network: dict[str, Any] | None = None, extra: dict[str, Any] | None = None
-                 ) -> Path:
-    """Write ``out/build_report.json``: of the ONNX graph at ``onnx_path`` (else of
-    ``weights.safetensors``); ``network``: the TensorRT network's inspection."""
+                 ) -> dict[str, Any]:
+    """Write ``out/build_report.json`` and return it: of the ONNX graph at ``onnx_path``
+    (else of ``weights.safetensors``); ``network``: the TensorRT network's inspection."""
     report: dict[str, Any] = {
         "backend": backend, "dtype": dtype,
         "limits": {"max_model_len": limits.max_model_len,
@@ -116,6 +117,5 @@ def write_report(out: Path, limits: BuildLimits, cfg: ModelConfig, backend: str,
     if network is not None:
         report["tensorrt"] = network
     report.update(extra or {})
-    path = out / REPORT_FILE
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return report

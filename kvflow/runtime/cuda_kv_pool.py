@@ -11,7 +11,7 @@ runs of consecutive blocks move in one copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -86,36 +86,37 @@ class CudaKVPool:
             raise RuntimeError("this KV pool has no swap space (num_host_blocks=0)" if self.device
                                else "this KV pool is closed")
 
+    def _copy_runs(self, pairs: list[tuple[int, int]], copy: Callable[[int, int, int], None],
+                   srcs: Sequence[Sequence[DeviceBuffer | PinnedBuffer]],
+                   dsts: Sequence[Sequence[DeviceBuffer | PinnedBuffer]]) -> None:
+        """Queue ``copy(dst, src, nbytes)`` for each run of ``pairs``, from each layer's K and
+        V in ``srcs`` to its K and V in ``dsts`` (the same list: a copy within one pool)."""
+        bn = self.block_nbytes
+        runs = block_runs(pairs, same_pool=srcs is dsts)
+        for src_kv, dst_kv in zip(srcs, dsts, strict=True):
+            for s, d in zip(src_kv, dst_kv, strict=True):
+                for src, dst, n in runs:
+                    copy(d.ptr + dst * bn, s.ptr + src * bn, n * bn)
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """``(device_block, host_block)`` copies, every layer, K and V."""
         self._swap_space()
-        bn = self.block_nbytes
-        for (k, v), (hk, hv) in zip(self.device, self.host, strict=True):
-            for src, dst, n in block_runs(pairs, same_pool=False):
-                self.stream.copy_to_host(hk.ptr + dst * bn, k.ptr + src * bn, n * bn)
-                self.stream.copy_to_host(hv.ptr + dst * bn, v.ptr + src * bn, n * bn)
+        self._copy_runs(pairs, self.stream.copy_to_host, self.device, self.host)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """``(host_block, device_block)`` copies, every layer, K and V."""
         self._swap_space()
-        bn = self.block_nbytes
-        for (k, v), (hk, hv) in zip(self.device, self.host, strict=True):
-            for src, dst, n in block_runs(pairs, same_pool=False):
-                self.stream.copy_to_device(k.ptr + dst * bn, hk.ptr + src * bn, n * bn)
-                self.stream.copy_to_device(v.ptr + dst * bn, hv.ptr + src * bn, n * bn)
+        self._copy_runs(pairs, self.stream.copy_to_device, self.host, self.device)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """``(src, dst)`` device-block copies, every layer, K and V, with the host pool's
         meaning: every source is read before any destination is written."""
         if not self.device:
             raise RuntimeError("this KV pool is closed")
-        bn = self.block_nbytes
         if copies_in_order_are_safe(pairs):
-            for k, v in self.device:
-                for src, dst, n in block_runs(pairs):
-                    self.stream.copy_on_device(k.ptr + dst * bn, k.ptr + src * bn, n * bn)
-                    self.stream.copy_on_device(v.ptr + dst * bn, v.ptr + src * bn, n * bn)
+            self._copy_runs(pairs, self.stream.copy_on_device, self.device, self.device)
             return
+        bn = self.block_nbytes
         # A destination is also a source: stage every source through host memory first (the
         # stream runs the copies in order, so each buffer's reads finish before its writes).
         staging = PinnedBuffer(len(pairs) * bn)
