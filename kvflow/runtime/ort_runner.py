@@ -128,6 +128,12 @@ class OnnxRuntimeRunner(PoolRunner):
         variants = [(1 << 62, quantized and quantized_matmul == "int8")]
         if quantized and quantized_matmul == "auto" and library is not None:
             variants = [(AUTO_INT8_MAX_TOKENS, True), (1 << 62, False)]
+        limits = engine.limits
+        max_step = ort_threads.max_step_tokens(limits.max_model_len, limits.max_num_tokens,
+                                               limits.max_batch_size)
+        # A variant for steps larger than the engine can run would never be used.
+        variants = [v for i, v in enumerate(variants) if i == 0 or variants[i - 1][0] < max_step]
+        variants[-1] = (1 << 62, variants[-1][1])
         exported = onnx.load(str(path))
         self._variants: list[tuple[int, ThreadPolicy, dict[ThreadSetting, Executor]]] = []
         self.fusions: list[FusionReport] = []  # each variant's, in variant order
@@ -152,7 +158,8 @@ class OnnxRuntimeRunner(PoolRunner):
                 opts = session_options(setting.threads, setting.spinning, int8, library)
                 return executor_cls(model, opts)
 
-            probes = [t for t in ort_threads.PROBE_TOKENS if low <= t <= max_tokens] or [low]
+            probes = [t for t in ort_threads.probe_sizes(max_step)
+                      if low <= t <= max_tokens] or [low]
             policy, executors = self._thread_policy(path, threads, make, probes, int8,
                                                     kv_dtype, fusion)
             self._variants.append((max_tokens, policy, executors))
@@ -168,9 +175,12 @@ class OnnxRuntimeRunner(PoolRunner):
         if threads is not None:
             setting = ThreadSetting(threads, False)
             return ThreadPolicy.fixed(setting), {setting: make(setting)}
+        limits = self.engine.limits
         key = ort_threads.cache_key(path, attention=self.attention, int8=int8,
                                     kv_dtype=str(kv_dtype), probes=probes,
-                                    fusion=fusion.summary())
+                                    fusion=fusion.summary(),
+                                    max_model_len=limits.max_model_len,
+                                    max_batch_size=limits.max_batch_size)
         policy = ort_threads.cached_policy(key)
         if policy is not None:
             return policy, {s: make(s) for s in policy.settings}
@@ -185,25 +195,21 @@ class OnnxRuntimeRunner(PoolRunner):
         return policy, executors
 
     def _probe_feeds(self, tokens: int) -> dict[str, np.ndarray]:
-        """A step of ``tokens`` tokens that writes nothing and reads only the null block:
-        ``tokens`` decoding sequences of 128 tokens each, or (past 64) one prefill chunk."""
-        bs = self.block_size
-        if tokens <= 64:
-            seqs, context = tokens, 128
-            positions = np.full(tokens, context - 1, np.int64)
-            logits = np.arange(seqs, dtype=np.int64)
-        else:
-            seqs, context = 1, tokens
-            positions = np.arange(tokens, dtype=np.int64)
-            logits = np.array([tokens - 1], np.int64)
-        q_lens = np.full(seqs, tokens // seqs, np.int32)
+        """A step of ``tokens`` tokens that writes nothing and reads only the null block, laid
+        out within the engine's limits (:func:`~kvflow.runtime.ort_threads.probe_layout`)."""
+        limits = self.engine.limits
+        seqs = ort_threads.probe_layout(tokens, limits.max_model_len, limits.max_batch_size)
+        positions = np.concatenate([np.arange(s.context - s.new_tokens, s.context)
+                                    for s in seqs]).astype(np.int64)
+        query_start_loc = np.concatenate([[0], np.cumsum([s.new_tokens for s in seqs])])
+        width = -(-max(s.context for s in seqs) // self.block_size)
         return self._feeds(StepInput(
             input_ids=np.zeros(tokens, np.int64), positions=positions,
             slot_mapping=np.full(tokens, -1, np.int64),
-            block_tables=np.zeros((seqs, -(-context // bs)), np.int32),
-            seq_lens=np.full(seqs, context, np.int32),
-            query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-            logits_indices=logits))
+            block_tables=np.zeros((len(seqs), width), np.int32),
+            seq_lens=np.array([s.context for s in seqs], np.int32),
+            query_start_loc=query_start_loc.astype(np.int32),
+            logits_indices=(query_start_loc[1:] - 1).astype(np.int64)))
 
     def _feeds(self, step: StepInput) -> dict[str, np.ndarray]:
         return {"input_ids": step.input_ids, "positions": step.positions,

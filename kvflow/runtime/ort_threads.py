@@ -35,10 +35,52 @@ from kvflow import envs
 from kvflow.runtime.ort_sessions import Executor
 
 # Step sizes (tokens) measured: decode batches of 1, 8 and 64 sequences, and a 256-token
-# prefill chunk.
+# prefill chunk; each clamped to what the engine can run (probe_sizes).
 PROBE_TOKENS = (1, 8, 64, 256)
+DECODE_PROBE_MAX_TOKENS = 64  # probes up to this size are decode batches, larger ones prefills
+DECODE_PROBE_CONTEXT = 128  # a decode probe's sequence length, unless the window is shorter
 KEEP_WITHIN = 0.05
 _ROUNDS = 3
+
+
+def max_step_tokens(max_model_len: int, max_num_tokens: int, max_batch_size: int) -> int:
+    """The largest step an engine of these limits can be handed: ``max_num_tokens``, unless
+    ``max_batch_size`` sequences of ``max_model_len`` tokens are fewer."""
+    return min(max_num_tokens, max_model_len * max_batch_size)
+
+
+def probe_sizes(max_tokens: int) -> tuple[int, ...]:
+    """:data:`PROBE_TOKENS` clamped to ``max_tokens`` (the largest step that can happen), so
+    that a small engine measures its own largest step rather than one it never runs."""
+    return tuple(dict.fromkeys(min(t, max_tokens) for t in PROBE_TOKENS))
+
+
+@dataclass(frozen=True)
+class ProbeSequence:
+    """One sequence of a probe step: ``new_tokens`` at the end of ``context`` tokens."""
+
+    new_tokens: int
+    context: int
+
+
+def probe_layout(tokens: int, max_model_len: int, max_batch_size: int) -> list[ProbeSequence]:
+    """The sequences of a probe step of ``tokens`` tokens within the engine's limits.
+
+    Up to :data:`DECODE_PROBE_MAX_TOKENS` a decode batch: one new token per sequence at
+    position ``min(128, max_model_len) - 1`` (more per sequence if ``max_batch_size`` is
+    smaller). Beyond, a prefill chunk from position 0, in as few sequences as the window allows.
+    NOTE: no position reaches ``max_model_len``: the graph's RoPE tables end there, and ORT's
+    Gather fails past them.
+    """
+    decode = tokens <= DECODE_PROBE_MAX_TOKENS
+    seqs = min(tokens, max_batch_size) if decode else -(-tokens // max_model_len)
+    if tokens < 1 or seqs > max_batch_size or tokens > seqs * max_model_len:
+        raise ValueError(f"a probe step of {tokens} tokens does not fit max_model_len "
+                         f"{max_model_len} x max_batch_size {max_batch_size}")
+    new = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+    if decode:
+        return [ProbeSequence(n, min(max(DECODE_PROBE_CONTEXT, n), max_model_len)) for n in new]
+    return [ProbeSequence(n, n) for n in new]
 
 
 @dataclass(frozen=True)
