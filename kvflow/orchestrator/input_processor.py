@@ -9,18 +9,28 @@ the steps of the requests already running. :meth:`LLMEngine.add_request
 
 Oversized text is refused before any expensive work, by its length: no token of the vocabulary
 covers more than :attr:`InputProcessor.max_token_chars` characters, so a text longer than that
-times ``max_model_len`` can never fit the context.
+times ``max_model_len`` can never fit the context. A chat counts every text its template renders:
+each message's content, name and tool calls, and each tool's name, description and parameters
+(as JSON). A request's prompt logprobs are bounded too, once its prompt is tokenized and before
+it takes any KV block: ``n`` x (``prompt_logprobs`` + 1) x prompt tokens entries at most
+(:data:`MAX_PROMPT_LOGPROB_ENTRIES`), what one response may carry.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, ErrorCode, RequestError
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.orchestrator.sampling.structured import Grammar, GrammarCompiler
 from kvflow.text.tokenizer import ChatPrompt, EngineTokenizer, Prompt, tokenize_prompt
+
+# Prompt logprob entries one request may ask for: n choices x (prompt_logprobs + 1: the top k
+# and the prompt's own token) x prompt tokens. About 60 bytes each as JSON: 64 MB a response.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,7 @@ class InputProcessor:
         self._check_length(prompt)
         prompt_ids = tokenize_prompt(self.tokenizer, prompt)
         self._check_token_ids(prompt_ids, params)
+        check_prompt_logprobs(len(prompt_ids), params)
         # Compiled (or found in the cache) before the scheduler sees the request: a bad schema
         # is refused here, having taken no KV block. One grammar state per sequence.
         grammars: list[Grammar | None] = [None] * params.n
@@ -97,16 +108,37 @@ class InputProcessor:
 
     def _check_length(self, prompt: Prompt) -> None:
         """Refuse text that cannot fit the context, before tokenizing or rendering it."""
+        self.check_text_length(prompt)
+
+    def check_text_length(self, prompt: Prompt) -> None:
+        """A ValueError, naming the field and the limit, if the text of ``prompt`` (a chat's
+        messages and tools together) is longer than :attr:`max_prompt_chars`: it cannot fit
+        the context whatever its tokens. Token ids pass (their count is checked elsewhere)."""
+        limit = self.max_prompt_chars
         if isinstance(prompt, str):
-            field, chars = "prompt", len(prompt)
-        elif isinstance(prompt, ChatPrompt):
-            field = "messages"
-            chars = sum(len(m["content"]) + len(m.get("name", "")) for m in prompt.messages)
-        else:
+            if len(prompt) > limit:
+                raise ValueError(self._too_long("prompt", len(prompt)))
             return
-        if chars > self.max_prompt_chars:
-            raise ValueError(
-                f"{field} is {chars} characters: more than max_model_len "
+        if not isinstance(prompt, ChatPrompt):
+            return
+        messages = sum(_message_chars(m) for m in prompt.messages)
+        tools = [len(t.name) + len(t.description) + _json_chars(t.parameters)
+                 for t in prompt.tools]
+        total = messages + sum(tools)
+        if total <= limit:
+            return
+        if sum(tools) <= messages:
+            raise ValueError(self._too_long("messages", messages, total))
+        for i, t in enumerate(prompt.tools):  # one description alone too long: named
+            if len(t.description) > limit:
+                raise ValueError(self._too_long(f"tools[{i}].function.description",
+                                                len(t.description), total))
+        raise ValueError(self._too_long("tools", sum(tools), total))
+
+    def _too_long(self, field: str, chars: int, total: int | None = None) -> str:
+        together = ("" if total is None or total == chars
+                    else f" ({total} with the rest of the prompt's messages and tools)")
+        return (f"{field} is {chars} characters{together}: more than max_model_len "
                 f"({self.max_model_len} tokens) can hold, as no token covers more than "
                 f"{self.max_token_chars} characters (the limit is {self.max_prompt_chars})")
 
@@ -121,6 +153,21 @@ class InputProcessor:
             check_in_vocab(prompt_ids, vocab, "prompt token {}")
 
 
+def check_prompt_logprobs(num_prompt_tokens: int, params: SamplingParams) -> None:
+    """A ValueError naming ``prompt_logprobs`` and ``n`` if the request's prompt logprobs
+    would be more than :data:`MAX_PROMPT_LOGPROB_ENTRIES` entries (module doc): refused
+    before any work, where a response of that size would cost the frontend gigabytes."""
+    if params.prompt_logprobs is None:
+        return
+    entries = params.n * (params.prompt_logprobs + 1) * num_prompt_tokens
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ValueError(
+            f"prompt_logprobs {params.prompt_logprobs} for {num_prompt_tokens} prompt tokens "
+            f"and n {params.n} is {entries} logprob entries (n x (prompt_logprobs + 1) x "
+            f"prompt tokens); the limit is {MAX_PROMPT_LOGPROB_ENTRIES}: lower n or "
+            "prompt_logprobs, or shorten the prompt")
+
+
 def check_in_vocab(ids: Sequence[int], vocab: int, label: str) -> None:
     """A ValueError naming the first of ``ids`` outside the vocabulary (``label``: how an id
     is named, ``{}`` its index) and the vocabulary's size."""
@@ -128,6 +175,17 @@ def check_in_vocab(ids: Sequence[int], vocab: int, label: str) -> None:
         i = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
         raise ValueError(f"{label.format(i)} is {ids[i]}; the vocabulary has {vocab} tokens "
                          f"(ids 0..{vocab - 1})")
+
+
+def _message_chars(message: dict[str, Any]) -> int:
+    """The characters of a chat message its template renders: content, name, tool calls."""
+    calls = message.get("tool_calls")
+    return (len(message["content"]) + len(message.get("name", ""))
+            + (_json_chars(calls) if calls else 0))
+
+
+def _json_chars(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False))
 
 
 def _max_token_chars(tokenizer: EngineTokenizer | None) -> int:

@@ -7,6 +7,11 @@ hands each output to its request's :class:`~.streams.ResponseStream`; the
 arrive (several steps' tokens in one response when it falls behind). A client that cancels or
 disconnects is noticed within :data:`~.streams.CANCEL_POLL_S` and its request aborted, its KV
 blocks freed.
+
+A request answered at once (a tokenize or detokenize, the state snapshot) is answered on one
+of :data:`ANSWER_WORKERS` threads of its own, through its decoupled response sender: Triton has
+one execute thread, and every generate request waits behind what runs on it (a tokenize of
+megabytes, or a snapshot that waits for the engine's step to end).
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import itertools
 import json
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +32,7 @@ import numpy as np
 from kvflow.console.state import engine_state
 from kvflow.orchestrator.engine_loop import EngineLoop
 from kvflow.orchestrator.options import options_from_parameters
-from kvflow.orchestrator.outputs import ErrorCode
+from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, OVERLOADED_PREFIX, ErrorCode
 from kvflow.triton_backend.metrics import TritonMetrics
 from kvflow.triton_backend.params import (
     INPUT_NAMES,
@@ -57,6 +64,10 @@ from kvflow.triton_backend.tokenize import tokenize_outputs
 # .protocol, which the launcher reads too.
 # The engine's state snapshot is taken at most this often (kvflow.console.state).
 STATE_MIN_PERIOD_S = 0.1
+# Requests answered at once run on these threads (module doc); past MAX_PENDING_ANSWERS of them
+# waiting, another is refused as overloaded (503: retry) instead of queued without bound.
+ANSWER_WORKERS = 2
+MAX_PENDING_ANSWERS = 64
 BACKEND_PARAMETERS = ("engine_dir", "python_paths", SERVED_MODEL_NAME_PARAMETER,
                       *CHAT_FORMAT_PARAMETERS)
 
@@ -117,6 +128,10 @@ class KvflowTritonModel:
         self.trace_watch = self._watch_trace_signal(pb_utils)
         self._ids = itertools.count()
         self._snapshot: tuple[float, bytes] | None = None  # (taken at, JSON): see _state
+        self._snapshot_lock = threading.Lock()
+        self._answers = ThreadPoolExecutor(ANSWER_WORKERS, thread_name_prefix="kvflow-answer")
+        self._pending_answers = 0
+        self._pending_lock = threading.Lock()
         self.model_name = args.get("model_name", "kvflow")
         tokenizer = self.engine.tokenizer
         self._decode_token = None if tokenizer is None else (
@@ -177,17 +192,10 @@ class KvflowTritonModel:
                         inputs[name] = tensor.as_numpy()
                 parameters = _request_parameters(request)
                 error_output = parameters.get(ERROR_OUTPUT_PARAMETER) is True
-                # Asked for the state snapshot or tokens: one answer at once, no engine request.
-                answer = None
-                if parameters.get(STATE_PARAMETER) is True:
-                    answer = {"state": np.array([self._state()], dtype=np.object_)}
-                elif parameters.get(TOKENIZE_PARAMETER) is True:
-                    answer = tokenize_outputs(self.engine.tokenizer, inputs, parameters,
-                                              self.max_model_len)
-                if answer is not None:
-                    sender.send(pb.InferenceResponse(output_tensors=[
-                        pb.Tensor(k, v) for k, v in answer.items()]),
-                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                # Asked for the state snapshot or tokens: one answer, on a worker thread.
+                if (parameters.get(STATE_PARAMETER) is True
+                        or parameters.get(TOKENIZE_PARAMETER) is True):
+                    self._answer_later(sender, inputs, parameters, error_output)
                     continue
                 parsed = parse_request(inputs, self.max_model_len, parameters=parameters)
             except BadRequestError as e:
@@ -206,18 +214,66 @@ class KvflowTritonModel:
                              tenant=parsed.tenant)
         return None
 
+    def _answer_later(self, sender: Any, inputs: dict[str, np.ndarray],
+                      parameters: dict[str, Any], error_output: bool) -> None:
+        """Hand a request answered at once to the answer workers (module doc)."""
+        with self._pending_lock:
+            full = self._pending_answers >= MAX_PENDING_ANSWERS
+            if not full:
+                self._pending_answers += 1
+        if full:
+            self.metrics.count_rejected("queue_full")
+            sender.send(error_response(
+                self.pb, f"{OVERLOADED_PREFIX}: {MAX_PENDING_ANSWERS} tokenize and state requests are waiting "
+                "already; retry", ErrorCode.OVERLOADED, error_output),
+                flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        # NOTE: copies: the input tensors belong to the request, which Triton may release
+        # once execute() has returned.
+        owned = {name: np.array(value, copy=True) for name, value in inputs.items()}
+        self._answers.submit(self._answer, sender, owned, parameters, error_output)
+
+    def _answer(self, sender: Any, inputs: dict[str, np.ndarray], parameters: dict[str, Any],
+                error_output: bool) -> None:
+        """On an answer worker: the state snapshot or the tokenize answer, sent as the
+        request's one final response (an error response naming the field if it is bad)."""
+        pb = self.pb
+        try:
+            try:
+                if parameters.get(STATE_PARAMETER) is True:
+                    answer = {"state": np.array([self._state()], dtype=np.object_)}
+                else:
+                    answer = tokenize_outputs(self.engine.inputs, inputs, parameters)
+                response = pb.InferenceResponse(output_tensors=[
+                    pb.Tensor(k, v) for k, v in answer.items()])
+            except BadRequestError as e:
+                self.metrics.count_rejected("bad_request")
+                response = error_response(pb, str(e), ErrorCode.BAD_REQUEST, error_output)
+            except Exception as e:  # noqa: BLE001  a tokenizer or engine fault: this request's
+                response = error_response(pb, f"{ENGINE_ERROR_PREFIX}: answering the request "
+                                          f"failed: {e!r}", ErrorCode.ENGINE_ERROR,
+                                          error_output)
+            sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as e:  # noqa: BLE001  the client is gone: nothing to answer
+            pb.Logger.log_warn(f"kvflow: an answer could not be sent: {e!r}")
+        finally:
+            with self._pending_lock:
+                self._pending_answers -= 1
+
     def _state(self) -> bytes:
         """The engine's snapshot as JSON, taken between steps on its thread; one a
         STATE_MIN_PERIOD_S at most, whatever the number of consoles asking."""
-        now = time.monotonic()
-        if self._snapshot is None or now - self._snapshot[0] >= STATE_MIN_PERIOD_S:
-            self._snapshot = (now, json.dumps(self.loop.call(engine_state)).encode())
-        return self._snapshot[1]
+        with self._snapshot_lock:  # NOTE: a second asker waits for the first's snapshot
+            now = time.monotonic()
+            if self._snapshot is None or now - self._snapshot[0] >= STATE_MIN_PERIOD_S:
+                self._snapshot = (now, json.dumps(self.loop.call(engine_state)).encode())
+            return self._snapshot[1]
 
     def finalize(self) -> None:
         # NOTE: metrics first: while the model unloads, a metrics call from the loop thread
         # may never be answered, and shutdown would wait on that thread.
         self.metrics.close()
+        self._answers.shutdown(wait=False, cancel_futures=True)
         self.loop.shutdown(timeout=10.0)
         self.responder.close()  # after the loop: every final output is queued by then
         if not self.loop.is_alive:  # never pull the KV pool from under a running step
