@@ -224,8 +224,8 @@ class KvflowTritonModel:
         if full:
             self.metrics.count_rejected("queue_full")
             sender.send(error_response(
-                self.pb, f"{OVERLOADED_PREFIX}: {MAX_PENDING_ANSWERS} tokenize and state requests are waiting "
-                "already; retry", ErrorCode.OVERLOADED, error_output),
+                self.pb, f"{OVERLOADED_PREFIX}: {MAX_PENDING_ANSWERS} tokenize and state "
+                "requests are waiting already; retry", ErrorCode.OVERLOADED, error_output),
                 flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         # NOTE: copies: the input tensors belong to the request, which Triton may release
