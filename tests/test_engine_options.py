@@ -22,7 +22,7 @@ from kvflow.orchestrator.scheduler.registry import SCHEDULERS
 
 # A value for each option other than its default, valid on the tiny engines (limits 256/256/16).
 NON_DEFAULT = {
-    "max_num_seqs": 3, "max_num_batched_tokens": 40, "max_model_len": 100,
+    "max_num_seqs": 3, "max_num_batched_tokens": 40, "max_step_ms": 0.0, "max_model_len": 100,
     "enable_chunked_prefill": False, "long_prefill_token_threshold": 8,
     "max_waiting_requests": 7, "policy": "priority", "priority_aging_s": 2.5,
     "kv_watermark": 0.05, "static_batch_size": 2, "enable_prefix_caching": False,
@@ -146,6 +146,39 @@ def test_kvflow_serve_writes_one_triton_parameter_per_option(tiny_engines, tmp_p
     assert serve["engine_dir"] == str(engine.resolve()) and serve["python_paths"]
     with pytest.raises(ServeError, match="unknown engine option"):
         ServerConfig(engine, engine_args={"max_num_seq": 4})
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan")])
+def test_max_step_ms_out_of_range_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="max_step_ms must be finite, >= 0"):
+        EngineOptions(max_step_ms=bad)
+
+
+def test_max_step_ms_needs_chunked_prefill():
+    with pytest.raises(ValueError, match="max_step_ms=150 needs enable_chunked_prefill"):
+        EngineOptions(max_step_ms=150, enable_chunked_prefill=False)
+    assert EngineOptions(max_step_ms=0.0, enable_chunked_prefill=False).max_step_ms == 0.0
+
+
+def test_max_step_ms_defaults_by_runner_and_reaches_the_scheduler(tiny_engines):
+    """Unset, the target step time is the runner's default: 200 ms on a CPU runner; 0 turns
+    the time bound off (the token budget is max_num_batched_tokens), as does chunked prefill
+    off; a value given is the scheduler's target. The flag and the Triton parameter come from
+    the field (the round-trip tests above)."""
+    from kvflow import LLM
+
+    engine = tiny_engines["llama-gqa4", "torch"]
+    cases = (({}, 200.0), ({"max_step_ms": 0.0}, 0.0), ({"max_step_ms": 50.0}, 50.0),
+             ({"enable_chunked_prefill": False}, 0.0))
+    for overrides, want in cases:
+        with LLM(engine, max_num_batched_tokens=64, **overrides) as llm:
+            assert llm.engine.options.max_step_ms == want, overrides
+            budget = llm.engine.scheduler.step_budget
+            assert (budget is None) == (want == 0.0), overrides
+            if budget is not None:
+                assert budget.target_s == want / 1000 and budget.max_tokens == 64
+            else:
+                assert llm.engine.scheduler.token_budget == 64
 
 
 def test_options_dataclass_is_frozen():

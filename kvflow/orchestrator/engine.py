@@ -13,6 +13,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.orchestrator.sampling.sampler import Sampler
 from kvflow.orchestrator.scheduler.output import Clock, SchedulerOutput
 from kvflow.orchestrator.scheduler.registry import make_scheduler
+from kvflow.orchestrator.scheduler.step_budget import default_max_step_ms
 from kvflow.orchestrator.speculative.decoder import SpeculativeDecoder
 from kvflow.orchestrator.speculative.proposers import Proposer, make_proposer
 from kvflow.orchestrator.step_recorder import StepRecorder
@@ -54,7 +56,9 @@ class LLMEngine:
         runner: executes steps; its ``num_blocks`` sizes the KV manager.
         tokenizer: the engine's tokenizer (None: token ids only, no text, no stop strings).
         options: the engine options (limits, policy, debug_checks; the KV and runner options
-            are the caller's, who built ``runner``).
+            are the caller's, who built ``runner``). ``max_step_ms`` None takes the runner's
+            default (:func:`~kvflow.orchestrator.scheduler.step_budget.default_max_step_ms`):
+            :attr:`options` holds the value in force.
         eos_token_ids: ids that end a request (unless ``ignore_eos``).
         clock: monotonic seconds; the simulator passes its own.
         stats_window: how many recent :class:`StepStats` to keep.
@@ -67,6 +71,11 @@ class LLMEngine:
                  trace_source: str = "engine", proposer: Proposer | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
+        if options.max_step_ms is None:
+            # The runner decides the default target step time (200 ms on a CPU runner); with
+            # chunked prefill off there is none, since a prompt cannot be split to fit it.
+            options = replace(options, max_step_ms=default_max_step_ms(runner.name)
+                              if options.enable_chunked_prefill else 0.0)
         self.options = options
         self.clock = clock
         self.eos_token_ids = tuple(eos_token_ids)

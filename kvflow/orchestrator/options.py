@@ -63,6 +63,11 @@ class EngineOptions:
                                     "(default: the engine's max batch size)")
     max_num_batched_tokens: int = _option(2048, "token budget of one step, prefill and decode "
                                                 "tokens together (default: the engine's limit)")
+    max_step_ms: float | None = _option(None, "target step time, ms: the step's token budget "
+                                        "follows from the measured cost per token (within "
+                                        "max_num_batched_tokens), so decode streams keep a "
+                                        "gap near it while long prompts are chunked; 0: off "
+                                        "(default: 200 on CPU runners, else off)")
     max_model_len: int = _option(2048, "longest sequence, prompt + output (default: the "
                                        "engine's limit)")
     enable_chunked_prefill: bool = _option(True, "split long prompts over several steps, "
@@ -199,22 +204,23 @@ class EngineOptions:
             value = getattr(self, f.name)
             if choices is not None and value is not None and value not in choices():
                 raise ValueError(f"{f.name} must be one of {choices()}, got {value!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
-                             f"{self.long_prefill_token_threshold}")
+        for name in ("long_prefill_token_threshold", "max_preemptions_per_request",
+                     "swap_space_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if not 0 <= self.kv_watermark < 1:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
-        for name in ("recompute_tokens_per_s", "swap_bytes_per_s", "cache_aware_max_wait_s"):
+        for name in ("recompute_tokens_per_s", "swap_bytes_per_s", "cache_aware_max_wait_s",
+                     "sjf_max_wait_s", "fair_output_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("sjf_max_wait_s", "fair_output_weight"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_preemptions_per_request < 0:
-            raise ValueError(f"max_preemptions_per_request must be >= 0, got "
-                             f"{self.max_preemptions_per_request}")
+        if self.max_step_ms is not None and not 0 <= self.max_step_ms < float("inf"):
+            raise ValueError(f"max_step_ms must be finite, >= 0 (0: off), got {self.max_step_ms}")
+        if self.max_step_ms and not self.enable_chunked_prefill:
+            raise ValueError(f"max_step_ms={self.max_step_ms:g} needs enable_chunked_prefill "
+                             "(a step bounded in time splits long prompts); set it to 0")
         for name in ("request_timeout_s", "max_queue_delay_ms"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -227,10 +233,9 @@ class EngineOptions:
                 raise ValueError("max_long_partial_prefills needs long_prefill_token_threshold "
                                  "> 0 (it defines a long prompt)")
         parse_tenant_weights(self.tenant_weights)
-        if self.static_batch_size is not None and self.static_batch_size < 1:
-            raise ValueError(f"static_batch_size must be >= 1, got {self.static_batch_size}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        for name in ("static_batch_size", "kv_cache_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (one is the reserved null block), "
                              f"got {self.num_kv_blocks}")
@@ -242,8 +247,6 @@ class EngineOptions:
                              "folder), and draft_engine needs speculative=draft; got "
                              f"speculative={self.speculative!r}, "
                              f"draft_engine={self.draft_engine!r}")
-        if self.swap_space_bytes < 0:
-            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

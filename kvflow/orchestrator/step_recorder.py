@@ -24,7 +24,7 @@ class StepRecorder:
 
     Args:
         scheduler: the engine's scheduler (the queues' lengths, the prefix cache's counts; it
-            is told each step's prefill tokens and duration).
+            is told each step's tokens, prefill tokens and duration).
         kv: the engine's KV manager (the pool's usage after each step).
         counters: the engine's running totals, shared with its output processor.
         clock: the engine's clock (read only to time the ends traced between steps).
@@ -63,7 +63,7 @@ class StepRecorder:
         c.prefix_cache_queries = self.scheduler.prefix_cache_queries
         c.prefix_cache_hits = self.scheduler.prefix_cache_hits
         c.prompt_logprobs_recomputed_tokens = self.scheduler.prompt_logprobs_recomputed_tokens
-        self.scheduler.observe_step(num_prefill, step_time_s)
+        self.scheduler.observe_step(num_prefill, step_time_s, sched.num_batched_tokens)
         stats = StepStats(
             time=times.end, num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,

@@ -20,15 +20,21 @@ class ContinuousScheduler(Scheduler):
     admission order is the queue policy's (:mod:`kvflow.orchestrator.scheduler.policies`: ``fcfs``,
     ``priority``, ``cache_aware``, ``sjf``, ``fair``)."""
 
+    _step_tokens = 0  # this step's whole budget (set by _schedule, read by admission)
+
     def _schedule(self, out: SchedulerOutput) -> None:
         """Pick this step's tokens.
 
         Algorithm. There is no prefill or decode phase: each request has ``num_tokens`` known
-        tokens of which ``num_computed_tokens`` have KV, and the step hands out a budget of
-        ``max_num_batched_tokens``. (0) Requests past their deadline were finished and freed
-        (:meth:`Scheduler.schedule`). (1) Running requests first, in admission order: each
-        gets its remaining tokens (one for a decode, the next chunk of a prompt), clamped to
-        the budget when chunked prefill is on; a decode with draft tokens (speculative
+        tokens of which ``num_computed_tokens`` have KV, and the step hands out a token
+        budget (:meth:`_budget_of_step`: what fits the target step time ``max_step_ms`` at
+        the measured cost per token, within ``max_num_batched_tokens``; at least a token per
+        running request and one more). (0) Requests past their deadline were finished and
+        freed (:meth:`Scheduler.schedule`). (1) Running requests first, in admission order:
+        each gets its remaining tokens (one for a decode, the next chunk of a prompt),
+        clamped when chunked prefill is on to the budget less a token for each decode still
+        behind it (no decode waits for a prompt: stall-free batching, as Sarathi-Serve's);
+        a decode with draft tokens (speculative
         decoding) gets them too, if they fit without preempting anything. If its KV blocks
         cannot be allocated, the
         running request of lowest priority (largest value), newest arrival, is preempted (by
@@ -46,7 +52,7 @@ class ContinuousScheduler(Scheduler):
         preempts running requests of strictly lower priority (lowest first; none preempted
         ``max_preemptions_per_request`` times already), when that makes it fit.
         """
-        budget = self.config.max_num_batched_tokens
+        budget = self._step_tokens = self._budget_of_step()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -57,7 +63,8 @@ class ContinuousScheduler(Scheduler):
                 i += 1
                 continue
             num_new = 1 if remaining == 1 else self._chunk(
-                remaining, budget, prefill=True, recompute=request.num_output_tokens > 0)
+                remaining, max(budget - self._decodes_after(i), 0), prefill=True,
+                recompute=request.num_output_tokens > 0)
             if num_new == 0:
                 i += 1
                 continue
@@ -80,6 +87,18 @@ class ContinuousScheduler(Scheduler):
         admitted = set() if out.preempted else self._admit(out)
         # Admission charged what it admitted as it went (the next pick sees it).
         self.policy.charge(s for s in out.scheduled if s.request not in admitted)
+
+    def _budget_of_step(self) -> int:
+        """This step's budget: :attr:`token_budget` (from the target step time), raised to a
+        token for each running request and one more, so that no decode is starved and a
+        prompt always advances, within ``max_num_batched_tokens``."""
+        return min(self.config.max_num_batched_tokens,
+                   max(self.token_budget, len(self.running) + 1))
+
+    def _decodes_after(self, i: int) -> int:
+        """Running decodes behind ``running[i]``: a prefill chunk leaves them their token."""
+        return sum(1 for r in self.running[i + 1:] if len(r.token_ids) - r.num_computed_tokens
+                   == 1)
 
     def _schedule_drafts(self, request: Request, budget: int, num_behind: int,
                          out: SchedulerOutput) -> bool:
@@ -107,7 +126,7 @@ class ContinuousScheduler(Scheduler):
         cap = cfg.max_long_partial_prefills
         num_long = sum(1 for r in self.running if self._is_long_prefill(r)) if cap else 0
         while self.waiting:
-            budget = cfg.max_num_batched_tokens - out.num_batched_tokens
+            budget = self._step_tokens - out.num_batched_tokens
             if budget <= 0:
                 break
             request = self.policy.pick(self.waiting, skip)
@@ -158,7 +177,7 @@ class ContinuousScheduler(Scheduler):
             if victim.status != RequestStatus.RUNNING:
                 continue  # went with its group
             self._preempt(victim, out)
-            budget = cfg.max_num_batched_tokens - out.num_batched_tokens
+            budget = self._step_tokens - out.num_batched_tokens
             num_new = self._try_admit(request, budget, out) if budget > 0 else 0
             if num_new:
                 return num_new
@@ -176,7 +195,7 @@ class ContinuousScheduler(Scheduler):
                          else 0) for v in victims)
         if self.num_seats_taken - seats + self.seats(request) > cfg.max_num_seqs:
             return False
-        budget = (cfg.max_num_batched_tokens - out.num_batched_tokens
+        budget = (self._step_tokens - out.num_batched_tokens
                   + sum(s.num_new_tokens for s in out.scheduled if s.request in gone))
         held: dict[int, int] = {}
         for v in victims:

@@ -30,6 +30,7 @@ from kvflow.orchestrator.scheduler.output import (
 )
 from kvflow.orchestrator.scheduler.policies import QUEUE_POLICIES, QueuePolicy
 from kvflow.orchestrator.scheduler.preemption import Preemptor
+from kvflow.orchestrator.scheduler.step_budget import StepBudget
 
 
 class Scheduler:
@@ -67,6 +68,10 @@ class Scheduler:
         self.preemptor = Preemptor(config, kv)
         # Measured over the steps, for SLO admission's queue-delay prediction.
         self.prefill_rate = admission.PrefillRate(config.recompute_tokens_per_s)
+        # The step's token budget from its target time (max_step_ms; None or 0: no target,
+        # the engine resolves None by its runner before it builds the scheduler).
+        self.step_budget = (StepBudget(config.max_step_ms / 1000, config.max_num_batched_tokens)
+                            if config.max_step_ms else None)
 
     # --- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
@@ -116,9 +121,24 @@ class Scheduler:
         one prefilled): SLO admission's prediction divides by it."""
         return self.prefill_rate.tokens_per_s
 
-    def observe_step(self, num_prefill_tokens: int, step_time_s: float) -> None:
-        """The engine reports each step's prefill tokens and duration (its step statistics)."""
+    def observe_step(self, num_prefill_tokens: int, step_time_s: float,
+                     num_tokens: int | None = None) -> None:
+        """The engine reports each step's prefill tokens, duration and (``num_tokens``) all
+        its tokens, decodes and drafts included (its step statistics): the prefill rate and
+        the step budget's fit."""
         self.prefill_rate.observe(num_prefill_tokens, step_time_s)
+        if self.step_budget is not None and num_tokens is not None:
+            self.step_budget.observe(num_tokens, step_time_s)
+
+    @property
+    def token_budget(self) -> int:
+        """The next step's token budget: with a target step time (``max_step_ms``), the
+        tokens that fit it at the measured cost per token (:class:`StepBudget`), within
+        ``max_num_batched_tokens``; without one, ``max_num_batched_tokens``. (The continuous
+        policy gives every running request a token even past it: progress before time.)"""
+        if self.step_budget is None:
+            return self.config.max_num_batched_tokens
+        return self.step_budget.tokens
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort a queued or running request (by the client's id: every sequence of an
