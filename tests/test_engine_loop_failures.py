@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 
 from kvflow import SamplingParams
-from kvflow.orchestrator.engine_loop import EngineLoop
+from kvflow.orchestrator.engine_loop import EngineLoop, EngineLoopClosed
 from kvflow.orchestrator.input_processor import InputProcessor
 from kvflow.orchestrator.outputs import RequestOutput
 from kvflow.text.tokenizer import ChatPrompt
@@ -217,6 +218,8 @@ def test_a_failing_step_fails_every_waiter_and_reports_once(engine):
         late = Outputs()
         loop.submit("late", "hello", SamplingParams(**GREEDY), late)  # answered at once
         assert late.done.is_set() and "device fell off" in late.items[-1].error
+        with pytest.raises(EngineLoopClosed, match=r"engine loop is closed.*device fell off"):
+            loop.call(lambda e: e.counters.steps)
     finally:
         gate.set()
         loop.shutdown()
@@ -235,3 +238,65 @@ def test_oversized_text_is_refused_by_length_before_tokenizing(engine):
         inputs.prepare(messages, SamplingParams())
     # Text at the bound is only refused once tokenized: the bound never refuses what fits.
     assert inputs.max_token_chars >= 2
+
+
+def test_a_call_on_a_closed_loop_fails_at_once(engine):
+    """Not after the call's timeout: a closed loop will never answer, and the caller (Triton's
+    thread, a metrics read) must not be held."""
+    loop = EngineLoop(engine)
+    assert loop.call(lambda e: e.counters.steps) == 0
+    loop.shutdown()
+    with pytest.raises(EngineLoopClosed, match="engine loop is closed"):
+        loop.call(lambda e: e.counters.steps, timeout_s=WAIT_S)
+
+
+def test_a_call_waiting_when_the_loop_stops_is_failed_not_left_to_time_out(engine):
+    loop = EngineLoop(engine)
+    held, release = threading.Event(), threading.Event()
+    results: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+    def call(fn) -> None:
+        try:
+            results.put(loop.call(fn, timeout_s=WAIT_S))
+        except Exception as e:  # noqa: BLE001  (the test's subject)
+            results.put(e)
+
+    def hold(_engine) -> str:
+        held.set()
+        assert release.wait(WAIT_S)
+        return "held"
+
+    threads = [threading.Thread(target=call, args=(hold,))]
+    threads[0].start()
+    try:
+        assert held.wait(WAIT_S)  # the loop thread is inside the first call
+        threads.append(threading.Thread(target=call, args=(lambda e: "never",)))
+        threads[1].start()
+        for _ in range(WAIT_S * 100):  # until the second call waits in the inbox
+            if loop._inbox.qsize():
+                break
+            time.sleep(0.01)
+        threads.append(threading.Thread(target=loop.shutdown, args=(WAIT_S,)))
+        threads[2].start()
+        assert loop._stopped.wait(WAIT_S)
+    finally:
+        release.set()
+        for t in threads:
+            t.join(WAIT_S)
+    assert results.get(timeout=0) == "held"
+    late = results.get(timeout=0)
+    assert isinstance(late, EngineLoopClosed) and "engine loop is closed" in str(late)
+    assert not loop.is_alive
+
+
+def test_a_call_from_the_loop_thread_runs_at_once(engine):
+    """From a step hook (or a callback), a call runs in place instead of queueing behind the
+    very thread that would run it."""
+    seen: list[int] = []
+    loop = EngineLoop(engine, step_hook=lambda lp, _outs: seen.append(
+        lp.call(lambda e: e.counters.steps)))
+    try:
+        assert run(loop, "r", "hello", **GREEDY).error is None
+    finally:
+        loop.shutdown()
+    assert seen and seen[-1] >= 1

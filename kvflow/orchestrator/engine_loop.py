@@ -34,6 +34,8 @@ OutputCallback = Callable[[RequestOutput], None]
 # change of state without a step): the documented way to watch a served engine.
 StepHook = Callable[["EngineLoop", list[RequestOutput]], None]
 log = logging.getLogger("kvflow")
+# How long EngineLoop.call waits on a live loop: a step, however long, ends well before.
+CALL_TIMEOUT_S = 60.0
 
 
 @dataclass(eq=False)
@@ -119,11 +121,26 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the loop thread and return its result (for metrics reads)."""
-        done: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._inbox.put(("call", (fn, done)))
-        ok, value = done.get(timeout=60)
+    def call(self, fn: Callable[[LLMEngine], Any], timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        """Run ``fn(engine)`` on the loop thread and return its result (for metrics reads).
+
+        Raises :class:`EngineLoopClosed` at once on a loop that is stopping or has stopped,
+        and when the loop stops before it ran ``fn``; ``TimeoutError`` if a live loop does not
+        answer within ``timeout_s``. On the loop thread itself (a callback, the step hook)
+        ``fn`` runs at once: queueing it there would wait on itself.
+        """
+        if threading.current_thread() is self._thread:
+            return fn(self.engine)
+        done: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        with self._lock:  # NOTE: _close sets _closed under this lock, then drains the inbox
+            if self._closed or self._stopped.is_set():
+                raise EngineLoopClosed(self._closed_message())
+            self._inbox.put(("call", (fn, done)))
+        try:
+            ok, value = done.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"the engine loop did not run a call within {timeout_s} s "
+                               "(a step longer than that?)") from None
         if not ok:
             raise value
         return value
@@ -137,6 +154,9 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def _closed_message(self) -> str:
+        return f"the engine loop is closed ({self._stopped_message()})"
 
     def _stopped_message(self) -> str:
         if self.error is not None:
@@ -225,9 +245,12 @@ class EngineLoop:
                 done.put((False, e))
 
     def _handle_all(self, batch: list[tuple[str, Any]]) -> bool:
-        """Handle what the loop took from its inbox, in order; True at a stop."""
-        for kind, payload in batch:
+        """Handle what the loop took from its inbox, in order; True at a stop (what follows it
+        goes back to the inbox, for :meth:`_close` to answer)."""
+        for i, (kind, payload) in enumerate(batch):
             if kind == "stop":
+                for item in batch[i + 1:]:
+                    self._inbox.put(item)
                 return True
             self._handle(kind, payload)
         return False
@@ -344,19 +367,25 @@ class EngineLoop:
             self._deliver(sub.callback, RequestOutput.failed(sub.request_id, message,
                                                              ErrorCode.ENGINE_ERROR,
                                                              sub.params.n))
-        # Calls still in the inbox will never run (their adds were answered above).
+        # Calls still in the inbox will never run (their adds were answered above); no call
+        # enters it after _closed was set.
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "call":
-                payload[1].put((False, RuntimeError(message)))
+                payload[1].put((False, EngineLoopClosed(self._closed_message())))
         if self.error is not None and self.on_failure is not None:
             try:
                 self.on_failure(self.error)
             except Exception:  # noqa: BLE001
                 log.exception("kvflow: the engine loop's on_failure hook failed")
+
+
+class EngineLoopClosed(RuntimeError):
+    """A call reached an engine loop that has stopped (shut down, or failed: the message then
+    holds the failure)."""
 
 
 class _Cancelled(Exception):
