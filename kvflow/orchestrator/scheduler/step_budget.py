@@ -102,4 +102,5 @@ class StepBudget:
         fixed, per_token = self.fit if self.fit is not None else (0.0, self._ratio)
         if self.target_s <= fixed:
             return 1
-        return max(1, min(cap, int((self.target_s - fixed) / per_token)))
+        # NOTE: the epsilon keeps an exact quotient (95.0 computed as 94.999...) whole.
+        return max(1, min(cap, int((self.target_s - fixed) / per_token + 1e-6)))
