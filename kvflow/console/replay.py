@@ -14,17 +14,16 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from importlib.resources import files
 from typing import TYPE_CHECKING, Any
 
+from kvflow.console.assets import CONSOLE_ASSETS, CONSOLE_HEADERS, console_file
 from kvflow.console.state import engine_state
 
 if TYPE_CHECKING:
     from kvflow.orchestrator.engine import LLMEngine
 
-ASSETS = {"/": ("index.html", "text/html"), "/console/console.js": ("console.js",
-                                                                     "text/javascript"),
-          "/console/console.css": ("console.css", "text/css")}
+ASSETS = {"/": ("index.html", "text/html"),
+          **{f"/console/{name}": (name, media) for name, media in CONSOLE_ASSETS.items()}}
 SNAPSHOT_PERIOD_S = 0.1  # wall seconds between two snapshots of an engine
 
 
@@ -94,7 +93,8 @@ class ConsoleReplay:
                 self.send_response(status)
                 self.send_header("Content-Type", media)
                 self.send_header("Content-Length", str(len(body)))
-                self.send_header("Cache-Control", "no-store")
+                for name, value in CONSOLE_HEADERS.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -105,13 +105,14 @@ class ConsoleReplay:
                 path = self.path.split("?")[0]
                 if path in ASSETS:
                     name, media = ASSETS[path]
-                    self._send(200, files("kvflow.console").joinpath(
-                        "static", name).read_bytes(), media)
+                    self._send(200, console_file(name), media)
                 elif path == "/v1/kvflow/state":
                     state = replay.state()
                     if not state["servers"]:  # before the first step: an idle engine
                         state["servers"] = [{"url": "simulation", "error": "not started yet"}]
                     self._json(200, state)
+                elif path == "/console/token":  # no API key here: no token
+                    self._json(200, {"token": None})
                 elif path == "/v1/models":
                     self._json(200, {"object": "list", "data": [{"id": replay.name,
                                                                  "object": "model"}]})

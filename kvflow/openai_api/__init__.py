@@ -10,12 +10,15 @@
   and reasoning: what a request's tools ask of the output, and a chat output read into
   ``reasoning_content``, ``content`` and ``tool_calls``.
 - ``tokenize``: vLLM's ``/tokenize`` and ``/detokenize``.
-- ``pool``: the gRPC aio clients of the servers, one stream per request.
+- ``pool``: the gRPC aio clients of the servers, one stream per request; ``streaming``: their
+  streams read whole or sent on as Server-Sent Events.
+- ``security``: the API key, the console's token, JSON-only POSTs, hashed tenants in the state.
+- ``config``: the frontend's configuration and its command-line flags.
 - ``app``: the FastAPI app and the ``kvflow openai`` command line.
 - ``process``: the frontend as a child process.
 """
 
-from kvflow.openai_api.app import FrontendConfig
+from kvflow.openai_api.config import FrontendConfig
 from kvflow.openai_api.process import FrontendProcess
 
 __all__ = ["FrontendConfig", "FrontendProcess"]

@@ -9,40 +9,55 @@ flight, so any number of frontends can stand in front of any number of servers.
 - ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
   Server-Sent Events, or whole; tool calls and reasoning read out of chat outputs),
   ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /health``, ``GET /metrics``
-  (the servers' Prometheus text, then the frontend's own counters).
+  (the servers' Prometheus text, then the frontend's own counters), ``GET /v1/kvflow/state``
+  and the console (``/``, ``/console/...``).
 - The request translation is :mod:`.protocol`'s (after :mod:`.checks`' body checks), the
   response shapes :mod:`.responses`' and the errors :mod:`.errors`'; validation is the
-  backend's. :mod:`.pool` holds the gRPC clients; :mod:`.process` runs this server as a
-  child process.
+  backend's. :mod:`.pool` holds the gRPC clients, :mod:`.streaming` reads their streams;
+  :mod:`.security` says who may call what; :mod:`.config` holds the flags; :mod:`.process`
+  runs this server as a child process.
+- The event loop only moves bytes: parsing a body, translating it (tool schemas compiled
+  included) and encoding a whole response run on :data:`WORKER_THREADS` threads, so that one
+  big request (a megabyte of tools) never holds up the others' streams.
 - A client that disconnects, mid-stream or while waiting for a whole response, cancels its
   gRPC streams; Triton tells the backend, which aborts the requests and frees their KV blocks.
 """
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import json
 import logging
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
+from kvflow.console.assets import CONSOLE_ASSETS, CONSOLE_HEADERS, console_file
 from kvflow.openai_api.checks import load_body
-from kvflow.openai_api.errors import OpenAIError, bad_request, error_from_backend
+from kvflow.openai_api.config import (
+    FrontendConfig,
+    add_chat_format_args,
+    add_console_args,
+    config_from_args,
+)
+from kvflow.openai_api.config import add_args as add_args
+from kvflow.openai_api.errors import OpenAIError, bad_request
 from kvflow.openai_api.pool import BackendError, TritonPool
 from kvflow.openai_api.protocol import ChatFormat, CompletionRequest, parse_completion_request
-from kvflow.openai_api.reasoning import REASONING_PARSERS, reasoning_parser
-from kvflow.openai_api.responses import (
-    ChoiceState,
-    choice_chunk,
-    chunk,
-    final_response,
-    new_states,
-    usage,
+from kvflow.openai_api.reasoning import reasoning_parser
+from kvflow.openai_api.responses import ChoiceState, encode_body, final_response, new_states
+from kvflow.openai_api.security import KeyGuard, StateRedactor, require_json
+from kvflow.openai_api.streaming import (
+    ClientGone,
+    all_or_cancel,
+    backend_error,
+    close_all,
+    collect,
+    sse,
+    until_disconnect,
 )
 from kvflow.openai_api.tokenize import (
     TOKENIZE_OUTPUTS,
@@ -62,49 +77,18 @@ from kvflow.triton_backend.protocol import (
     TOOL_CALL_PARSER_PARAMETER,
 )
 
+__all__ = ["FrontendConfig", "add_args", "add_chat_format_args", "add_console_args",
+           "config_from_args", "create_app", "main", "run"]
+
+T = TypeVar("T")
 MAX_BODY_BYTES = 8 << 20
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"
-DISCONNECT_POLL_S = 0.25
 # How long an idle connection stays open. uvicorn's default, 5 s, is shorter than many client
 # pools keep one (aiohttp 15 s, Go's net/http 90 s, requests until it is closed): a client that
 # reuses a connection the server has just closed gets a reset. 75 s is nginx's default.
 KEEP_ALIVE_S = 75
-
-
-@dataclass(frozen=True)
-class FrontendConfig:
-    """Where the frontend listens and which tritonservers (gRPC ``host:port``) it uses."""
-
-    triton_urls: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 9000
-    served_model_name: str | None = None  # default: what the servers' model config names
-    metrics_urls: tuple[str, ...] = ()  # the servers' Prometheus endpoints, for /metrics
-    api_key: str | None = None  # clients send `Authorization: Bearer KEY`; passed on to Triton
-    # How tool calls are read out of chat outputs: a TOOL_PARSERS name, or "auto" (the format
-    # of the engine's chat template, which the server's model config names).
-    tool_call_parser: str = "auto"
-    reasoning_parser: str | None = None  # a REASONING_PARSERS name: reasoning_content
-
-    def __post_init__(self) -> None:
-        if self.tool_call_parser not in ("auto", *TOOL_PARSERS):
-            raise ValueError(f"--tool-call-parser must be auto or one of "
-                             f"{', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"--reasoning-parser must be one of "
-                             f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
-        if not self.triton_urls:
-            raise ValueError("--triton-url must name at least one tritonserver (host:port)")
-        for url in self.triton_urls:
-            host, _, port = url.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--triton-url must be host:port, got {url!r}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port must be in [1, 65535], got {self.port}")
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was ready."""
+# Threads for the CPU work of requests (module doc); more would only contend for the GIL.
+WORKER_THREADS = 4
 
 
 def create_app(cfg: FrontendConfig) -> Any:
@@ -114,15 +98,23 @@ def create_app(cfg: FrontendConfig) -> Any:
 
     state: dict[str, Any] = {"model": cfg.served_model_name}
     counts: Counter[tuple[str, int]] = Counter()
+    guard = KeyGuard(cfg.api_key)
+    redactor = StateRedactor(cfg.console_show_tenants)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
         state["pool"] = TritonPool(cfg.triton_urls, cfg.api_key)
+        state["workers"] = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="kvflow-openai")
         yield
         await state["pool"].close()
+        state["workers"].shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvflow OpenAI-compatible API", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
+
+    async def in_worker(fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker thread: the event loop serves everyone meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(state["workers"], fn, *args)
 
     def error_response(err: OpenAIError, endpoint: str) -> JSONResponse:
         counts[endpoint, err.status] += 1
@@ -149,34 +141,36 @@ def create_app(cfg: FrontendConfig) -> Any:
             state["chat_format"] = chat_format(cfg, parameters)
         return state["model"]
 
-    def authorize(request: Request) -> None:
-        """The API key, as ``Authorization: Bearer KEY``, ``x-api-key: KEY`` or (a browser on
-        the console) HTTP Basic with the key as the password."""
-        if not cfg.api_key:
-            return
-        if api_key_of(request.headers) != cfg.api_key:
-            raise OpenAIError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                              code="invalid_api_key")
+    def console_page(request: Request, name: str, media: str) -> Any:
+        """A console file, behind the key (a browser asks for it: HTTP Basic, any user)."""
+        try:
+            guard.check(request.headers, console_get=True)
+        except OpenAIError as e:
+            return Response(e.message, status_code=401, media_type="text/plain",
+                            headers={**CONSOLE_HEADERS,
+                                     "WWW-Authenticate": 'Basic realm="kvflow"'})
+        return Response(console_file(name), media_type=media, headers=CONSOLE_HEADERS)
 
     @app.get("/")
     async def console(request: Request) -> Any:
         """The live console's page (kvflow/console/static)."""
+        return console_page(request, "index.html", "text/html")
+
+    @app.get("/console/token")
+    async def console_token(request: Request) -> Any:
+        """The token the console's scripts send to the API routes (security.KeyGuard)."""
         try:
-            authorize(request)
-        except OpenAIError as e:  # a browser asks for the key (any user name)
-            return Response(e.message, status_code=401, media_type="text/plain",
-                            headers={"WWW-Authenticate": 'Basic realm="kvflow"'})
-        return Response(console_file("index.html"), media_type="text/html")
+            guard.check(request.headers, console_get=True)
+        except OpenAIError as e:
+            return error_response(e, "/console")
+        return JSONResponse({"token": guard.console_token}, headers=CONSOLE_HEADERS)
 
     @app.get("/console/{name}")
     async def console_asset(name: str, request: Request) -> Any:
-        try:
-            authorize(request)
-        except OpenAIError as e:
-            return error_response(e, "/console")
         if name not in CONSOLE_ASSETS:
-            return Response("not found", status_code=404, media_type="text/plain")
-        return Response(console_file(name), media_type=CONSOLE_ASSETS[name])
+            return Response("not found", status_code=404, media_type="text/plain",
+                            headers=CONSOLE_HEADERS)
+        return console_page(request, name, CONSOLE_ASSETS[name])
 
     @app.get("/health")
     async def health() -> Any:
@@ -202,7 +196,7 @@ def create_app(cfg: FrontendConfig) -> Any:
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         try:
-            authorize(request)
+            guard.check(request.headers)
             name = await model_name()
         except OpenAIError as e:
             return error_response(e, "/v1/models")
@@ -214,10 +208,11 @@ def create_app(cfg: FrontendConfig) -> Any:
     async def completions(request: Request, chat: bool) -> Any:
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         try:
-            authorize(request)
-            body = await _read_json(request)
-            parsed = parse_completion_request(body, await model_name(), chat,
-                                              state.get("chat_format") or chat_format(cfg, {}))
+            guard.check(request.headers)
+            data = await _read_body(request)
+            model = await model_name()
+            parsed = await in_worker(_parse_completion, data, model, chat,
+                                     state.get("chat_format") or chat_format(cfg, {}))
         except OpenAIError as e:
             return error_response(e, endpoint)
         pool: TritonPool = state["pool"]
@@ -236,48 +231,45 @@ def create_app(cfg: FrontendConfig) -> Any:
                 if parsed.stream:
                     # The first response of every choice before the status line: a rejected
                     # request (overload, bad input) gets its own status, not a 200 stream.
-                    firsts = await _until_disconnect(request, _all_or_cancel(
+                    firsts = await until_disconnect(request, all_or_cancel(
                         [anext(g) for g in generators]))
                 else:
-                    await _until_disconnect(request, _all_or_cancel(
-                        [_collect(g, s) for g, s in zip(generators, states, strict=True)]))
+                    await until_disconnect(request, all_or_cancel(
+                        [collect(g, s) for g, s in zip(generators, states, strict=True)]))
                 break
             except BackendError as e:
-                await _close_all(generators)
+                await close_all(generators)
                 if e.transport and e.server is not None and len(avoid) + 1 < len(pool.urls):
                     avoid |= {e.server}
                     continue
-                return error_response(_backend_error(e, parsed), endpoint)
+                return error_response(backend_error(e, parsed), endpoint)
             except ClientGone:
-                await _close_all(generators)
+                await close_all(generators)
                 counts[endpoint, CLIENT_CLOSED] += 1
                 return Response(status_code=CLIENT_CLOSED)  # read by no one
             except BaseException:
-                await _close_all(generators)
+                await close_all(generators)
                 raise
         counts[endpoint, 200] += 1
-        if not parsed.stream:
-            return final_response(parsed, states)
-        return StreamingResponse(_sse(parsed, generators, states, firsts),
+        if not parsed.stream:  # built and encoded off the loop: it may hold prompt logprobs
+            return Response(await in_worker(_final_body, parsed, states),
+                            media_type="application/json")
+        return StreamingResponse(sse(parsed, generators, states, firsts),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     async def tokenizer(request: Request, detokenize: bool) -> Any:
         endpoint = "/detokenize" if detokenize else "/tokenize"
         try:
-            authorize(request)
-            body = await _read_json(request)
-            model = await model_name()
-            options: dict[str, bool] = {}
-            if detokenize:
-                inputs = detokenize_request(body, model)
-            else:
-                inputs, options = tokenize_request(body, model)
+            guard.check(request.headers)
+            data = await _read_body(request)
+            inputs, options = await in_worker(_parse_tokenize, data, await model_name(),
+                                              detokenize)
             try:
                 answer = await state["pool"].ask(inputs, {TOKENIZE_PARAMETER: True, **options},
                                                  TOKENIZE_OUTPUTS)
             except BackendError as e:
-                raise tokenize_error(_backend_error(e, None)) from None
+                raise tokenize_error(backend_error(e, None)) from None
         except OpenAIError as e:
             return error_response(e, endpoint)
         counts[endpoint, 200] += 1
@@ -286,10 +278,10 @@ def create_app(cfg: FrontendConfig) -> Any:
     @app.get("/v1/kvflow/state")
     async def engine_state(request: Request) -> Any:
         """Each server's engine snapshot (kvflow.console.state), for the console and
-        scripts."""
+        scripts; tenants and request ids hashed unless --console-show-tenants."""
         endpoint = "/v1/kvflow/state"
         try:
-            authorize(request)
+            guard.check(request.headers)
             pool: TritonPool = state["pool"]
             answers = await asyncio.gather(*(pool.ask({}, {STATE_PARAMETER: True}, ("state",),
                                                       server=k)
@@ -297,18 +289,11 @@ def create_app(cfg: FrontendConfig) -> Any:
                                            return_exceptions=True)
         except OpenAIError as e:
             return error_response(e, endpoint)
-        # The backend's JSON goes on as it is, with the server's URL in front: parsing and
-        # re-encoding it (FastAPI's encoder) would cost more CPU than taking the snapshot.
-        servers = []
-        for url, answer in zip(pool.urls, answers, strict=True):
-            head = json.dumps({"url": url})[:-1].encode()
-            if isinstance(answer, BaseException):
-                servers.append(head + b', "error": ' + json.dumps(str(answer)).encode() + b"}")
-            else:
-                servers.append(head + b", " + bytes(answer["state"].reshape(-1)[0])[1:])
+        snapshots = [answer if isinstance(answer, BaseException)
+                     else bytes(answer["state"].reshape(-1)[0]) for answer in answers]
+        body = await in_worker(_state_body, redactor, pool.urls, snapshots)
         counts[endpoint, 200] += 1
-        return Response(b'{"object": "kvflow.state", "servers": [' + b", ".join(servers)
-                        + b"]}", media_type="application/json")
+        return Response(body, media_type="application/json")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
@@ -329,30 +314,6 @@ def create_app(cfg: FrontendConfig) -> Any:
     return app
 
 
-# The console's files (kvflow/console/static) and their media types.
-CONSOLE_ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
-
-
-def console_file(name: str) -> bytes:
-    from importlib.resources import files
-
-    return files("kvflow.console").joinpath("static", name).read_bytes()
-
-
-def api_key_of(headers: Any) -> str:
-    """The key a request carries: ``Authorization: Bearer KEY``, ``x-api-key: KEY``, or
-    ``Authorization: Basic`` with the key as the password."""
-    given = headers.get("authorization", "")
-    if given.lower().startswith("bearer "):
-        return given[7:]
-    if given.lower().startswith("basic "):
-        try:
-            return base64.b64decode(given[6:], validate=True).decode("utf-8").partition(":")[2]
-        except ValueError:
-            return ""
-    return headers.get("x-api-key", "")
-
-
 def chat_format(cfg: FrontendConfig, parameters: dict[str, str]) -> ChatFormat:
     """How chat outputs are read: the configured parsers, ``auto`` resolved by the model
     config's parameters (the launcher's reading of the engine's chat template)."""
@@ -364,120 +325,45 @@ def chat_format(cfg: FrontendConfig, parameters: dict[str, str]) -> ChatFormat:
     return ChatFormat(parser, reasoning_parser(cfg.reasoning_parser, starts_open))
 
 
-def _backend_error(error: BackendError, parsed: CompletionRequest | None) -> OpenAIError:
-    if error.refused_key:  # the frontend's configuration: nothing a client can fix or retry
-        return OpenAIError(502, str(error), code="backend_auth_failed")
-    if error.transport:  # no server answered: the client may retry, here or elsewhere
-        return OpenAIError(503, str(error), code="backend_unavailable")
-    return error_from_backend(str(error), parsed, error.code)
+# --- the work done on worker threads ---------------------------------------------------------
+
+def _parse_completion(data: bytes, model: str, chat: bool,
+                      fmt: ChatFormat) -> CompletionRequest:
+    return parse_completion_request(load_body(data), model, chat, fmt)
 
 
-async def _read_json(request: Any) -> Any:
+def _parse_tokenize(data: bytes, model: str, detokenize: bool
+                    ) -> tuple[dict[str, Any], dict[str, bool]]:
+    body = load_body(data)
+    if detokenize:
+        return detokenize_request(body, model), {}
+    return tokenize_request(body, model)
+
+
+def _final_body(parsed: CompletionRequest, states: list[ChoiceState]) -> bytes:
+    return encode_body(final_response(parsed, states))
+
+
+def _state_body(redactor: StateRedactor, urls: tuple[str, ...],
+                snapshots: list[bytes | BaseException]) -> bytes:
+    servers = []
+    for url, snapshot in zip(urls, snapshots, strict=True):
+        if isinstance(snapshot, BaseException):
+            servers.append(json.dumps({"url": url, "error": str(snapshot)}).encode())
+        else:
+            servers.append(redactor.server_json(url, snapshot))
+    return b'{"object": "kvflow.state", "servers": [' + b", ".join(servers) + b"]}"
+
+
+async def _read_body(request: Any) -> bytes:
+    """The request's body: declared JSON, at most MAX_BODY_BYTES (parsed on a worker)."""
+    require_json(request.headers)
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > MAX_BODY_BYTES:
             raise bad_request(f"the request body is over {MAX_BODY_BYTES} bytes")
-    return load_body(bytes(body))
-
-
-async def _until_disconnect(request: Any, work: Any) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it (and with it the Triton
-    requests) and raise ClientGone."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-
-
-async def _all_or_cancel(awaitables: list[Any]) -> list[Any]:
-    """All results; once one fails (or this is cancelled), the others are cancelled."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _collect(generator: AsyncIterator[dict[str, Any]], state: ChoiceState) -> None:
-    async for outputs in generator:
-        state.update(outputs)
-
-
-async def _close_all(generators: list[Any]) -> None:
-    for g in generators:
-        with contextlib.suppress(BaseException):
-            await g.aclose()
-
-
-def _event(body: Any) -> bytes:
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _sse(parsed: CompletionRequest, generators: list[Any], states: list[ChoiceState],
-               firsts: list[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """The Server-Sent Events of a streamed response: every choice's deltas as they come,
-    then the usage chunk (``include_usage``), then ``[DONE]``. Cancelled when the client
-    disconnects; the ``finally`` then cancels the Triton requests."""
-    queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
-
-    async def pump(k: int) -> None:
-        try:
-            async for outputs in generators[k]:
-                await queue.put((k, outputs))
-            await queue.put((k, None))
-        except Exception as e:  # noqa: BLE001  reported in the stream
-            await queue.put((k, e))
-
-    def render(k: int, outputs: dict[str, Any], first: bool) -> bytes:
-        delta, entries = states[k].update(outputs)
-        piece = choice_chunk(parsed, parsed.choices[k], states[k], delta, entries, first)
-        if parsed.chat and piece == {"index": piece["index"], "delta": {}, "logprobs": None,
-                                     "finish_reason": None}:
-            return b""  # nothing new to say (text held back, or read into a call later)
-        body = chunk(parsed, [piece], usage(parsed, states) if parsed.continuous_usage else None)
-        return _event(body)
-
-    tasks: list[asyncio.Task] = []
-    try:
-        open_choices = 0
-        for k, outputs in enumerate(firsts):
-            yield render(k, outputs, True)  # the first chunk (its role) always goes
-            if not states[k].finish_reason:
-                open_choices += 1
-                tasks.append(asyncio.create_task(pump(k)))
-        while open_choices:
-            k, item = await queue.get()
-            if item is None:
-                open_choices -= 1
-            elif isinstance(item, BaseException):
-                err = (_backend_error(item, parsed) if isinstance(item, BackendError)
-                       else OpenAIError(500, f"the frontend failed: {item!r}"))
-                yield _event(err.body())
-                break
-            else:
-                event = render(k, item, False)
-                if event:
-                    yield event
-        if parsed.include_usage:
-            yield _event({**chunk(parsed, []), "usage": usage(parsed, states)})
-        yield b"data: [DONE]\n\n"
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await _close_all(generators)
+    return bytes(body)
 
 
 def _fetch(url: str) -> str:
@@ -490,47 +376,6 @@ def _fetch(url: str) -> str:
 
 
 # --- the command line ------------------------------------------------------------------------
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--triton-url", default="127.0.0.1:8001",
-                   help="gRPC host:port of the tritonserver(s), comma-separated")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback)")
-    p.add_argument("--port", type=int, default=9000)
-    p.add_argument("--served-model-name", default=None, type=served_model_name_arg,
-                   help="the model's name in the API (default: the engine's, from the server)")
-    p.add_argument("--metrics-url", default="",
-                   help="Prometheus endpoint(s) of the server(s), comma-separated, passed "
-                        "through by /metrics")
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` (default: $KVFLOW_API_KEY)")
-    add_chat_format_args(p)
-
-
-def add_chat_format_args(p: argparse.ArgumentParser) -> None:
-    """The flags that say how chat outputs are read (``kvflow openai`` and ``kvflow serve``)."""
-    p.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_PARSERS),
-                   help="how tool calls are read out of chat outputs (default: the format of "
-                        "the engine's chat template; hermes for kvflow's fallback prompt)")
-    p.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
-                   help="split <think>...</think> into reasoning_content (default: none)")
-
-
-def config_from_args(args: argparse.Namespace) -> FrontendConfig:
-    from kvflow import envs
-
-    return FrontendConfig(
-        tuple(u.strip() for u in args.triton_url.split(",") if u.strip()), args.host,
-        args.port, args.served_model_name,
-        tuple(u.strip() for u in args.metrics_url.split(",") if u.strip()),
-        args.api_key or envs.api_key(), args.tool_call_parser, args.reasoning_parser)
-
-
-def served_model_name_arg(text: str) -> str:
-    if not text or len(text) > 256 or not text.isprintable():
-        raise argparse.ArgumentTypeError("--served-model-name must be 1-256 printable "
-                                         "characters")
-    return text
-
 
 def run(cfg: FrontendConfig) -> int:
     """Serve until SIGINT/SIGTERM (streams still open get 5 s to finish)."""
@@ -545,5 +390,3 @@ def run(cfg: FrontendConfig) -> int:
 
 def main(args: argparse.Namespace) -> int:
     return run(config_from_args(args))
-
-

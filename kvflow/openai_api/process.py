@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Self
 
 from kvflow import envs
-from kvflow.openai_api.app import FrontendConfig
+from kvflow.openai_api.config import FrontendConfig
 from kvflow.utils.procs import ManagedProcess, url_host
 
 
@@ -42,6 +42,8 @@ class FrontendProcess(ManagedProcess):
         self.cmd += ["--tool-call-parser", self.cfg.tool_call_parser]
         if self.cfg.reasoning_parser:
             self.cmd += ["--reasoning-parser", self.cfg.reasoning_parser]
+        if self.cfg.console_show_tenants:
+            self.cmd += ["--console-show-tenants"]
         env = dict(os.environ)
         env.pop(envs.API_KEY, None)
         if self.cfg.api_key:  # NOTE: in the environment, never on a command line (ps shows it)

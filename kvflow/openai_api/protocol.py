@@ -10,7 +10,10 @@ turns it into OpenAI's error shape, the field named as the client sent it.
 What the frontend checks itself is what the backend never sees, or would see only in its own
 terms: the body's shape and types (:mod:`.checks`), and here the model name, ``n``,
 ``priority``, ``stream_options``, and the backend's size and nesting limits on what is packed
-for it, so that every error names the client's field. Pure Python + NumPy.
+for it, so that every error names the client's field. A chat's messages and tools are bounded
+together before the tool plan compiles a schema; a token-id prompt's logprobs (``n`` x
+``prompt_logprobs`` x its length) before it is sent (a text's once the backend has tokenized
+it). Pure Python + NumPy.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kvflow.openai_api.fields import (
 )
 from kvflow.openai_api.reasoning import ReasoningParser
 from kvflow.openai_api.tools import ToolPlan, plan_tools
+from kvflow.orchestrator.input_processor import check_prompt_logprobs
 from kvflow.orchestrator.sampling.params import GUIDED_FIELDS, MAX_LOGPROBS, short_repr
 from kvflow.triton_backend.params import (
     MAX_MESSAGES_JSON_BYTES,
@@ -162,12 +166,13 @@ def parse_completion_request(body: Any, served_model: str, chat: bool,
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     chat_format = chat_format or ChatFormat()
+    texts = _chat_texts(body) if chat else {}  # bounded before the plan compiles schemas
     plan = _tool_plan(body, chat_format.tool_call_parser) if chat else None
     if plan is not None and plan.constraint:
         sampling.update(plan.constraint)
         renamed.update(dict.fromkeys(plan.constraint, "tools"))
     sampling.update(_response_format(body.get("response_format"), sampling, renamed))
-    prompts = _chat_prompt(body, plan) if chat else _completion_prompts(body)
+    prompts = _chat_prompt(texts, plan) if chat else _completion_prompts(body)
     # A token-id prompt's echo is its tokens' text: the backend's prompt_logprobs carry it.
     echo_ids = echo and any(not text for _, text in prompts)
     backend_k = _prompt_logprobs(body.get("prompt_logprobs"),
@@ -175,6 +180,7 @@ def parse_completion_request(body: Any, served_model: str, chat: bool,
                                  else 0 if echo_ids else None, renamed)
     if backend_k is not None:
         sampling["prompt_logprobs"] = backend_k
+        _check_prompt_logprobs(prompts, n, backend_k, renamed)
 
     extra: dict[str, np.ndarray] = {
         name: _bytes_tensor(body[name]) for name in ("user", "cache_salt")
@@ -328,25 +334,48 @@ def _completion_prompts(body: dict[str, Any]) -> list[tuple[dict[str, np.ndarray
     return out
 
 
-def _chat_prompt(body: dict[str, Any], plan: ToolPlan | None
-                 ) -> list[tuple[dict[str, np.ndarray], str]]:
-    """``messages`` goes to the backend as JSON, within its limits on that JSON; the engine's
-    ChatPrompt checks each message. The tools the plan offers go beside them (``tools``),
-    as the client sent them."""
+def _chat_texts(body: dict[str, Any]) -> dict[str, str]:
+    """``messages`` and ``tools`` as the JSON the backend gets, within its limits on that
+    JSON: together no longer than one prompt's (the larger named), each nested no deeper."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects",
                           "messages")
-    inputs = {}
-    for name, value in (("messages", messages),
-                        ("tools", body["tools"] if plan is not None and plan.tools else None)):
-        if value is None:
-            continue
-        text = json.dumps(value, ensure_ascii=False)
+    texts = {"messages": json.dumps(messages, ensure_ascii=False)}
+    if body.get("tools"):
+        texts["tools"] = json.dumps(body["tools"], ensure_ascii=False)
+    total = sum(len(text) for text in texts.values())
+    if total > MAX_MESSAGES_JSON_BYTES:
+        name = max(texts, key=lambda k: len(texts[k]))
+        together = f", of the {total} of messages and tools together" if len(texts) > 1 else ""
+        raise bad_request(f"{name} is {len(texts[name])} characters as JSON{together}; the "
+                          f"limit is {MAX_MESSAGES_JSON_BYTES}", name)
+    for name, text in texts.items():
         try:  # the backend's own bounds, named for the client here
             check_json_bounds(name, text, MAX_MESSAGES_JSON_BYTES, MAX_MESSAGES_JSON_DEPTH
                               if name == "messages" else MAX_SAMPLING_JSON_DEPTH)
         except BadRequestError as e:
             raise bad_request(str(e), name) from None
-        inputs[name] = _bytes_tensor(text)
+    return texts
+
+
+def _chat_prompt(texts: dict[str, str], plan: ToolPlan | None
+                 ) -> list[tuple[dict[str, np.ndarray], str]]:
+    """``messages`` goes to the backend as JSON (the engine's ChatPrompt checks each
+    message), the tools the plan offers beside them (``tools``), as the client sent them."""
+    inputs = {"messages": _bytes_tensor(texts["messages"])}
+    if plan is not None and plan.tools:
+        inputs["tools"] = _bytes_tensor(texts["tools"])
     return [(inputs, "")]
+
+
+def _check_prompt_logprobs(prompts: list[tuple[dict[str, np.ndarray], str]], n: int, k: int,
+                           renamed: dict[str, str]) -> None:
+    """A token-id prompt's logprobs, bounded here (a text's by the backend, once tokenized)."""
+    for inputs, _ in prompts:
+        if "input_ids" in inputs:
+            try:
+                check_prompt_logprobs(inputs["input_ids"].size, n, k)
+            except ValueError as e:
+                name = renamed.get("prompt_logprobs", "prompt_logprobs")
+                raise bad_request(name + str(e).removeprefix("prompt_logprobs"), name) from None

@@ -3,12 +3,16 @@
 A prompt's logprobs (the backend's ``prompt_logprobs`` output) go two ways: before the
 generated tokens' in a completion's ``logprobs`` when it echoes the prompt (OpenAI's legacy
 shape, the first token's logprob null), and as vLLM's ``prompt_logprobs`` field when asked for
-by name. Pure Python.
+by name. The backend sends a prompt's logprobs once, for all its ``n`` choices: they are parsed
+once (:class:`PromptLogprobs`), converted once, and encoded once into every choice that carries
+them (:class:`SharedJSON`, :func:`encode_body`). Pure Python.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +23,62 @@ from kvflow.orchestrator.outputs import TokenLogprobs
 # The engine's reasons as the API reports them. "timeout" (past timeout_ms) is kept as it is,
 # as vLLM's server keeps its own: a client must not take a cut answer for a finished one.
 OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "timeout": "timeout"}
+
+
+class SharedJSON(list):  # type: ignore[type-arg]
+    """A JSON list that several places of a body hold (one prompt's logprobs, in each of its
+    choices): :func:`encode_body` encodes it once and copies the bytes."""
+
+    _encoded: bytes | None = None
+
+    def encoded(self) -> bytes:
+        if self._encoded is None:
+            self._encoded = json.dumps(self, ensure_ascii=False,
+                                       separators=(",", ":")).encode()
+        return self._encoded
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON (UTF-8, compact), each :class:`SharedJSON` value of the body or of one
+    of its ``choices`` encoded once, however many choices hold it."""
+    nonce = secrets.token_hex(8)  # NOTE: a placeholder no text of a client's can forge
+    shared: list[SharedJSON] = []
+
+    def swap(item: Any) -> Any:
+        if not isinstance(item, dict) or not any(isinstance(v, SharedJSON)
+                                                 for v in item.values()):
+            return item
+        out = dict(item)
+        for key, value in item.items():
+            if isinstance(value, SharedJSON):
+                out[key] = f"{nonce}:{len(shared)}"
+                shared.append(value)
+        return out
+
+    top = swap(body)
+    if isinstance(body.get("choices"), list):
+        top = {**top, "choices": [swap(c) for c in body["choices"]]}
+    text = json.dumps(top, ensure_ascii=False, separators=(",", ":")).encode()
+    if not shared:
+        return text
+    return re.sub(b'"' + nonce.encode() + rb':(\d+)"',
+                  lambda m: shared[int(m.group(1))].encoded(), text)
+
+
+class PromptLogprobs:
+    """One prompt's logprobs, as the backend sent them (``wire``: its JSON), parsed once for
+    all the prompt's choices; each shape the API gives them in is built once too."""
+
+    def __init__(self, wire: str) -> None:
+        self.wire = wire
+        self.entries = [TokenLogprobs.from_wire(e) for e in json.loads(wire)]
+        self._vllm: dict[tuple[int, int], SharedJSON] = {}
+
+    def vllm(self, k: int, asked: int) -> SharedJSON:
+        """vLLM's ``prompt_logprobs`` field (:func:`vllm_prompt_logprobs`), built once."""
+        if (k, asked) not in self._vllm:
+            self._vllm[k, asked] = SharedJSON(vllm_prompt_logprobs(self.entries, k, asked))
+        return self._vllm[k, asked]
 
 
 @dataclass
@@ -43,14 +103,24 @@ class ChoiceState:
     prompt_logprobs_new: bool = False  # they came with the last update
     # A chat choice whose text is read for reasoning or tool calls (None: the text is content).
     output: ChatOutput | None = None
+    # The prompt's logprobs, parsed once for its choices: ``shared`` (prompt index -> them) is
+    # the request's, common to all its states.
+    prompt_index: int = 0
+    shared: dict[int, PromptLogprobs] | None = None
+    prompt_record: PromptLogprobs | None = None
 
     def update(self, outputs: dict[str, Any]) -> tuple[str, list[TokenLogprobs]]:
         """Apply one response's outputs (name -> decoded value); returns its new text and
         logprob entries (``output_logprobs``' JSON, parsed once, here)."""
-        self.prompt_logprobs_new = bool(outputs.get("prompt_logprobs"))
-        if self.prompt_logprobs_new:
-            self.prompt_logprobs = [TokenLogprobs.from_wire(e)
-                                    for e in json.loads(outputs["prompt_logprobs"])]
+        wire = outputs.get("prompt_logprobs")
+        self.prompt_logprobs_new = bool(wire)
+        if wire:
+            record = self.shared.get(self.prompt_index) if self.shared is not None else None
+            if record is None or not (record.wire is wire or record.wire == wire):
+                record = PromptLogprobs(wire)
+                if self.shared is not None:
+                    self.shared[self.prompt_index] = record
+            self.prompt_record, self.prompt_logprobs = record, record.entries
         self.prompt_tokens = outputs.get("num_input_tokens", self.prompt_tokens)
         self.cached_tokens = outputs.get("cached_tokens", self.cached_tokens)
         self.draft_tokens = outputs.get("num_draft_tokens", self.draft_tokens)
@@ -84,8 +154,10 @@ def new_states(request: CompletionRequest) -> list[ChoiceState]:
     """One empty state per choice of ``request``."""
     read = request.chat and (request.tools is not None and request.tools.parser is not None
                              or request.reasoning is not None)
+    shared: dict[int, PromptLogprobs] = {}
     return [ChoiceState(c.index, generate=request.generate,
-                        output=ChatOutput(request.tools, request.reasoning) if read else None)
+                        output=ChatOutput(request.tools, request.reasoning) if read else None,
+                        prompt_index=c.prompt_index, shared=shared)
             for c in request.choices]
 
 
@@ -180,12 +252,11 @@ def _choice_logprobs(request: CompletionRequest, entries: list[TokenLogprobs], o
 
 def _prompt_field(request: CompletionRequest, state: ChoiceState) -> dict[str, Any]:
     """vLLM's ``prompt_logprobs`` field, where the client asked for it (and it has come)."""
-    if request.prompt_logprobs is None or state.prompt_logprobs is None:
+    if request.prompt_logprobs is None or state.prompt_record is None:
         return {}
     asked = request.backend_prompt_logprobs
-    return {"prompt_logprobs": vllm_prompt_logprobs(
-        state.prompt_logprobs, request.prompt_logprobs,
-        request.prompt_logprobs if asked is None else asked)}
+    return {"prompt_logprobs": state.prompt_record.vllm(
+        request.prompt_logprobs, request.prompt_logprobs if asked is None else asked)}
 
 
 def final_response(request: CompletionRequest, states: list[ChoiceState]) -> dict[str, Any]:

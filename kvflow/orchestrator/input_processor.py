@@ -81,7 +81,7 @@ class InputProcessor:
         self._check_length(prompt)
         prompt_ids = tokenize_prompt(self.tokenizer, prompt)
         self._check_token_ids(prompt_ids, params)
-        check_prompt_logprobs(len(prompt_ids), params)
+        check_prompt_logprobs(len(prompt_ids), params.n, params.prompt_logprobs)
         # Compiled (or found in the cache) before the scheduler sees the request: a bad schema
         # is refused here, having taken no KV block. One grammar state per sequence.
         grammars: list[Grammar | None] = [None] * params.n
@@ -153,19 +153,20 @@ class InputProcessor:
             check_in_vocab(prompt_ids, vocab, "prompt token {}")
 
 
-def check_prompt_logprobs(num_prompt_tokens: int, params: SamplingParams) -> None:
-    """A ValueError naming ``prompt_logprobs`` and ``n`` if the request's prompt logprobs
-    would be more than :data:`MAX_PROMPT_LOGPROB_ENTRIES` entries (module doc): refused
-    before any work, where a response of that size would cost the frontend gigabytes."""
-    if params.prompt_logprobs is None:
+def check_prompt_logprobs(num_prompt_tokens: int, n: int, prompt_logprobs: int | None) -> None:
+    """A ValueError naming ``prompt_logprobs`` and ``n`` if a request of ``n`` sequences
+    would get more than :data:`MAX_PROMPT_LOGPROB_ENTRIES` prompt logprob entries (module
+    doc): refused before any work, where a response of that size would cost the frontend
+    gigabytes."""
+    if prompt_logprobs is None:
         return
-    entries = params.n * (params.prompt_logprobs + 1) * num_prompt_tokens
+    entries = n * (prompt_logprobs + 1) * num_prompt_tokens
     if entries > MAX_PROMPT_LOGPROB_ENTRIES:
         raise ValueError(
-            f"prompt_logprobs {params.prompt_logprobs} for {num_prompt_tokens} prompt tokens "
-            f"and n {params.n} is {entries} logprob entries (n x (prompt_logprobs + 1) x "
-            f"prompt tokens); the limit is {MAX_PROMPT_LOGPROB_ENTRIES}: lower n or "
-            "prompt_logprobs, or shorten the prompt")
+            f"prompt_logprobs {prompt_logprobs} for {num_prompt_tokens} prompt tokens and n "
+            f"{n} is {entries} logprob entries (n x (prompt_logprobs + 1) x prompt tokens); "
+            f"the limit is {MAX_PROMPT_LOGPROB_ENTRIES}: lower n or prompt_logprobs, or "
+            "shorten the prompt")
 
 
 def check_in_vocab(ids: Sequence[int], vocab: int, label: str) -> None:

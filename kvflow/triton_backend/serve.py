@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvflow import envs
 from kvflow.openai_api import FrontendConfig, FrontendProcess
-from kvflow.openai_api.app import add_chat_format_args
+from kvflow.openai_api.config import add_chat_format_args, add_console_args
 from kvflow.orchestrator.options import add_engine_option_args, engine_overrides
 from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 from kvflow.triton_backend.protocol import API_KEY_HEADER, MODEL_NAME
@@ -48,6 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the model's name in the OpenAI API (default: the engine's checkpoint, "
                         "e.g. smollm2-135m-instruct)")
     add_chat_format_args(p)
+    add_console_args(p)
     add_engine_option_args(p)
 
 
@@ -60,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
                            log_verbose=args.log_verbose, api_key=args.api_key)
         return serve_forever(cfg, openai_port=None if args.no_openai else args.openai_port,
                              served_model_name=args.served_model_name,
-                             chat_format=(args.tool_call_parser, args.reasoning_parser))
+                             chat_format=(args.tool_call_parser, args.reasoning_parser),
+                             console_show_tenants=args.console_show_tenants)
     except ServeError as e:
         raise ValueError(str(e)) from None
 
@@ -81,17 +83,20 @@ def exposure_warnings(cfg: ServerConfig) -> list[str]:
 
 def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
                   served_model_name: str | None = None,
-                  chat_format: tuple[str, str | None] = ("auto", None)) -> int:
+                  chat_format: tuple[str, str | None] = ("auto", None),
+                  console_show_tenants: bool = False) -> int:
     """``kvflow serve``: start tritonserver and (unless ``openai_port`` is None) the OpenAI
-    frontend (``chat_format``: its tool-call and reasoning parsers), print how to query
-    them, forward signals, shut down cleanly."""
+    frontend (``chat_format``: its tool-call and reasoning parsers; ``console_show_tenants``:
+    its state shows tenants unhashed), print how to query them, forward signals, shut down
+    cleanly."""
     frontend = None
     if openai_port is not None:
         host = url_host(cfg.host)
         try:
             frontend = FrontendProcess(FrontendConfig(
                 (f"{host}:{cfg.grpc_port}",), cfg.host, openai_port, served_model_name,
-                (f"http://{host}:{cfg.metrics_port}/metrics",), cfg.api_key, *chat_format))
+                (f"http://{host}:{cfg.metrics_port}/metrics",), cfg.api_key, *chat_format,
+                console_show_tenants=console_show_tenants))
         except ValueError as e:
             raise ServeError(str(e).replace("--port", "--openai-port")) from None
     server = TritonServer(cfg)

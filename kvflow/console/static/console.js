@@ -1,8 +1,9 @@
 // kvflow's live console: polls GET /v1/kvflow/state a few times a second and draws the
 // engine (requests, the KV pool's blocks, the last steps, counters); chats with the model
 // through /v1/chat/completions (streamed). Plain JavaScript, no build step, no network access
-// beyond this server: credentials (HTTP Basic, when the server has an API key) come with
-// every same-origin request.
+// beyond this server. With an API key, the browser's HTTP Basic login opens the page and
+// /console/token only: the API routes take the console token that route gives, sent as a
+// Bearer key (a page of another site can neither read it nor send it).
 "use strict";
 
 const POLL_MS = 333;  // three updates a second
@@ -12,6 +13,7 @@ const css = (name) => getComputedStyle(document.documentElement).getPropertyValu
 const $ = (id) => document.getElementById(id);
 
 let model = null;
+let token;  // undefined: not asked yet; null: the server has no key
 let last = null;  // the last snapshot drawn (of the first server)
 const ttfts = [];  // [seen at (ms), ttft (ms)] of requests whose first token came
 const seenFirst = new Set();
@@ -23,9 +25,20 @@ function percentile(values, p) {
 }
 const ms = (v) => (v === null ? "-" : v.toFixed(0));
 
+// fetch() of an API route, with the console token when the server has a key.
+async function api(path, init = {}) {
+  if (token === undefined) {
+    const r = await fetch("/console/token", { cache: "no-store" });
+    token = r.ok ? (await r.json()).token : null;
+  }
+  const headers = { ...(init.headers || {}) };
+  if (token) headers.Authorization = `Bearer ${token}`;
+  return fetch(path, { ...init, headers });
+}
+
 async function poll() {
   try {
-    const r = await fetch("/v1/kvflow/state", { cache: "no-store" });
+    const r = await api("/v1/kvflow/state", { cache: "no-store" });
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     const body = await r.json();
     const server = body.servers[0];
@@ -187,7 +200,7 @@ function drawSteps(steps) {
 
 async function modelName() {
   if (model) return model;
-  const r = await fetch("/v1/models");
+  const r = await api("/v1/models");
   model = (await r.json()).data[0].id;
   $("model").textContent = model;
   return model;
@@ -214,7 +227,7 @@ async function chatOnce(body, card) {
   const start = performance.now();
   const arrivals = [];
   let usage = null;
-  const r = await fetch("/v1/chat/completions", {
+  const r = await api("/v1/chat/completions", {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
   });
   if (!r.ok) {
