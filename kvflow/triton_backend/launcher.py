@@ -250,11 +250,14 @@ def shm_regions_of(pgid: int) -> set[Path]:
     return regions
 
 
-
-
 class TritonServer(ManagedProcess):
     """A tritonserver process serving one engine, in a workspace of its own; a context manager
     that always cleans up (the process group, the backend's shared memory, the workspace)."""
+
+    # NOTE: should kvflow die without stopping it, SIGTERM, not SIGKILL: tritonserver then
+    # unloads the model and removes the backend's shared memory (which nobody else would)
+    # within --exit-timeout-secs; its backend stubs exit once it is gone.
+    death_signal = signal.SIGTERM
 
     def __init__(self, cfg: ServerConfig, log_path: Path | None = None) -> None:
         super().__init__("tritonserver", log_path=log_path, port=cfg.http_port,

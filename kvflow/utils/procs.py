@@ -11,16 +11,23 @@ network helpers the launchers share.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
+from queue import SimpleQueue
 from typing import Any, Self
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class ServeError(RuntimeError):
@@ -97,6 +104,83 @@ def kill_process_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
             time.sleep(0.05)
 
 
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, resolved here: a child between fork and exec must not load libraries."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()
+
+
+def die_with_parent(signum: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` by which the child gets ``signum`` when the thread that forked it
+    ends (Linux's PR_SET_PDEATHSIG; None elsewhere): a parent killed with SIGKILL, which can
+    stop nothing itself, still takes its children with it. It survives the exec. Fork only
+    from a thread that lives as long as the process: :func:`spawn` does."""
+    if _PRCTL is None:
+        return None
+    prctl, parent = _PRCTL, os.getpid()
+
+    def preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before the prctl: nothing will tell us
+            os.kill(os.getpid(), signum)
+
+    return preexec
+
+
+class _Spawner:
+    """One daemon thread, as long-lived as the process, that forks the children asked of it
+    from threads that may end sooner (PR_SET_PDEATHSIG fires when the forking *thread* ends).
+    The main thread forks its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inbox: SimpleQueue[tuple[Callable[[], Any], Future]] | None = None
+        self._pid = -1
+
+    def run(self, fn: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+        if threading.current_thread() is threading.main_thread():
+            return fn()
+        with self._lock:
+            if self._inbox is None or self._pid != os.getpid():  # none yet, or we forked
+                self._inbox, self._pid = SimpleQueue(), os.getpid()
+                threading.Thread(target=self._serve, args=(self._inbox,),
+                                 name="kvflow-spawner", daemon=True).start()
+            inbox = self._inbox
+        done: Future[subprocess.Popen] = Future()
+        inbox.put((fn, done))
+        return done.result()
+
+    @staticmethod
+    def _serve(inbox: SimpleQueue[tuple[Callable[[], Any], Future]]) -> None:
+        while True:
+            fn, done = inbox.get()
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # noqa: BLE001  raised on the asking thread
+                done.set_exception(e)
+
+
+_spawner = _Spawner()
+
+
+def spawn(popen: Callable[..., subprocess.Popen], cmd: Sequence[str],
+          death_signal: int = signal.SIGKILL, **options: Any) -> subprocess.Popen:
+    """``popen(cmd, **options)`` (``subprocess.Popen`` or a wrapper of it), the child to be sent
+    ``death_signal`` when this process ends, however it ends (:func:`die_with_parent`)."""
+    preexec = die_with_parent(death_signal)
+    if preexec is not None:
+        options["preexec_fn"] = preexec
+    return _spawner.run(lambda: popen(list(cmd), **options))
+
+
 class ManagedProcess:
     """One child process, in a process group of its own, its output (stdout and stderr) in
     ``log_path`` (none: ours); a context manager that always stops it.
@@ -104,7 +188,12 @@ class ManagedProcess:
     :meth:`start` spawns ``cmd`` and calls :meth:`wait_ready`, stopping the process if either
     fails. A subclass sets ``cmd`` and ``env`` before calling it, says what ready means by
     overriding :meth:`wait_ready`, and may spawn another way (:meth:`_popen`).
+
+    The child gets ``death_signal`` when this process ends without stopping it (even by
+    SIGKILL): no server outlives the one that started it (:func:`spawn`).
     """
+
+    death_signal: int = signal.SIGKILL
 
     def __init__(self, name: str, cmd: Sequence[str] = (), *, log_path: Path | None = None,
                  env: Mapping[str, str] | None = None, cwd: Path | None = None,
@@ -132,9 +221,9 @@ class ManagedProcess:
         try:
             log = open(self.log_path, "ab") if self.log_path is not None else None  # noqa: SIM115
             try:
-                self.proc = self._popen(self.cmd, env=self.env, cwd=self.cwd,
-                                        stdin=subprocess.DEVNULL, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+                self.proc = spawn(self._popen, self.cmd, self.death_signal, env=self.env,
+                                  cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
             finally:
                 if log is not None:
                     log.close()  # the child holds its own copy
