@@ -503,6 +503,27 @@ class TestReproducibility:
         b = self.generate(SamplingParams(seed=2), [], 0, 0, 0)
         assert a != b
 
+    @pytest.mark.parametrize("target", range(len(PARAMS)))
+    def test_draw_picks_what_sample_would_with_the_same_number(self, target: int) -> None:
+        """Speculative decoding's way to sample: ``draw`` with the number a row's generator
+        holds next is ``sample``, on every path; it reads no generator."""
+        params = self.PARAMS[target]
+        sampler = Sampler(self.VOCAB, [EOS])
+        rng = np.random.default_rng(5)
+        for step in range(10):
+            logits = (rng.standard_normal((2, self.VOCAB + 3)) * 4).astype(np.float32)
+            rows = [row(params, prompt=[5, 6], output=[7, 8], seed=step),
+                    row(SamplingParams(temperature=0), seed=step)]
+            u = [make_generator(step).random(), 0.5]
+            drawn = sampler.draw(logits, rows, u)
+            assert drawn == sampler.sample(logits, rows).token_ids
+            assert rows[0].generator.random() == make_generator(step).random(2)[1]
+
+    def test_draw_wants_one_number_per_row(self) -> None:
+        with pytest.raises(ValueError, match="uniforms"):
+            Sampler(8, [EOS]).draw(np.zeros((2, 8), np.float32),
+                                   [row(SamplingParams())] * 2, [0.5])
+
 
 class TestPenalties:
     LOGITS = np.array([[2.0, -1.0, 0.5, 0.0, 3.0, -2.0]], np.float32)

@@ -1,6 +1,6 @@
 """Speculative decoding, pure parts: the scheduler's drafts and rollback, the KV and prefix
 cache under random acceptances (hypothesis), the n-gram proposer, the draft-length policy,
-and the verification's losslessness (exact for greedy; a chi-square test for sampling)."""
+and greedy verification (sampled verification: ``test_speculative_verification.py``)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,7 @@ from kvflow.orchestrator.sampling.sampler import Sampler, SamplingRow, make_gene
 from kvflow.orchestrator.scheduler.output import RunnerOutput, SchedulerOutput
 from kvflow.orchestrator.speculative.draft_length import DraftLengthPolicy
 from kvflow.orchestrator.speculative.proposers import NgramProposer
-from kvflow.orchestrator.speculative.verification import (
-    accept_greedy,
-    target_distribution,
-    verify,
-)
+from kvflow.orchestrator.speculative.verification import verify
 from tests.helpers import EOS, TOKEN, make_request, make_scheduler_for_test, run_step
 
 
@@ -240,96 +236,7 @@ def test_draft_length_unfitted_drafts_the_most():
     assert policy.lengths([Request("a", [1], SamplingParams(), 0.0)], [9]) == [4]
 
 
-# --- verification -------------------------------------------------------------------------------
-def test_accept_greedy():
-    assert accept_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all, then the bonus
-    assert accept_greedy([5, 9, 7, 8], [5, 6, 7]) == [5, 9]  # the correction ends it
-    assert accept_greedy([4, 6, 7, 8], [5, 6, 7]) == [4]
-
-
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7),
-    SamplingParams(temperature=1.3, top_k=5),
-    SamplingParams(temperature=1.0, top_p=0.8),
-    SamplingParams(temperature=0.9, top_k=6, top_p=0.9, min_p=0.05),
-    SamplingParams(temperature=1.0, min_p=0.1),
-])
-def test_target_distribution_is_what_the_sampler_draws(params):
-    """The distribution verification uses is the sampler's: the sampler's empirical
-    frequencies over many seeded draws pass a chi-square test against it."""
-    from scipy.stats import chisquare
-
-    rng = np.random.default_rng(0)
-    logits = rng.normal(0, 2, size=(1, 12)).astype(np.float32)
-    p = target_distribution(logits[0], params)
-    sampler = Sampler(12, ())
-    gen = make_generator(1)
-    row = SamplingRow(params, [1], [], gen)
-    n = 6000
-    counts = np.bincount([sampler.sample(logits, [row]).token_ids[0] for _ in range(n)],
-                         minlength=12)
-    assert (counts[p == 0] == 0).all()
-    keep = p > 0
-    assert chisquare(counts[keep], p[keep] * n).pvalue > 1e-3
-
-
-class MarkovModel:
-    """A model over a 6-token vocabulary whose next-token logits depend on the last token."""
-
-    def __init__(self, seed: int, vocab: int = 6) -> None:
-        self.table = np.random.default_rng(seed).normal(0, 1.5, size=(vocab, vocab)).astype(
-            np.float32)
-
-    def logits(self, tokens):
-        return np.stack([self.table[t] for t in tokens])
-
-
-@pytest.mark.parametrize("draft", ["one-hot", "distribution"])
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=0.8, top_k=4),
-                                    SamplingParams(temperature=1.0, top_p=0.85,
-                                                   presence_penalty=0.7)])
-def test_speculative_sampling_keeps_the_targets_distribution(draft, params):
-    """Two drafts per step from a different model: the first two emitted tokens' joint
-    distribution equals the target's (exact, computed), by a chi-square test over 36 cells;
-    penalties over the drafted output included."""
-    from scipy.stats import chisquare
-
-    target, drafter = MarkovModel(1), MarkovModel(2)
-    sampler = Sampler(6, ())
-    start, prompt = 3, [0, 3]
-
-    def p_next(output):
-        row = SamplingRow(params, prompt, output, make_generator(0))
-        work = sampler.processed_logits(target.logits([([start] + output)[-1]]), [row])
-        return target_distribution(work[0], params)
-
-    exact = np.array([[p_next([])[a] * p_next([a])[b] for b in range(6)] for a in range(6)])
-    counts = np.zeros((6, 6))
-    n = 8000
-    gen = make_generator(7)
-    q_params = SamplingParams(temperature=1.0)
-    for _ in range(n):
-        # The drafter draws two tokens from its own distribution (or an n-gram's fixed guess).
-        if draft == "one-hot":
-            drafts, q = [int(gen.integers(6)), int(gen.integers(6))], None
-        else:
-            q1 = target_distribution(drafter.logits([start])[0], q_params)
-            d1 = int(gen.choice(6, p=q1))
-            q2 = target_distribution(drafter.logits([d1])[0], q_params)
-            drafts, q = [d1, int(gen.choice(6, p=q2))], np.stack([q1, q2])
-        logits = target.logits([start, *drafts])
-        row = SamplingRow(params, prompt, [], gen)
-        out = verify(sampler, logits, row, drafts, None, q)
-        if len(out) < 2:  # a rejection at the first draft: the next step samples plainly
-            second = p_next(out)
-            out.append(int(gen.choice(6, p=second)))
-        counts[out[0], out[1]] += 1
-    keep = exact.ravel() > 0
-    assert counts.ravel()[~keep].sum() == 0
-    assert chisquare(counts.ravel()[keep], exact.ravel()[keep] * n).pvalue > 1e-3
-
-
+# --- verification (sampled: tests/test_speculative_verification.py) ---------------------------
 def test_greedy_verification_with_penalties_and_min_tokens():
     """Greedy verification applies each position's own penalties and min_tokens ban."""
     sampler = Sampler(6, (5,))

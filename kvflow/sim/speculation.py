@@ -42,8 +42,8 @@ class AcceptanceProposer(Proposer):
         self._next = 0
         self._rng = np.random.default_rng([seed, 33])
 
-    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]
-                ) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
+                token_budget: int | None = None) -> list[list[int]]:
         return [self._draft(k) for k in max_tokens]
 
     def _draft(self, k: int) -> list[int]:

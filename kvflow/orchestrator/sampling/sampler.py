@@ -17,7 +17,10 @@ Order of operations per row (vLLM's):
 Reproducibility: everything a row's token depends on is computed from that row alone (numpy's
 row-wise reductions, selections and sorts do not look at neighbouring rows), and each row draws
 exactly one number per step from its own generator. So a seeded request yields the same tokens
-whatever else is in the batch and wherever its row is.
+whatever else is in the batch and wherever its row is. Speculative decoding keeps this: a
+sequence's ``i``-th output token is always the token this sampler picks with the ``i``-th
+number of its stream (:meth:`Sampler.draw`; see
+:mod:`~kvflow.orchestrator.speculative.verification`), however many drafts it had.
 
 Cost (256 rows x 49152 vocab, one core): an all-greedy batch without penalties is one argmax pass;
 otherwise only the rows that need it are copied, top_k uses ``argpartition`` rather than a sort,
@@ -132,6 +135,27 @@ class Sampler:
             The sampled tokens and, for rows that asked, their log-probabilities.
         """
         x = self._valid_logits(logits, len(rows))
+        token_list = self._tokens(x, rows, None)
+        logprobs, top_logprobs = self._logprobs(x, rows, token_list)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs, top_logprobs=top_logprobs)
+
+    def draw(self, logits: np.ndarray, rows: Sequence[SamplingRow],
+             uniforms: Sequence[float] | np.ndarray) -> list[int]:
+        """The token :meth:`sample` would pick for each row had the row's generator drawn
+        ``uniforms[i]`` (greedy rows ignore theirs); no generator is touched, no logprobs.
+
+        Speculative decoding's one way to sample: verification draws every draft position
+        with the uniform the request's stream holds for it, and a draft model its drafts with
+        the same uniforms, so both go through these very filters (top-k, top-p, min-p) and
+        inverse CDF."""
+        if len(uniforms) != len(rows):
+            raise ValueError(f"uniforms: one per row ({len(rows)}), got {len(uniforms)}")
+        x = self._valid_logits(logits, len(rows))
+        return self._tokens(x, rows, np.asarray(uniforms, dtype=np.float64))
+
+    def _tokens(self, x: np.ndarray, rows: Sequence[SamplingRow],
+                uniforms: np.ndarray | None) -> list[int]:
+        """Each row's token; ``uniforms``: each row's draw (None: from its generator)."""
         n = len(rows)
         tokens = np.empty(n, dtype=np.int64)
 
@@ -159,11 +183,9 @@ class Sampler:
         if plain:
             tokens[plain] = argmax_rows(x, plain)
         if work_keys:
-            self._sample_work_rows(x, rows, sorted(work_keys), bans, tokens)
-
-        token_list = tokens.tolist()
-        logprobs, top_logprobs = self._logprobs(x, rows, token_list)
-        return SamplerOutput(token_ids=token_list, logprobs=logprobs, top_logprobs=top_logprobs)
+            self._sample_work_rows(x, rows, sorted(work_keys), bans, tokens, uniforms)
+        token_list: list[int] = tokens.tolist()
+        return token_list
 
     def is_plain_greedy(self, params: SamplingParams, num_output_tokens: int) -> bool:
         """Whether a row's token is the argmax of its raw logits and nothing else is read from
@@ -236,6 +258,7 @@ class Sampler:
         keys: list[tuple[int, int, int]],
         bans: dict[int, np.ndarray],
         tokens: np.ndarray,
+        uniforms: np.ndarray | None = None,
     ) -> None:
         """Copy the rows that need changing into one matrix, laid out by category, and sample."""
         order = [i for _, _, i in keys]
@@ -261,7 +284,10 @@ class Sampler:
                 params = [r.params for r in group]
                 # Exactly one draw per row per step keeps a seeded stream independent of the
                 # path taken and of the batch.
-                u = np.array([r.generator.random() for r in group], dtype=np.float64)
+                if uniforms is None:
+                    u = np.array([r.generator.random() for r in group], dtype=np.float64)
+                else:
+                    u = uniforms[dest]
                 temps = np.array([q.temperature for q in params], dtype=np.float32)
                 block /= temps[:, None]
                 min_p = np.array([q.min_p for q in params], dtype=np.float64)

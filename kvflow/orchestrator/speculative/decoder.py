@@ -8,6 +8,9 @@ for every request about to decode, cuts each where its grammar would refuse it, 
 keeps (``Request.spec_token_ids``). The scheduler schedules them with the decode, the runner
 scores every position, and :meth:`SpeculativeDecoder.verify` turns each sequence's logits into
 the tokens it emits (:mod:`~kvflow.orchestrator.speculative.verification`).
+
+Cutting a draft at the first token its grammar refuses leaves verification lossless: the
+token emitted at each position is the target's own draw, whatever the drafts were.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from kvflow.orchestrator.speculative.verification import accept_greedy, verify
 LogprobEntry = dict[int, float]
 
 
+# The draft tokens of one proposal when the engine gives no budget: EngineOptions'
+# max_num_batched_tokens default.
+DEFAULT_TOKEN_BUDGET = 2048
+
+
 class SpeculativeDecoder:
     """Proposes drafts for the running requests and verifies them.
 
@@ -34,16 +42,29 @@ class SpeculativeDecoder:
         proposer: drafts the tokens.
         max_drafts: the most drafts of one request per step (``num_speculative_tokens``).
         dynamic: the draft length from the cost model (else always the most drafted).
+        token_budget: the most tokens a draft model computes in one of its steps (a
+            request's catch-up with its prompt is chunked under it), unless
+            :meth:`propose` is given the step's own; the engine's
+            ``max_num_batched_tokens``.
     """
 
-    def __init__(self, proposer: Proposer, max_drafts: int, dynamic: bool = True) -> None:
+    def __init__(self, proposer: Proposer, max_drafts: int, dynamic: bool = True,
+                 token_budget: int = DEFAULT_TOKEN_BUDGET) -> None:
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.proposer = proposer
         self.max_drafts = max_drafts
+        self.token_budget = token_budget
         self.policy = DraftLengthPolicy(max_drafts, dynamic=dynamic)
 
-    def propose(self, running: Sequence[Request], num_other_tokens: int = 0) -> None:
+    def propose(self, running: Sequence[Request], num_other_tokens: int = 0,
+                token_budget: int | None = None) -> None:
         """Draft tokens for each running request whose next step is a decode and that lets
-        the engine speculate, as many as the policy grants (none: it decodes plainly)."""
+        the engine speculate, as many as the policy grants (none: it decodes plainly).
+
+        ``token_budget``: the step's token budget (the scheduler's), which bounds the draft
+        model's steps (None: the one given at construction)."""
+        budget = self.token_budget if token_budget is None else max(int(token_budget), 1)
         self.proposer.retain({r.request_id for r in running})
         requests, rooms = [], []
         for r in running:
@@ -58,7 +79,7 @@ class SpeculativeDecoder:
         if not requests:
             return
         chosen: list[tuple[Request, list[int]]] = []
-        for r, drafts in zip(requests, self.proposer.propose(requests, rooms), strict=True):
+        for r, drafts in zip(requests, self.proposer.propose(requests, rooms, budget), strict=True):
             state = r.engine_state
             if drafts and state is not None and state.grammar is not None:
                 drafts = drafts[:state.grammar.num_valid(drafts)]
@@ -93,8 +114,7 @@ class SpeculativeDecoder:
                 state = request.engine_state
                 grammar = state.grammar if state is not None else None
                 masks = grammar.masks_along(draft) if grammar is not None else None
-                out = verify(sampler, logits[i], row, draft, masks,
-                             self.proposer.draft_probs(request))
+                out = verify(sampler, logits[i], row, draft, masks)
             self.policy.observe_verification(len(draft), len(out) - 1)
             tokens.append(out)
             want = request.sampling_params.logprobs

@@ -6,10 +6,21 @@ drafting for the fp32 path) keeps the KV of the tokens it has seen in blocks of 
 request. Each proposal first catches the draft up with the request's accepted tokens (its
 prompt, the first time; then the tokens verification emitted, minus what it already computed:
 the accepted drafts are its own tokens, so only the correction or bonus token is new), then
-runs ``k`` one-token steps for every drafting request together. Greedy requests draft the
-draft's argmax; sampled ones draw from the draft's distribution under their temperature,
-top-k, top-p and min-p (its own random stream, not the request's) and report it
-(:meth:`DraftModelProposer.draft_probs`), which verification needs to stay lossless.
+runs ``k`` one-token steps for every drafting request together.
+
+A proposal's first draft step computes at most ``token_budget`` tokens (the step's budget):
+the requests whose catch-up fits whole go first and draft; the rest are caught up chunk by
+chunk over the next proposals, drafting nothing until they are (they decode plainly
+meanwhile).
+
+Drafts are drawn the way the target will verify them
+(:mod:`~kvflow.orchestrator.speculative.verification`): each request's draft ``j`` is the
+sampler's own pick (:meth:`~kvflow.orchestrator.sampling.sampler.Sampler.draw`: penalties,
+``min_tokens``, temperature, top-k, top-p, min-p; greedy: the argmax) from the draft's logits,
+with the uniform the request's own random stream holds for its ``j``-th next token. No stream
+is shared between requests, and none is advanced: a seeded request's drafts, like its tokens,
+follow from its seed alone, and where the draft's distribution equals the target's, its drafts
+are the target's tokens.
 
 Its blocks exist only for running requests: after every step it frees the tables of the
 requests that no longer run (finished, aborted, preempted), so nothing outlives them; a
@@ -24,21 +35,23 @@ import numpy as np
 
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.request import Request
+from kvflow.orchestrator.sampling.sampler import Sampler, SamplingRow, make_generator
 from kvflow.orchestrator.speculative.proposers import Proposer
-from kvflow.orchestrator.speculative.verification import draw, target_distribution
+from kvflow.orchestrator.speculative.verification import peek_uniforms
 from kvflow.runtime.base import ModelRunner
 from kvflow.runtime.step_builder import SeqChunk, build_step
 
 
 class DraftState:
-    """What the draft computed for one request: the tokens whose KV is in its blocks, and the
-    distributions of its last drafts (sampled requests)."""
+    """What the draft computed for one request: the tokens whose KV is in its blocks; and,
+    for a request without the engine's state (no random stream of its own there), the
+    stream its drafts draw from."""
 
-    __slots__ = ("tokens", "probs")
+    __slots__ = ("tokens", "generator")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.probs: np.ndarray | None = None
+        self.generator: np.random.Generator | None = None
 
 
 class DraftModelProposer(Proposer):
@@ -47,89 +60,130 @@ class DraftModelProposer(Proposer):
     Args:
         runner: the draft model's runner (its own KV pool, ``runner.num_blocks``).
         vocab_size: the target's vocabulary (the draft's must be the same).
-        seed: the draft's own random stream, for sampled requests.
     """
 
     name = "draft"
-    has_distribution = True
 
-    def __init__(self, runner: ModelRunner, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
         if runner.vocab_size != vocab_size:
             raise ValueError(f"draft_engine: the draft's vocabulary ({runner.vocab_size}) is "
                              f"not the target's ({vocab_size})")
         self.runner = runner
         self.kv = KVCacheManager(runner.num_blocks, runner.block_size)
         self.vocab_size = vocab_size
-        self._rng = np.random.default_rng([seed, 77])
+        # The target's sampler rules, per set of EOS ids (min_tokens bans them).
+        self._samplers: dict[tuple[int, ...], Sampler] = {}
 
-    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]
-                ) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
+                token_budget: int | None = None) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in requests]
+        budget = token_budget if token_budget is not None else 1 << 62
         live: list[int] = []  # indexes of the requests that draft
         chunks: list[SeqChunk] = []
+        catching_up: list[tuple[int, int]] = []  # (request index, tokens computed before)
         for i, r in enumerate(requests):
-            st = r.proposer_state
-            if not isinstance(st, DraftState) or r.request_id not in self.kv.block_tables:
-                st = r.proposer_state = DraftState()
-            st.probs = None
+            if max_tokens[i] < 1:
+                continue
+            st = self._state(r)
             tokens = r.token_ids
             # The last token is always computed now: the first draft comes from its logits.
             done = min(_common_prefix(st.tokens, tokens), len(tokens) - 1)
-            # At most the prompt is computed again; positions up to the last token run now.
-            end = len(tokens) + max_tokens[i] - 1
-            if max_tokens[i] < 1 or not self.kv.allocate_slots(
-                    r.request_id, end, num_computed_tokens=done):
-                self.kv.free(r.request_id)
-                r.proposer_state = None
+            if len(tokens) - done > budget:
+                catching_up.append((i, done))
                 continue
+            # At most the prompt is computed again; positions up to the last token run now.
+            if not self._allocate(r, len(tokens) + max_tokens[i] - 1, done):
+                continue
+            budget -= len(tokens) - done
             del st.tokens[done:]
             st.tokens.extend(tokens[done:])
             live.append(i)
             chunks.append(SeqChunk(r.request_id, st.tokens, done, len(tokens) - done, True))
-        probs: dict[int, list[np.ndarray]] = {}
+        # A catch-up longer than the budget left: a chunk now, the rest in later proposals.
+        for i, done in catching_up:
+            r = requests[i]
+            n = min(budget, len(r.token_ids) - 1 - done)
+            if n < 1 or not self._allocate(r, done + n, done):
+                continue
+            budget -= n
+            st = self._state(r)
+            del st.tokens[done:]
+            st.tokens.extend(r.token_ids[done:done + n])
+            chunks.append(SeqChunk(r.request_id, st.tokens, done, n, False))
+        uniforms = {i: self._uniforms(requests[i], max_tokens[i]) for i in live
+                    if not requests[i].sampling_params.is_greedy}
         for _ in range(max(max_tokens[i] for i in live) if live else 0):
-            if not chunks:
-                break
-            drafted = self._step(requests, live, chunks, probs)
+            drafted = self._step(requests, live, chunks, out, uniforms)
             chunks = []
             next_live = []
             for i, token in zip(live, drafted, strict=True):
                 out[i].append(token)
-                st = requests[i].proposer_state
-                assert isinstance(st, DraftState)
+                state = requests[i].proposer_state
+                assert isinstance(state, DraftState)
                 if len(out[i]) < max_tokens[i]:  # its KV is needed: compute it next step
-                    st.tokens.append(token)
-                    chunks.append(SeqChunk(requests[i].request_id, st.tokens,
-                                           len(st.tokens) - 1, 1, True))
+                    state.tokens.append(token)
+                    chunks.append(SeqChunk(requests[i].request_id, state.tokens,
+                                           len(state.tokens) - 1, 1, True))
                     next_live.append(i)
             live = next_live
-        for i, ps in probs.items():
-            st = requests[i].proposer_state
-            if isinstance(st, DraftState):
-                st.probs = np.stack(ps)
+        if chunks and not live:  # catch-up chunks alone (no request drafts this time)
+            self.runner.execute(build_step(self.kv, chunks))
         return out
 
-    def _step(self, requests: Sequence[Request], live: list[int], chunks: list[SeqChunk],
-              probs: dict[int, list[np.ndarray]]) -> list[int]:
-        """One draft step over ``chunks``: each live request's next draft token."""
-        step = build_step(self.kv, chunks)
-        params = [requests[i].sampling_params for i in live]
-        if all(p.is_greedy for p in params):
-            return [int(t) for t in self.runner.execute_argmax(step)]
-        logits = self.runner.execute(step)[:, :self.vocab_size]
-        tokens = []
-        for row, (i, p) in enumerate(zip(live, params, strict=True)):
-            if p.is_greedy:
-                tokens.append(int(np.argmax(logits[row])))
-                continue
-            q = target_distribution(np.asarray(logits[row], dtype=np.float32), p)
-            probs.setdefault(i, []).append(q)
-            tokens.append(draw(q, float(self._rng.random())))
-        return tokens
+    def _state(self, r: Request) -> DraftState:
+        st = r.proposer_state
+        if isinstance(st, DraftState) and r.request_id in self.kv.block_tables:
+            return st
+        fresh = DraftState()
+        r.proposer_state = fresh
+        return fresh
 
-    def draft_probs(self, request: Request) -> np.ndarray | None:
-        st = request.proposer_state
-        return st.probs if isinstance(st, DraftState) else None
+    def _allocate(self, r: Request, num_tokens: int, done: int) -> bool:
+        """Blocks for ``num_tokens`` of ``r``'s tokens; none left: its draft state is
+        dropped (it catches up again later)."""
+        if self.kv.allocate_slots(r.request_id, num_tokens, num_computed_tokens=done):
+            return True
+        self.kv.free(r.request_id)
+        r.proposer_state = None
+        return False
+
+    def _uniforms(self, r: Request, n: int) -> np.ndarray:
+        """The uniforms of ``r``'s next ``n`` output tokens: its random stream's next numbers
+        (the engine's stream for the sequence, which verification draws from)."""
+        gen = getattr(r.engine_state, "generator", None)
+        if not isinstance(gen, np.random.Generator):
+            st = r.proposer_state
+            assert isinstance(st, DraftState)
+            if st.generator is None:
+                st.generator = make_generator(r.sampling_params.seed)
+            gen = st.generator
+        return peek_uniforms(gen, n)
+
+    def _sampler(self, r: Request) -> Sampler:
+        eos = tuple(r.eos_token_ids)
+        if eos not in self._samplers:
+            self._samplers[eos] = Sampler(self.vocab_size, eos)
+        return self._samplers[eos]
+
+    def _step(self, requests: Sequence[Request], live: list[int], chunks: list[SeqChunk],
+              out: list[list[int]], uniforms: dict[int, np.ndarray]) -> list[int]:
+        """One draft step over ``chunks``: each live request's next draft token, picked as
+        the target's sampler would pick it (``out[i]``: its drafts so far)."""
+        step = build_step(self.kv, chunks)
+        rows = [SamplingRow(requests[i].sampling_params, requests[i].prompt_token_ids,
+                            [*requests[i].output_token_ids, *out[i]], _NO_STREAM)
+                for i in live]
+        if all(self._sampler(requests[i]).is_plain_greedy(row.params,
+                                                          len(row.output_token_ids))
+               for i, row in zip(live, rows, strict=True)):
+            return [int(t) for t in self.runner.execute_argmax(step)]
+        logits = self.runner.execute(step)
+        tokens = []
+        for row_index, (i, row) in enumerate(zip(live, rows, strict=True)):
+            u = uniforms[i][len(out[i])] if i in uniforms else 0.0
+            tokens.append(self._sampler(requests[i]).draw(
+                logits[row_index:row_index + 1], [row], [u])[0])
+        return tokens
 
     def retain(self, running: set[str]) -> None:
         """Free the blocks of every request that no longer runs."""
@@ -138,6 +192,10 @@ class DraftModelProposer(Proposer):
 
     def close(self) -> None:
         self.runner.close()
+
+
+# Rows handed to Sampler.draw carry a generator it never reads.
+_NO_STREAM = np.random.Generator(np.random.PCG64(0))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -11,30 +11,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvflow.orchestrator.request import Request
 
 
 class Proposer(ABC):
-    """Drafts tokens for one request at a time.
-
-    ``has_distribution``: whether its drafts come with the distribution they were drawn from
-    (a draft model's); without, verification takes it to be one-hot (an n-gram's)."""
+    """Drafts tokens for one request at a time. Verification is lossless whatever the drafts
+    are (:mod:`~kvflow.orchestrator.speculative.verification`): a proposer only decides how
+    many are accepted."""
 
     name = ""
-    has_distribution = False
 
     @abstractmethod
-    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]
-                ) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
+                token_budget: int | None = None) -> list[list[int]]:
         """For each request, up to ``max_tokens[i]`` tokens that may follow its
-        ``token_ids`` (maybe none)."""
-
-    def draft_probs(self, request: Request) -> np.ndarray | None:
-        """The distribution each of the request's last drafts was drawn from (``[k, vocab]``),
-        or None: one-hot."""
-        return None
+        ``token_ids`` (maybe none). ``token_budget``: the most tokens a model computes in one
+        step for it (a draft model's; None: unbounded)."""
 
     def retain(self, running: set[str]) -> None:  # noqa: B027  (most hold nothing)
         """After each step: the requests that still run (by id); what the proposer holds for
@@ -92,8 +84,8 @@ class NgramProposer(Proposer):
                              f"{max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]
-                ) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
+                token_budget: int | None = None) -> list[list[int]]:
         return [self._propose(r, k) for r, k in zip(requests, max_tokens, strict=True)]
 
     def _propose(self, request: Request, max_tokens: int) -> list[int]:
