@@ -7,6 +7,7 @@ keeps, from the measured step time and acceptance; the scheduler schedules them 
 decode; the runner scores every position in one step; and
 :mod:`~kvflow.orchestrator.speculative.verification` accepts them left to right: each emitted
 token is the one the sampler picks without speculation, greedy or sampled, so the output is
-the non-speculative output token for token, whatever the drafts. :class:`~kvflow.orchestrator.speculative.decoder.SpeculativeDecoder`
-is the one object the engine holds. The design: ``docs/design.md``, "Speculative decoding".
+the non-speculative output token for token, whatever the drafts.
+:class:`~kvflow.orchestrator.speculative.decoder.SpeculativeDecoder` is the one object the
+engine holds. The design: ``docs/design.md``, "Speculative decoding".
 """
