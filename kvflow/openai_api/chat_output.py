@@ -3,7 +3,10 @@ server's ``--reasoning-parser``), ``content`` and ``tool_calls`` (the request's
 :class:`~kvflow.openai_api.tools.ToolPlan`), whole or as streamed deltas. A stream's deltas
 always reassemble to the whole message: both read the same parsers. Pure Python.
 
-Reasoning is split first; tool calls are read from the content that remains. The reasoning
+Reasoning is split first; tool calls are read from the content that remains. A call cut off
+(by ``max_tokens`` or by a stop string: under ``tool_choice`` required, named, or a begun
+``hermes`` call in ``auto``, the stop string can cut the constrained JSON) is no finished call:
+the choice finishes with ``length``, never ``tool_calls``. The reasoning
 tokens are counted per backend response: a response's new tokens go to reasoning in
 proportion to the characters of its text that fall inside the reasoning span (its markers
 included), so the count is exact whenever each response carries one token.
@@ -30,6 +33,7 @@ class ChatOutput:
             self.plan.parser.stream() if self.plan is not None and self.plan.parser else None)
         self._responses: list[tuple[int, int, int]] = []  # (text from, to, new tokens)
         self.has_calls = False
+        self.calls_complete = True  # every call read ended (and the constrained list did)
 
     def count(self, text: str, delta: str, new_tokens: int) -> None:
         """Note that ``new_tokens`` brought ``delta``, which ends ``text``."""
@@ -67,6 +71,7 @@ class ChatOutput:
             pieces = self._tool_stream.feed(content) if content else []
             if final:
                 pieces += self._tool_stream.finish()
+                self.calls_complete = self._tool_stream.complete
         return self._merge(reasoning, pieces)
 
     def _merge(self, reasoning: str, pieces: list[ToolDelta]) -> dict[str, Any]:
@@ -100,17 +105,23 @@ class ChatOutput:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.plan is not None:
             assert self.plan.parser is not None
-            text, calls = self.plan.parser.parse(content)
-            if not self.plan.parallel:
-                calls = calls[:1]
+            read = self.plan.parser.read(content)
+            calls = read.calls if self.plan.parallel else read.calls[:1]
+            self.calls_complete = read.complete
             if calls:
                 self.has_calls = True
-                message["content"] = text or None
+                message["content"] = read.content or None
                 message["tool_calls"] = [c.to_openai() for c in calls]
         if self.reasoning is not None:
             message["reasoning_content"] = reasoning
         return message
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's ``tool_calls`` for an output that stopped on its own after calls."""
-        return "tool_calls" if reason == "stop" and self.has_calls else reason
+        """OpenAI's ``tool_calls`` for an output that stopped after whole calls; ``length``
+        for one that stopped inside a call (a stop string cut its JSON: the arguments do
+        not parse, and a client must not run it)."""
+        if reason != "stop":
+            return reason
+        if not self.calls_complete:
+            return "length"
+        return "tool_calls" if self.has_calls else reason

@@ -85,23 +85,40 @@ class ReasoningParser:
 
 
 class ReasoningStream:
-    """Incremental (reasoning delta, content delta) pairs of one output."""
+    """Incremental (reasoning delta, content delta) pairs of one output. It keeps its place
+    (before the reasoning, in it, after it) and holds back only the end of a piece that may
+    begin a marker, so a streamed output costs O(its length) however it is split."""
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
-        self.text = ""
-        self.sent = (0, 0)
+        self._state = "in" if parser.starts_open else "before"
+        self._rest = ""
 
     def feed(self, delta: str) -> tuple[str, str]:
-        self.text += delta
-        return self._emit(final=False)
+        return self._run(delta, final=False)
 
     def finish(self) -> tuple[str, str]:
-        return self._emit(final=True)
+        return self._run("", final=True)
 
-    def _emit(self, final: bool) -> tuple[str, str]:
-        reasoning, content = self.parser._split(self.text, final)
-        r0, c0 = self.sent
-        self.sent = (max(r0, len(reasoning)), max(c0, len(content)))
-        return reasoning[r0:], content[c0:]
-
+    def _run(self, delta: str, final: bool) -> tuple[str, str]:
+        text, self._rest = self._rest + delta, ""
+        reasoning: list[str] = []
+        content: list[str] = []
+        i = 0
+        while i < len(text):
+            if self._state == "after":
+                content.append(text[i:])
+                break
+            before = self._state == "before"
+            marker = self.parser.start if before else self.parser.end
+            into = content if before else reasoning
+            j = text.find(marker, i)
+            if j < 0:
+                keep = 0 if final else min(held_back(text, marker), len(text) - i)
+                into.append(text[i:len(text) - keep])
+                self._rest = text[len(text) - keep:]
+                break
+            into.append(text[i:j])
+            self._state = "in" if before else "after"
+            i = j + len(marker)
+        return "".join(reasoning), "".join(content)

@@ -1,245 +1,372 @@
-"""Tool calls out of generated text: the ``hermes``, ``llama3_json`` and ``pythonic`` formats,
-whole and streamed. Pure Python.
-
-A :class:`ToolParser` turns a whole output into its ``content`` (the text outside calls) and
-its :class:`ToolCall` list. :meth:`ToolParser.stream` gives a :class:`ToolStream`, fed the
-output's text as it arrives, that emits OpenAI's deltas: content, then per call its id and
-function name first and its argument text in fragments. A stream's deltas always reassemble
-to what :meth:`ToolParser.parse` gives for the whole text: both read the same partial parse
-(:meth:`ToolParser.partial`), the stream emitting only what can no longer change.
-
-Formats (vLLM's parser names):
+"""Tool calls out of generated text: the ``hermes``, ``llama3_json`` and ``pythonic`` formats
+(vLLM's parser names), and the JSON list of ``tool_choice`` required, whole and streamed. Pure
+Python; the streams' machinery (and the cost, the never-raising) is
+:mod:`kvflow.openai_api.tool_stream`'s.
 
 * ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, with
   text around them (Hermes, Qwen 2.5; kvflow's fallback prompt for templates without tools);
 * ``llama3_json``: the whole output one JSON object ``{"name": ..., "parameters": {...}}``
   (``arguments`` also read), optionally after ``<|python_tag|>``, several separated by ``;``;
+  text after the calls is left out;
 * ``pythonic``: ``[f(a=1, b="x"), g()]``, Python call syntax with literal arguments (Llama 4,
-  Llama 3.2); its arguments are emitted once the list is complete.
+  Llama 3.2); its arguments are emitted once the list is complete; text after it is left out;
+* ``json_list`` (not a ``--tool-call-parser``): ``[{"name": ..., "parameters": {...}}, ...]``.
+
+Each format's stream is a small state machine over the text (``_state``); an object call's JSON
+is scanned by :class:`kvflow.openai_api.json_scan.ObjectScanner`.
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import uuid
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 
-from kvflow.openai_api.json_scan import PartialCall, object_call
+from kvflow.openai_api.tool_stream import (  # noqa: F401  (re-exported)
+    ParsedOutput,
+    ToolCall,
+    ToolDelta,
+    ToolParser,
+    ToolStream,
+    held_back,
+)
 
-
-@dataclass
-class ToolCall:
-    """One call: its id, the function's name and its arguments as JSON text (the model's own,
-    as generated)."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def to_openai(self) -> dict:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+_SPACE = " \n\t\r"
 
 
-@dataclass
-class Partial:
-    """A partial parse: the content that can no longer change, and the calls so far."""
-
-    content: str
-    calls: list[PartialCall]
+def _skip(text: str, i: int, chars: str) -> int:
+    while i < len(text) and text[i] in chars:
+        i += 1
+    return i
 
 
-@dataclass
-class ToolDelta:
-    """One streamed piece: content text, or for call ``index`` its id and name (the first
-    piece of a call) or an argument fragment."""
+class _ObjectCalls(ToolStream):
+    """A stream whose calls are JSON objects, with the text held from where a call may begin
+    (``_held``: content if it turns out not to be a call)."""
 
-    content: str = ""
-    index: int | None = None
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: list[str] = []
 
-    def to_openai(self) -> dict:
-        if self.index is None:
-            return {"content": self.content}
-        fn: dict = {"arguments": self.arguments}
-        call: dict = {"index": self.index, "function": fn}
-        if self.id is not None:
-            call.update(id=self.id, type="function")
-            fn["name"] = self.name
-        return {"tool_calls": [call]}
-
-
-class ToolParser(ABC):
-    """Reads tool calls out of an output; see the module docstring."""
-
-    name = ""
-
-    @abstractmethod
-    def partial(self, text: str, final: bool) -> Partial:
-        """What ``text`` holds so far (``final``: it is the whole output)."""
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The content and the calls of a whole output. A call cut off after its name (the
-        output ended inside it: ``finish_reason`` is then ``length``) keeps the arguments it
-        has, as a stream would have sent them; one cut off before is content."""
-        p = self.partial(text, final=True)
-        calls = [ToolCall(c.name, c.arguments or ("{}" if c.complete else ""))
-                 for c in p.calls if c.name is not None]
-        return _visible(p.content, True, bool(calls)), calls
-
-    def stream(self) -> ToolStream:
-        return ToolStream(self)
+    def _scan_call(self, text: str, i: int) -> int:
+        """Feed the current call's scan; returns where it stopped. Text is held while the call
+        has no name (it may still turn out to be content)."""
+        scanner = self._scanner
+        assert scanner is not None
+        end = scanner.feed(text, i)
+        if scanner.name is None:
+            self._held.append(text[i:end])
+        else:
+            self._held.clear()
+        self._call_progress()
+        return end
 
 
-class ToolStream:
-    """Incremental deltas of one output (:meth:`ToolParser.stream`)."""
+class HermesStream(_ObjectCalls):
+    """``<tool_call>{...}</tool_call>`` blocks among text."""
 
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self.text = ""
-        self.content_sent = 0
-        self.calls: list[ToolCall] = []  # the calls begun: name sent, arguments so far
-        self.args_sent: list[int] = []
+    START, END = "<tool_call>", "</tool_call>"
 
-    def feed(self, delta: str) -> list[ToolDelta]:
-        """The deltas ``delta`` makes certain."""
-        self.text += delta
-        return self._emit(self.parser.partial(self.text, final=False), final=False)
-
-    def finish(self) -> list[ToolDelta]:
-        """The output is complete: everything left."""
-        p = self.parser.partial(self.text, final=True)
-        p.calls = [c for c in p.calls if c.name is not None]
-        return self._emit(p, final=True)
-
-    @property
-    def has_calls(self) -> bool:
-        return bool(self.calls)
-
-    def _emit(self, p: Partial, final: bool) -> list[ToolDelta]:
-        out: list[ToolDelta] = []
-        content = _visible(p.content, final, bool(p.calls) or bool(self.calls))
-        if len(content) > self.content_sent:
-            out.append(ToolDelta(content=content[self.content_sent:]))
-            self.content_sent = len(content)
-        for i, c in enumerate(p.calls):
-            if c.name is None:
-                break  # arguments before the name: held until the name is known
-            if i == len(self.calls):
-                call = ToolCall(c.name, "")
-                self.calls.append(call)
-                self.args_sent.append(0)
-                out.append(ToolDelta(index=i, id=call.id, name=c.name))
-            if len(c.arguments) > self.args_sent[i]:
-                fragment = c.arguments[self.args_sent[i]:]
-                out.append(ToolDelta(index=i, arguments=fragment))
-                self.calls[i].arguments += fragment
-                self.args_sent[i] = len(c.arguments)
-        return out
-
-
-def _visible(content: str, final: bool, has_calls: bool) -> str:
-    """The content a client sees: while streaming, trailing whitespace is held back (a call may
-    follow it), and whitespace alone is no content; in the end, around calls, the same."""
-    if not final:
-        content = content.rstrip()
-        return content if content.strip() else ""
-    if has_calls:
-        return content.rstrip() if content.strip() else ""
-    return content
-
-
-def held_back(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could begin ``marker`` (held back from
-    content while streaming)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
+    def _step(self, text: str, i: int) -> int:
+        state = self._state
+        if state in ("text", "close"):
+            marker = self.START if state == "text" else self.END
+            j = text.find(marker, i)
+            if j < 0:
+                self.chars_scanned += len(text) - i
+                keep = 0 if self._final else min(held_back(text, marker), len(text) - i)
+                if state == "text":
+                    self._content(text[i:len(text) - keep])
+                return self._hold(text, len(text) - keep)
+            self.chars_scanned += j + len(marker) - i
+            if state == "text":
+                self._content(text[i:j])
+                self._held = [marker]
+            self._state = "open" if state == "text" else "text"
+            return j + len(marker)
+        if state == "open":  # after <tool_call>: a JSON object, or the marker was text
+            k = _skip(text, i, _SPACE)
+            self.chars_scanned += k - i
+            self._held.append(text[i:k])
+            if k == len(text):
+                return k
+            if text[k] == "{":
+                self._new_call()
+                self._state = "call"
+            else:
+                self._content("".join(self._held))
+                self._held.clear()
+                self._state = "text"
             return k
-    return 0
+        if state == "call":
+            end = self._scan_call(text, i)
+            scanner = self._scanner
+            assert scanner is not None
+            if scanner.done:
+                if scanner.valid:
+                    self._state = "close"
+                else:  # not JSON: the rest is content if the call had no name, else left out
+                    self._call_cut()
+                    self._state = "dead" if scanner.name is not None else "hold"
+            return end
+        if state == "hold":
+            self._held.append(text[i:])
+        return len(text)
+
+    def _end(self) -> None:
+        named = self._scanner is not None and self._scanner.name is not None
+        if self._state in ("open", "hold") or self._state == "call" and not named:
+            self._content("".join(self._held))
+        elif self._state == "call":
+            self._call_cut()
 
 
-# --- the formats ----------------------------------------------------------------------------------
+class Llama3JsonStream(_ObjectCalls):
+    """The whole output ``{...}`` calls, ``;``-separated, optionally after ``<|python_tag|>``."""
+
+    TAG = "<|python_tag|>"
+    ARGS_KEYS = ("parameters", "arguments")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "lead"
+        self._tag = 0  # characters of the tag read
+
+    def _step(self, text: str, i: int) -> int:
+        state = self._state
+        if state == "lead":  # whitespace and the tag, before the first call
+            k = i
+            while k < len(text):
+                ch, m = text[k], self._tag
+                if 0 < m < len(self.TAG):
+                    if ch != self.TAG[m]:
+                        break
+                    self._tag += 1
+                elif ch == self.TAG[0] and m == 0:
+                    self._tag = 1
+                elif ch not in _SPACE:
+                    break
+                k += 1
+            self.chars_scanned += k - i + 1
+            self._held.append(text[i:k])
+            if k < len(text):
+                if text[k] == "{" and self._tag in (0, len(self.TAG)):
+                    self._new_call()
+                    self._state = "call"
+                else:  # not a call: all of it is content
+                    self._content("".join(self._held))
+                    self._held.clear()
+                    self._state = "text"
+            return k
+        if state == "text":
+            self._content(text[i:])
+        elif state == "call":
+            end = self._scan_call(text, i)
+            scanner = self._scanner
+            assert scanner is not None
+            if scanner.done:
+                if scanner.valid:
+                    self._state = "sep"
+                else:
+                    self._call_cut()
+                    self._state = "hold" if not self.calls else "dead"
+            return end
+        elif state == "sep":
+            k = _skip(text, i, _SPACE + ";")
+            self.chars_scanned += k - i
+            if k < len(text):
+                if text[k] == "{":
+                    self._new_call()
+                    self._state = "call"
+                else:
+                    self._state = "dead"
+            return k
+        elif state == "hold":
+            self._held.append(text[i:])
+        return len(text)
+
+    def _end(self) -> None:
+        named = self._scanner is not None and self._scanner.name is not None
+        if self._state in ("lead", "hold") or self._state == "call" and not named:
+            if not self.calls:
+                self._content("".join(self._held))
+        elif self._state == "call":
+            self._call_cut()
+
+
+class JsonListStream(_ObjectCalls):
+    """``[{"name": ..., "parameters": {...}}, ...]``: complete only once the list closes."""
+
+    ARGS_KEYS = ("parameters", "arguments")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "lead"
+
+    def _step(self, text: str, i: int) -> int:
+        state = self._state
+        if state in ("lead", "list"):
+            k = _skip(text, i, _SPACE if state == "lead" else _SPACE + ",")
+            self.chars_scanned += k - i
+            if state == "lead":
+                self._held.append(text[i:k])
+            if k == len(text):
+                return k
+            ch = text[k]
+            if state == "lead":
+                self._state = "list" if ch == "[" else "hold"
+                if ch == "[":
+                    self._held.clear()
+                    return k + 1
+                return k
+            if ch == "{":
+                self._new_call()
+                self._state = "call"
+                return k
+            self._state = "closed" if ch == "]" else "dead"
+            return k + 1
+        if state == "call":
+            end = self._scan_call(text, i)
+            scanner = self._scanner
+            assert scanner is not None
+            if scanner.done:
+                self._state = "list" if scanner.valid else "dead"
+            return end
+        if state == "hold":
+            self._held.append(text[i:])
+        return len(text)
+
+    def _end(self) -> None:
+        if self._state in ("lead", "hold"):
+            self._content("".join(self._held))
+        self.complete = self._state == "closed"
+
+
+class PythonicStream(ToolStream):
+    """``[f(a=1), g()]``: held until its brackets close, then read with Python's parser."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "lead"
+        self._held: list[str] = []
+        self._depth = 0
+        self._quote = ""  # the quote of the string the scan is in
+        self._escaped = self._comment = False
+
+    def _step(self, text: str, i: int) -> int:
+        state = self._state
+        if state == "lead":
+            k = _skip(text, i, _SPACE)
+            self.chars_scanned += k - i
+            self._held.append(text[i:k])
+            if k < len(text):
+                self._state = "list" if text[k] == "[" else "text"
+                if self._state == "text":
+                    self._content("".join(self._held))
+                    self._held.clear()
+            return k
+        if state == "text":
+            self._content(text[i:])
+        elif state == "list":
+            k = self._brackets(text, i)
+            self._held.append(text[i:k])
+            if self._depth == 0:
+                self._read_list()
+            return k
+        return len(text)
+
+    def _brackets(self, text: str, i: int) -> int:
+        """Scan Python's brackets outside strings and comments; returns where the list
+        closes (after its bracket) or len(text)."""
+        k = i
+        while k < len(text):
+            ch = text[k]
+            k += 1
+            if self._comment:
+                self._comment = ch != "\n"
+            elif self._quote:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == self._quote:
+                    self._quote = ""
+            elif ch in "'\"":
+                self._quote = ch
+            elif ch == "#":
+                self._comment = True
+            elif ch in "([{":
+                self._depth += 1
+            elif ch in ")]}":
+                self._depth -= 1
+                if self._depth == 0:
+                    break
+        self.chars_scanned += k - i
+        return k
+
+    def _read_list(self) -> None:
+        text = "".join(self._held)
+        self._held.clear()
+        calls = python_calls(text.strip())
+        if calls is None:
+            self._content(text)
+            self._state = "text"
+            return
+        for name, arguments in calls:
+            call = ToolCall(name, arguments)
+            self.calls.append(call)
+            self._out.append(ToolDelta(index=len(self.calls) - 1, id=call.id, name=name))
+            self._out.append(ToolDelta(index=len(self.calls) - 1, arguments=arguments))
+        self._state = "after"
+
+    def _end(self) -> None:
+        if self._state == "lead":
+            self._content("".join(self._held))
+        elif self._state == "list":
+            self._read_list()
+
+
+# Whatever Python's parser and literal_eval raise on text that is not a call list: a model
+# writes anything (bytes, sets and complex numbers are literals, but not JSON; nesting can
+# exhaust the recursion limit; a literal can overflow).
+_NOT_CALLS = (SyntaxError, ValueError, TypeError, RecursionError, MemoryError, OverflowError)
+
+
+def python_calls(text: str) -> list[tuple[str, str]] | None:
+    """``[f(a=1), g()]`` -> ``[("f", '{"a": 1}'), ("g", "{}")]``: each call's name and its
+    keyword arguments as JSON; None when ``text`` is not such a list (never an exception)."""
+    try:
+        tree = ast.parse(text, mode="eval")
+        if not isinstance(tree.body, ast.List):
+            return None
+        out = []
+        for node in tree.body.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or \
+                    node.args or any(kw.arg is None for kw in node.keywords):
+                return None
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            out.append((node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))
+        return out
+    except _NOT_CALLS:
+        return None
+
+
 class HermesParser(ToolParser):
     """``<tool_call>{...}</tool_call>`` blocks among text."""
 
     name = "hermes"
-    START, END = "<tool_call>", "</tool_call>"
 
-    def partial(self, text: str, final: bool) -> Partial:
-        content: list[str] = []
-        calls: list[PartialCall] = []
-        i = 0
-        while True:
-            j = text.find(self.START, i)
-            if j < 0:
-                rest = text[i:]
-                keep = 0 if final else held_back(rest, self.START)
-                content.append(rest[:len(rest) - keep])
-                break
-            content.append(text[i:j])
-            k = j + len(self.START)
-            while k < len(text) and text[k] in " \n\t\r":
-                k += 1
-            if k >= len(text):
-                if final:
-                    content.append(text[j:])
-                break
-            if text[k] != "{":  # not a call after all: the marker is text
-                content.append(text[j:k])
-                i = k
-                continue
-            call, end = object_call(text, k, ("arguments", "parameters"))
-            if not call.complete:
-                if final and call.name is None:
-                    content.append(text[j:])  # cut off before its name: text
-                else:
-                    calls.append(call)
-                break
-            close = text.find(self.END, end)
-            if close < 0 and not final:
-                calls.append(PartialCall(call.name, call.arguments, False))
-                break
-            calls.append(call)
-            i = close + len(self.END) if close >= 0 else len(text)
-        return Partial("".join(content), calls)
+    def stream(self) -> ToolStream:
+        return HermesStream()
 
 
 class Llama3JsonParser(ToolParser):
-    """The whole output is ``{"name": ..., "parameters": {...}}`` (``;``-separated for
-    several), optionally after ``<|python_tag|>``; any other output is content."""
+    """The whole output ``{"name": ..., "parameters": {...}}`` calls, ``;``-separated,
+    optionally after ``<|python_tag|>``; any other output is content."""
 
     name = "llama3_json"
-    TAG = "<|python_tag|>"
 
-    def partial(self, text: str, final: bool) -> Partial:
-        stripped = text.lstrip()
-        if stripped.startswith(self.TAG):
-            stripped = stripped[len(self.TAG):].lstrip()
-        elif not final and self.TAG.startswith(stripped) and stripped:
-            return Partial("", [])  # may be the tag: wait
-        if not stripped:
-            return Partial("" if not final else text, [])
-        if stripped[0] != "{":
-            return Partial(text, [])
-        calls: list[PartialCall] = []
-        i = 0
-        while i < len(stripped):
-            call, end = object_call(stripped, i, ("parameters", "arguments"))
-            calls.append(call)
-            if not call.complete:
-                break
-            i = end
-            while i < len(stripped) and stripped[i] in " \n\t\r;":
-                i += 1
-            if i < len(stripped) and stripped[i] != "{":
-                break
-        if final and (not calls or not all(c.complete for c in calls)):
-            return Partial(text, [])  # not calls after all
-        return Partial("", calls)
+    def stream(self) -> ToolStream:
+        return Llama3JsonStream()
 
 
 class JsonListParser(ToolParser):
@@ -249,22 +376,8 @@ class JsonListParser(ToolParser):
 
     name = "json_list"
 
-    def partial(self, text: str, final: bool) -> Partial:
-        stripped = text.lstrip()
-        if not stripped or stripped[0] != "[":
-            return Partial(text if final else "", [])
-        calls: list[PartialCall] = []
-        i = 1
-        while True:
-            while i < len(stripped) and stripped[i] in " \n\t\r,":
-                i += 1
-            if i >= len(stripped) or stripped[i] != "{":
-                break
-            call, i = object_call(stripped, i, ("parameters", "arguments"))
-            calls.append(call)
-            if not call.complete:
-                break
-        return Partial("", calls)
+    def stream(self) -> ToolStream:
+        return JsonListStream()
 
 
 class PythonicParser(ToolParser):
@@ -273,39 +386,9 @@ class PythonicParser(ToolParser):
 
     name = "pythonic"
 
-    def partial(self, text: str, final: bool) -> Partial:
-        stripped = text.strip()
-        if not stripped:
-            return Partial("" if not final else text, [])
-        if stripped[0] != "[":
-            return Partial(text, [])
-        calls = _python_calls(stripped)
-        if calls is None:
-            return Partial(text if final else "", [])
-        return Partial("", [PartialCall(n, a, True) for n, a in calls])
-
-
-def _python_calls(text: str) -> list[tuple[str, str]] | None:
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError:
-        return None
-    if not isinstance(tree.body, ast.List):
-        return None
-    out = []
-    for node in tree.body.elts:
-        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
-            return None
-        try:
-            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-        except ValueError:
-            return None
-        if None in args:
-            return None
-        out.append((node.func.id, json.dumps(args)))
-    return out
+    def stream(self) -> ToolStream:
+        return PythonicStream()
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser)}
-

@@ -12,8 +12,11 @@
   ``<tool_call>``, then constrained to a valid call of one of the tools (``guided_grammar``,
   :func:`auto_grammar`); the other formats are read as the model writes them.
 
-Each tool's schema is compiled here, so that one that llguidance cannot compile is a 400
-naming the tool. Pure Python (llguidance's schema check included).
+Each tool's schema sits in the constraint's ``$defs`` under the tool's name, its own
+references rewritten to point there (:func:`kvflow.text.tool_schema.embedded_parameters`:
+``$defs``, ``definitions`` and recursive ``#`` resolve against the tool's schema, as they do in
+``response_format``). Each tool's part is compiled here, so that one that llguidance cannot
+compile is a 400 naming the tool. Pure Python (llguidance's schema check included).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from kvflow.openai_api.tool_parsers import TOOL_PARSERS, JsonListParser, ToolPar
 from kvflow.orchestrator.sampling.params import GUIDED_FIELDS
 from kvflow.orchestrator.sampling.structured import JSON_OPTIONS, schema_error
 from kvflow.text.chat_tools import FunctionTool, parse_tools
+from kvflow.text.tool_schema import embedded_parameters
 
 TOOL_CHOICES = ("none", "auto", "required")
 
@@ -53,10 +57,15 @@ def plan_tools(body: dict[str, Any], parser_name: str) -> ToolPlan:
     if choice == "none":
         return ToolPlan("none")
     for i, tool in enumerate(tools):
-        error = schema_error(tool.parameters)
+        where = f"tools[{i}].function.parameters ({tool.name})"
+        try:
+            error = schema_error(required_schema([tool], tool.name, False))
+        except ValueError as e:
+            raise ValueError(f"{where} {e}") from None
         if error:
-            raise ValueError(f"tools[{i}].function.parameters ({tool.name}) is not a JSON "
-                             f"schema kvflow can enforce: {error}")
+            # Pointers as the client wrote them, not as they sit in the call's schema.
+            error = error.replace(f"/$defs/{tool.name}", "")
+            raise ValueError(f"{where} is not a JSON schema kvflow can enforce: {error}")
     guided = [k for k in (*GUIDED_FIELDS, "response_format") if body.get(k) is not None]
     if choice != "auto":
         if guided:
@@ -94,12 +103,16 @@ def parse_tool_choice(value: Any, tools: tuple[FunctionTool, ...] | list[Functio
 
 
 def _chosen(tools: tuple[FunctionTool, ...] | list[FunctionTool], choice: str,
-            args_key: str) -> list[dict[str, Any]]:
-    """One JSON schema per allowed call: ``{"name": <const>, args_key: <its schema>}``."""
-    return [{"type": "object",
-             "properties": {"name": {"const": t.name}, args_key: t.parameters},
-             "required": ["name", args_key], "additionalProperties": False}
-            for t in tools if choice in ("required", "auto") or t.name == choice]
+            args_key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One JSON schema per allowed call, ``{"name": <const>, args_key: <its schema>}``, and
+    the ``$defs`` their schemas sit in (each under the tool's name: names are unique, and
+    letters, digits, ``_`` and ``-``, so a JSON pointer takes them as they are)."""
+    chosen = [t for t in tools if choice in ("required", "auto") or t.name == choice]
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t.name}, args_key: {"$ref": f"#/$defs/{t.name}"}},
+              "required": ["name", args_key], "additionalProperties": False}
+             for t in chosen]
+    return calls, {t.name: embedded_parameters(t.parameters, t.name) for t in chosen}
 
 
 def required_schema(tools: tuple[FunctionTool, ...] | list[FunctionTool], choice: str,
@@ -108,10 +121,11 @@ def required_schema(tools: tuple[FunctionTool, ...] | list[FunctionTool], choice
     calls, each ``{"name": <a tool>, "parameters": <its schema>}``: one call of the named
     function (as vLLM and OpenAI make it), or under ``required`` at least one (exactly one
     without ``parallel``)."""
-    calls = _chosen(tools, choice, "parameters")
+    calls, defs = _chosen(tools, choice, "parameters")
     items = calls[0] if len(calls) == 1 else {"anyOf": calls}
     one = choice != "required" or not parallel
-    return {"type": "array", "items": items, "minItems": 1, **({"maxItems": 1} if one else {})}
+    return {"type": "array", "items": items, "minItems": 1, **({"maxItems": 1} if one else {}),
+            "$defs": defs}
 
 
 def auto_grammar(tools: tuple[FunctionTool, ...] | list[FunctionTool], parallel: bool) -> str:
@@ -119,8 +133,8 @@ def auto_grammar(tools: tuple[FunctionTool, ...] | list[FunctionTool], parallel:
     ``<tool_call>`` (found lazily: the first one ends the text) must go on with a valid call,
     ``{"name": <a tool>, "arguments": <valid>}``, and ``</tool_call>``; without ``parallel``,
     the output ends after one call."""
-    calls = _chosen(tools, "auto", "arguments")
-    schema = {"anyOf": calls, "x-guidance": dict(JSON_OPTIONS)}
+    calls, defs = _chosen(tools, "auto", "arguments")
+    schema = {"anyOf": calls, "$defs": defs, "x-guidance": dict(JSON_OPTIONS)}
     # Without parallel calls, the output ends after its one call.
     start = "(before call)* TEXT" if parallel else "before call | TEXT"
     return ("start: " + start + "\n"

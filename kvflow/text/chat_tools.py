@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.text.tool_schema import check_parameters
+
 # The preamble's call format is the ``hermes`` parser's (kvflow.openai_api.tool_parsers).
 PREAMBLE = (
     "You can call functions. The functions are listed below as JSON schemas.\n"
@@ -69,9 +71,11 @@ def parse_tools(value: Any) -> tuple[FunctionTool, ...]:
             raise ValueError(f"{where}.function.name must be 1-64 letters, digits, _ or -, "
                              f"got {str(name)[:70]!r}")
         params = fn.get("parameters")
+        # As OpenAI and vLLM: no parameters is a function of no arguments.
         params = {"type": "object", "properties": {}} if params is None else params
         if not isinstance(params, dict):
             raise ValueError(f"{where}.function.parameters must be a JSON schema object")
+        check_parameters(f"{where}.function.parameters", params)
         description = fn.get("description") or ""
         if not isinstance(description, str):
             raise ValueError(f"{where}.function.description must be a string")
@@ -182,5 +186,5 @@ def _arguments(call: dict[str, Any]) -> Any:
     text = call["function"]["arguments"]
     try:
         return json.loads(text)
-    except ValueError:  # the model's own broken arguments, sent back: kept as text
+    except (ValueError, RecursionError):  # the model's own broken arguments, sent back: as text
         return text

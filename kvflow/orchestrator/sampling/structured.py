@@ -224,6 +224,8 @@ def schema_error(schema: dict[str, Any]) -> str:
         grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
         return _short(str(e))
+    except RecursionError:
+        return "it is nested too deeply"
     return _short(LLMatcher.validate_grammar(grammar, limits=PARSER_LIMITS))
 
 
