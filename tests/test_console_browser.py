@@ -133,7 +133,13 @@ def test_with_an_api_key_the_page_asks_for_it(keyed_server, tmp_path):
         assert get("/console/console.js")[0] == 401
         basic = "Basic " + base64.b64encode(b"anyone:s3cret-key").decode()
         assert get("/", basic)[0] == 200 and get("/console/console.js", basic)[0] == 200
-        assert get("/v1/kvflow/state", basic)[0] == 200
         assert get("/", "Basic " + base64.b64encode(b"anyone:wrong").decode())[0] == 401
+        # The API routes take no Basic login: the page's scripts send the console's token.
+        assert get("/v1/kvflow/state", basic)[0] == 401
+        with urllib.request.urlopen(urllib.request.Request(
+                frontend.url + "/console/token", headers={"Authorization": basic}),
+                timeout=60) as r:
+            token = json.loads(r.read())["token"]
+        assert get("/v1/kvflow/state", f"Bearer {token}")[0] == 200
     finally:
         assert frontend.stop() == 0

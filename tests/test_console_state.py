@@ -4,6 +4,7 @@ summarised when the pool is large."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -109,44 +110,85 @@ def _get(url: str, headers: dict | None = None) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-@pytest.mark.slow
-def test_the_state_endpoint_shows_requests_running_then_gone(openai_frontend, triton_server):
+def watch_a_chat_in_the_state(url: str, user: str) -> tuple[dict, dict, dict]:
+    """Send a chat of tenant ``user`` and poll ``url``'s state until it decodes; returns that
+    snapshot's server, the request seen, and the server's snapshot once the chat is done. The
+    chat is the one request with a tenant (the session's other tests send none meanwhile)."""
     import threading
 
     import openai
 
-    client = openai.OpenAI(base_url=openai_frontend.url + "/v1", api_key="unused",
-                           max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     done = threading.Event()
 
     def chat() -> None:
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Count to fifty."}],
-            max_tokens=200, temperature=0, extra_body={"ignore_eos": True, "user": "console"})
+            max_tokens=200, temperature=0, extra_body={"ignore_eos": True, "user": user})
         done.set()
 
     thread = threading.Thread(target=chat)
     thread.start()
     seen = None
     while not done.is_set():
-        status, body = _get(openai_frontend.url + "/v1/kvflow/state")
+        status, body = _get(url + "/v1/kvflow/state")
         assert status == 200, body
         [server] = body["servers"]
-        assert server["url"] == triton_server.grpc_url
-        running = [r for r in server["requests"] if r["tenant"] == "console"]
+        running = [r for r in server["requests"] if r["tenant"] is not None]
         if running and running[0]["state"] == "decode":
-            seen = server
+            seen = server, running[0]
             break
     thread.join()
     assert seen is not None, "the request never showed as decoding"
-    request = next(r for r in seen["requests"] if r["tenant"] == "console")
+    return seen[0], seen[1], _get(url + "/v1/kvflow/state")[1]["servers"][0]
+
+
+@pytest.mark.slow
+def test_the_state_endpoint_shows_requests_running_then_gone(openai_frontend, triton_server):
+    """By default a tenant and a request id show hashed: another key holder cannot read them,
+    the console still tells them apart (a hash is stable while the frontend lives)."""
+    import re
+
+    seen, request, after = watch_a_chat_in_the_state(openai_frontend.url, "console")
+    assert seen["url"] == triton_server.grpc_url
+    assert re.fullmatch(r"t-[0-9a-f]{12}", request["tenant"]), request
+    assert re.fullmatch(r"r-[0-9a-f]{12}", request["id"]), request
+    assert "console" not in json.dumps(seen) and "chatcmpl" not in json.dumps(seen)
     assert request["blocks"] > 0 and request["output_tokens"] >= 1
     owners = [i for i, c in enumerate(seen["kv"]["cells"]) if c in "os"]
     assert owners and seen["kv"]["usage"] > 0 and seen["steps"]
-    after = _get(openai_frontend.url + "/v1/kvflow/state")[1]["servers"][0]
-    assert all(r["tenant"] != "console" for r in after["requests"])
+    assert all(r["tenant"] is None for r in after["requests"])
     assert after["kv"]["owned"] + after["kv"]["shared"] == after["num_running"] == 0
+    _, again, _ = watch_a_chat_in_the_state(openai_frontend.url, "console")
+    assert again["tenant"] == request["tenant"] and again["id"] != request["id"]
+
+
+@pytest.mark.slow
+def test_with_console_show_tenants_the_state_shows_them(triton_server, tmp_path):
+    from kvflow.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.utils.procs import free_port
+
+    frontend = FrontendProcess(FrontendConfig((triton_server.grpc_url,), port=free_port(),
+                                              console_show_tenants=True),
+                               log_path=tmp_path / "frontend.log")
+    frontend.start()
+    try:
+        _, request, _ = watch_a_chat_in_the_state(frontend.url, "console")
+        assert request["tenant"] == "console" and request["id"].startswith("chatcmpl-")
+    finally:
+        assert frontend.stop() == 0
+
+
+def test_the_flag_reaches_the_frontend_from_both_commands():
+    from kvflow.cli import make_parser
+    from kvflow.openai_api.config import config_from_args
+
+    parser = make_parser()
+    assert config_from_args(parser.parse_args(["openai"])).console_show_tenants is False
+    assert config_from_args(parser.parse_args(
+        ["openai", "--console-show-tenants"])).console_show_tenants is True
+    assert parser.parse_args(["serve", "--console-show-tenants"]).console_show_tenants is True
 
 
 @pytest.mark.slow
@@ -163,6 +205,8 @@ def test_with_an_api_key_the_state_needs_it(keyed_server, tmp_path):
         status, body = _get(frontend.url + "/v1/kvflow/state",
                             {"Authorization": "Bearer s3cret-key"})
         assert status == 200 and "kv" in body["servers"][0], body
+        basic = "Basic " + base64.b64encode(b"me:s3cret-key").decode()
+        assert _get(frontend.url + "/v1/kvflow/state", {"Authorization": basic})[0] == 401
     finally:
         assert frontend.stop() == 0
 
@@ -209,3 +253,22 @@ def test_a_simulated_run_feeds_the_same_console():
         assert e.value.code == 400
     finally:
         console.close()
+
+
+def test_the_redactor_hashes_tenants_and_ids_with_a_key_of_its_own():
+    from kvflow.openai_api.security import StateRedactor
+
+    snapshot = json.dumps({"requests": [{"id": "cmpl-1-0", "tenant": "acme"},
+                                        {"id": "cmpl-2-1", "tenant": None},
+                                        {"id": "cmpl-3-2", "tenant": "acme"}],
+                           "kv": {"owner": [0, 2]}}).encode()
+    one, other = StateRedactor(show=False), StateRedactor(show=False)
+    server = json.loads(one.server_json("host:8001", snapshot))
+    assert server["url"] == "host:8001" and server["kv"] == {"owner": [0, 2]}
+    a, b, c = server["requests"]
+    assert a["tenant"] == c["tenant"] == "t-" + one.hashed("acme") and b["tenant"] is None
+    assert len({a["id"], b["id"], c["id"]}) == 3 and "cmpl" not in json.dumps(server)
+    # Another process (another key): other hashes, so none can be looked up across them.
+    assert json.loads(other.server_json("h", snapshot))["requests"][0]["tenant"] != a["tenant"]
+    shown = json.loads(StateRedactor(show=True).server_json("h", snapshot))
+    assert shown["requests"][0] == {"id": "cmpl-1-0", "tenant": "acme"}

@@ -267,3 +267,103 @@ def test_a_connection_is_kept_alive_between_requests_six_seconds_apart(openai_fr
         assert conn.sock.getsockname() == local  # the same connection, not a new one
     finally:
         conn.close()
+
+
+# --- 9. every request bounded before work (issue 43) -----------------------------------------
+
+def big_tools(count: int, description_chars: int, properties: int = 0) -> list[dict]:
+    return [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": "d" * description_chars,
+        "parameters": {"type": "object", "properties": {
+            f"p{j}": {"type": "string", "description": "x" * 50} for j in range(properties)}}}}
+        for i in range(count)]
+
+
+def test_n_times_prompt_logprobs_past_the_response_bound_is_a_400_naming_them(openai_frontend):
+    # 64 x (20 + 1) x 900 prompt tokens is 1.2 million entries, past 2^20: refused before
+    # any prefill, the prompt tokenized (a text's length is the backend's to know).
+    answer = complete(openai_frontend, prompt="hello " * 900, n=64, prompt_logprobs=20)
+    assert_refused(answer, "prompt_logprobs", "n 64", "prompt_logprobs 20",
+                   "the limit is 1048576")
+    # Token ids: refused by the frontend, before anything is sent.
+    answer = complete(openai_frontend, prompt=[1] * 800, n=64, prompt_logprobs=20)
+    assert_refused(answer, "prompt_logprobs", "800 prompt tokens", "the limit is 1048576")
+    # Echo with logprobs asks for the prompt's too: the client's field is named.
+    answer = complete(openai_frontend, prompt=[1] * 800, n=64, echo=True, logprobs=20)
+    assert_refused(answer, "logprobs", "the limit is 1048576")
+    # Under the bound, n choices share one prompt's logprobs, each as the client asked.
+    status, body = complete(openai_frontend, prompt="hello there", n=3, prompt_logprobs=2)
+    assert status == 200, body
+    lists = [c["prompt_logprobs"] for c in body["choices"]]
+    assert lists[0] == lists[1] == lists[2] and lists[0][0] is None and len(lists[0]) > 1
+    assert_still_serving(openai_frontend)
+
+
+def test_detokenize_of_more_ids_than_max_model_len_is_a_400(openai_frontend):
+    status, answer = post_json(openai_frontend, "/tokenize", {"prompt": "Hi there"})
+    assert status == 200, answer
+    limit = answer["max_model_len"]
+    assert post_json(openai_frontend, "/detokenize", {"tokens": [1] * limit})[0] == 200
+    assert_refused(post_json(openai_frontend, "/detokenize", {"tokens": [1] * (limit + 1)}),
+                   "tokens", f"tokens has {limit + 1} ids",
+                   f"the limit is max_model_len ({limit})")
+    assert_still_serving(openai_frontend)
+
+
+def test_tokenize_of_a_text_no_context_holds_is_refused_by_its_length(openai_frontend):
+    """4 MB of text (the issue's probe): refused by its length, never tokenized."""
+    assert_refused(post_json(openai_frontend, "/tokenize", {"prompt": "x" * 4_000_000}),
+                   "prompt", "prompt is 4000000 characters", "max_model_len",
+                   "no token covers more than")
+    messages = [{"role": "user", "content": "Hi"}]
+    assert_refused(post_json(openai_frontend, "/tokenize",
+                             {"messages": messages, "tools": big_tools(1, 3_000_000)}),
+                   "tools", "tools[0].function.description is 3000000 characters")
+    assert_still_serving(openai_frontend)
+
+
+def test_tools_no_context_holds_are_a_400_naming_them(openai_frontend):
+    messages = [{"role": "user", "content": "What is the weather?"}]
+    # One description of 3 MB: named, and refused by its length before tokenizing.
+    assert_refused(chat(openai_frontend, messages, tools=big_tools(1, 3_000_000)),
+                   "tools", "tools[0].function.description is 3000000 characters",
+                   "max_model_len")
+    # 128 tools of 30 KB each: together.
+    assert_refused(chat(openai_frontend, messages, tools=big_tools(128, 30_000)),
+                   "tools", "tools is", "max_model_len")
+    # Past what any prompt may carry as JSON: refused by the frontend before its tool plan.
+    assert_refused(chat(openai_frontend, messages, tools=big_tools(2, 2_200_000)),
+                   "tools", "messages and tools together", "the limit is 4194304")
+    assert_still_serving(openai_frontend)
+
+
+def test_the_event_loop_serves_others_while_a_big_request_is_parsed(openai_frontend):
+    """A 3.8 MB tools list takes the frontend a good part of a second to parse and plan (then
+    it is refused): on a worker thread, while the event loop answers /health meanwhile. The
+    order of the answers is the check: a blocked loop would answer every /health after it."""
+    import threading
+    import urllib.request
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "tools": big_tools(128, 100, properties=400)}
+    data = json.dumps(body).encode()
+    assert len(data) < 4 << 20
+    finished: list[str] = []
+    started = threading.Event()
+
+    def big() -> None:
+        started.set()
+        post_json(openai_frontend, "/v1/chat/completions", data)
+        finished.append("big")
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    started.wait()
+    time.sleep(0.2)  # the body is sent, and being parsed
+    for _ in range(5):
+        with urllib.request.urlopen(openai_frontend.url + "/health", timeout=300) as r:
+            assert r.status == 200
+        finished.append("health")
+    thread.join()
+    assert finished == ["health"] * 5 + ["big"], finished
+    assert_still_serving(openai_frontend)

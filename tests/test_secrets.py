@@ -5,6 +5,7 @@ real `kvflow serve` CLI and on every process it starts."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -178,6 +179,42 @@ def test_the_keys_still_guard_the_server(served):
     assert request(models, headers={"Authorization": f"Bearer {API_KEY}"})[0] == 200
 
 
+@pytest.mark.slow
+def test_basic_credentials_open_the_console_and_no_api_route(served):
+    """A browser sends its Basic login with any request to the site, a cross-site form's POST
+    too: it opens the console's GET routes alone. The API takes the key as Bearer or
+    x-api-key, or the console's token, which only a Basic login can read (issue 43)."""
+    _, ports = served
+    base = f"http://127.0.0.1:{ports['openai']}"
+    as_json = {"Content-Type": "application/json"}
+    basic = {"Authorization": "Basic " + base64.b64encode(f"me:{API_KEY}".encode()).decode()}
+    bearer = {"Authorization": f"Bearer {API_KEY}"}
+    completion = {"prompt": "Hi", "max_tokens": 1}
+    for path, body in (("/v1/completions", completion), ("/tokenize", {"prompt": "Hi"}),
+                       ("/v1/models", None), ("/v1/kvflow/state", None)):
+        status, text = request(base + path, body, {**basic, **as_json})
+        assert status == 401 and "Bearer" in json.loads(text)["error"]["message"], (path, text)
+    assert request(base + "/v1/completions", completion, {**bearer, **as_json})[0] == 200
+    assert request(base + "/v1/completions", completion, {"x-api-key": API_KEY,
+                                                          **as_json})[0] == 200
+    wrong = {"Authorization": f"Bearer {API_KEY}x", **as_json}
+    assert request(base + "/v1/completions", completion, wrong)[0] == 401
+    # The console: its page and assets behind Basic, then its token for the API routes.
+    status, _ = request(base + "/")
+    assert status == 401
+    assert request(base + "/", headers=basic)[0] == 200
+    assert request(base + "/console/console.js", headers=basic)[0] == 200
+    assert request(base + "/console/token")[0] == 401
+    status, text = request(base + "/console/token", headers=basic)
+    token = json.loads(text)["token"]
+    assert status == 200 and token and API_KEY not in token
+    console = {"Authorization": f"Bearer {token}"}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    assert request(base + "/v1/chat/completions", chat, {**console, **as_json})[0] == 200
+    assert request(base + "/v1/kvflow/state", headers=console)[0] == 200
+    assert request(base + "/v1/models", headers=console)[0] == 200
+
+
 def test_the_preload_library_hands_over_secrets_before_main(tmp_path):
     """The mechanism on its own: the program reads the real argument, /proc shows the
     placeholder; and a placeholder without its secret stops the program before main()."""
@@ -201,3 +238,25 @@ def test_the_preload_library_hands_over_secrets_before_main(tmp_path):
     os.close(read_end)
     assert refused.returncode != 0 and b"main ran" not in refused.stdout
     assert b"more placeholders than secret arguments" in refused.stderr
+
+
+def test_the_key_guard_takes_basic_only_where_told_and_its_console_token_elsewhere():
+    from kvflow.openai_api.errors import OpenAIError
+    from kvflow.openai_api.security import KeyGuard
+
+    guard = KeyGuard(API_KEY)
+    basic = "Basic " + base64.b64encode(f"me:{API_KEY}".encode()).decode()
+    token = guard.console_token
+    assert token and token == KeyGuard(API_KEY).console_token  # every frontend of the key
+    guard.check({"authorization": f"Bearer {API_KEY}"})
+    guard.check({"x-api-key": API_KEY})
+    guard.check({"authorization": f"Bearer {token}"})
+    guard.check({"authorization": basic}, console_get=True)
+    for headers, console_get in (({"authorization": basic}, False),
+                                 ({"authorization": f"Bearer {token}"}, True),
+                                 ({"authorization": "Bearer h\u00e9"}, False),
+                                 ({}, False), ({"x-api-key": API_KEY[:-1]}, False)):
+        with pytest.raises(OpenAIError) as refused:
+            guard.check(headers, console_get)
+        assert refused.value.status == 401
+    KeyGuard(None).check({})  # no key: no authentication

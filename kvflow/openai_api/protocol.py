@@ -166,7 +166,7 @@ def parse_completion_request(body: Any, served_model: str, chat: bool,
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     chat_format = chat_format or ChatFormat()
-    texts = _chat_texts(body) if chat else {}  # bounded before the plan compiles schemas
+    texts = chat_texts(body) if chat else {}  # bounded before the plan compiles schemas
     plan = _tool_plan(body, chat_format.tool_call_parser) if chat else None
     if plan is not None and plan.constraint:
         sampling.update(plan.constraint)
@@ -334,7 +334,7 @@ def _completion_prompts(body: dict[str, Any]) -> list[tuple[dict[str, np.ndarray
     return out
 
 
-def _chat_texts(body: dict[str, Any]) -> dict[str, str]:
+def chat_texts(body: dict[str, Any]) -> dict[str, str]:
     """``messages`` and ``tools`` as the JSON the backend gets, within its limits on that
     JSON: together no longer than one prompt's (the larger named), each nested no deeper."""
     messages = body.get("messages")

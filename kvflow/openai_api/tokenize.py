@@ -11,7 +11,6 @@ tools included. Pure Python + NumPy.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -19,8 +18,9 @@ import numpy as np
 
 from kvflow.openai_api.checks import check_body
 from kvflow.openai_api.errors import OpenAIError, bad_request
+from kvflow.openai_api.protocol import chat_texts
 from kvflow.orchestrator.sampling.params import short_repr
-from kvflow.triton_backend.params import MAX_MESSAGES_JSON_BYTES, MAX_SAMPLING_JSON_BYTES
+from kvflow.triton_backend.params import MAX_MESSAGES_JSON_BYTES
 
 TOKENIZE_FIELDS = ("model", "prompt", "messages", "tools", "add_special_tokens",
                    "add_generation_prompt", "return_token_strs")
@@ -35,8 +35,7 @@ def _check_model(body: dict[str, Any], served_model: str) -> None:
                           f"server serves `{served_model}`", "model", code="model_not_found")
 
 
-def _text(value: Any, limit: int, name: str) -> np.ndarray:
-    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
+def _text(text: str, limit: int, name: str) -> np.ndarray:
     if len(text) > limit:
         raise bad_request(f"{name} is {len(text)} characters; the limit is {limit}", name)
     return np.array([text.encode("utf-8")], dtype=np.object_)
@@ -55,8 +54,8 @@ def tokenize_request(body: Any, served_model: str) -> tuple[dict[str, np.ndarray
                           "return_token_strs")
     options = {k: body[k] for k in ("add_special_tokens", "add_generation_prompt")
                if body.get(k) is not None}
-    prompt, messages = body.get("prompt"), body.get("messages")
-    if (prompt is None) == (messages is None):
+    prompt = body.get("prompt")
+    if (prompt is None) == (body.get("messages") is None):
         raise bad_request("give exactly one of prompt (a string) and messages", "prompt")
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt:
@@ -64,13 +63,9 @@ def tokenize_request(body: Any, served_model: str) -> tuple[dict[str, np.ndarray
         if body.get("tools"):
             raise bad_request("tools are offered in a chat: give them with messages", "tools")
         return {"text_input": _text(prompt, MAX_MESSAGES_JSON_BYTES, "prompt")}, options
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list of {role, content} objects",
-                          "messages")
-    inputs = {"messages": _text(messages, MAX_MESSAGES_JSON_BYTES, "messages")}
-    if body.get("tools"):
-        inputs["tools"] = _text(body["tools"], MAX_SAMPLING_JSON_BYTES, "tools")
-    return inputs, options
+    texts = chat_texts(body)  # bounded together, as a chat's
+    return {name: np.array([text.encode("utf-8")], dtype=np.object_)
+            for name, text in texts.items()}, options
 
 
 def detokenize_request(body: Any, served_model: str) -> dict[str, np.ndarray]:
