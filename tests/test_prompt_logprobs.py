@@ -116,6 +116,54 @@ def test_cached_prefix_is_recomputed_and_counted(tiny_models, tiny_engines):
     assert_match_hf(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), K)
 
 
+def test_chunked_under_the_step_budget_they_equal_hf(tiny_models, tiny_engines):
+    """A time target (max_step_ms) chunks the prompt from the first step, before anything is
+    measured (FIRST_STEP_TOKENS); later chunks follow the measured cost, whatever it is, and
+    the entries do not depend on it."""
+    from kvflow.orchestrator.scheduler.step_budget import FIRST_STEP_TOKENS
+
+    _, hf = tiny_models["llama-gqa4"]
+    prompt = prompts(8, (100,))[0]
+    with LLM(tiny_engines["llama-gqa4", "torch"], max_step_ms=200.0,
+             enable_prefix_caching=False) as llm:
+        out = llm.generate([prompt], params())[0]
+        first = llm.engine.step_stats[0]
+    assert first.scheduled == [(out.request_id, FIRST_STEP_TOKENS)]
+    assert_match_hf(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), K)
+
+
+def test_a_repeat_takes_its_cached_prefix_with_the_kept_entries(tiny_models, tiny_engines):
+    """A prompt computed with prompt logprobs keeps its full blocks' entries beside the prefix
+    cache: a repeat (same k) takes the cached blocks and their entries and computes the rest;
+    another k, or a prompt that diverges, takes only what was kept for it."""
+    _, hf = tiny_models["llama-gqa4"]
+    prompt = prompts(9, (30,))[0]
+    fork = prompt[:13] + prompts(10, (9,))[0]
+    with LLM(tiny_engines["llama-gqa4", "torch"], enable_prefix_caching=True) as llm:
+        bs = llm.engine.kv.block_size
+        c = llm.engine.counters
+        first = llm.generate([prompt], params())[0]
+        assert first.cached_tokens == 0
+        hits = c.prefix_cache_hits
+        again = llm.generate([prompt], params())[0]
+        assert again.cached_tokens == (len(prompt) - 1) // bs * bs > 0
+        assert c.prefix_cache_hits - hits == again.cached_tokens
+        n = again.cached_tokens
+        # The cached prefix's entries are the kept ones; the rest computed again, alike.
+        assert all(a is b for a, b in zip(again.prompt_logprobs[1:n + 1],
+                                          first.prompt_logprobs[1:n + 1], strict=True))
+        for a, b in zip(again.prompt_logprobs[n + 1:], first.prompt_logprobs[n + 1:],
+                        strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+        other_k = llm.generate([prompt], params(2))[0]
+        assert other_k.cached_tokens == 0  # kept for k=5, not for k=2
+        diverged = llm.generate([fork], params())[0]
+        assert diverged.cached_tokens == 13 // bs * bs
+        llm.engine.kv.check_integrity()
+    for out, p, k in ((again, prompt, K), (other_k, prompt, 2), (diverged, fork, K)):
+        assert_match_hf(out.prompt_logprobs, p, hf_prompt_logprobs(hf, p), k)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_neither_repeats_nor_loses_an_entry(tiny_models, tiny_engines, mode):
     _, hf = tiny_models["llama-gqa4"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -88,6 +88,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.num_evictions = 0
         self.events: list[KVEvent] | None = None  # None: not recorded
+        # Told each evicted hash (what is kept beside a cached block goes with it).
+        self.on_evict: Callable[[BlockHash], None] | None = None
 
     def record_events(self) -> None:
         """Start recording :class:`BlockStored` / :class:`BlockRemoved` events."""
@@ -140,6 +142,8 @@ class BlockPool:
                 self.num_evictions += 1
                 if self.events is not None:
                     self.events.append(BlockRemoved(h))
+                if self.on_evict is not None:
+                    self.on_evict(h)
             self.ref_counts[b] = 1
             blocks.append(b)
         return blocks

@@ -23,6 +23,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvflow.kv_manager.block_pool import BlockHash, BlockPool, hash_block
+from kvflow.kv_manager.prompt_logprobs_cache import PromptLogprobsCache
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.bytes_per_block = bytes_per_block
         self.pool = BlockPool(num_blocks)
+        # Prompt-logprob entries of cached blocks: a prompt asking for them reuses its prefix.
+        cache = PromptLogprobsCache(block_size) if enable_caching else None
+        self.prompt_logprobs, self.pool.on_evict = cache, None if cache is None else cache.drop
         self.block_tables: dict[Hashable, list[int]] = {}
         # Content hashes of each live sequence's full blocks, extended as it grows.
         self._hashes: dict[Hashable, list[BlockHash]] = {}
@@ -374,6 +378,8 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Pools consistent; every reference count equals the block's table occurrences."""
         self.pool.check_integrity()
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs.check_integrity()
         counts = [0] * self.pool.num_blocks
         for table in self.block_tables.values():
             for b in table:

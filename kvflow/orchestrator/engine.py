@@ -92,7 +92,7 @@ class LLMEngine:
                                      self.eos_token_ids, options.max_model_len,
                                      check_token_ids=runner.reads_token_ids)
         # Text, logprobs and outputs: the one owner of each live sequence's output state.
-        self.outputs = OutputProcessor(tokenizer, self.counters)
+        self.outputs = OutputProcessor(tokenizer, self.counters, self.kv)
         # The step statistics, the counters' per-step totals and the step timeline (trace_steps;
         # without it no step is recorded there, and tracing costs nothing).
         self.recorder = StepRecorder(

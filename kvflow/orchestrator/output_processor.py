@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.outputs import (
     CompletionOutput,
     EngineCounters,
@@ -103,12 +104,15 @@ class OutputProcessor:
     """Detokenizes, checks stop strings and grammars, and builds every :class:`RequestOutput`.
 
     ``counters``: the engine's; the processor counts there the requests that end
-    (``finished_by_reason``), at their final output.
+    (``finished_by_reason``), at their final output. ``kv``: the engine's KV manager, whose
+    prompt-logprob cache gives the entries of a cached prefix and keeps those computed.
     """
 
-    def __init__(self, tokenizer: EngineTokenizer | None, counters: EngineCounters) -> None:
+    def __init__(self, tokenizer: EngineTokenizer | None, counters: EngineCounters,
+                 kv: KVCacheManager | None = None) -> None:
         self.tokenizer = tokenizer
         self.counters = counters
+        self.kv = kv
 
     def add_request(self, seqs: list[Request], grammars: list[Grammar | None]) -> None:
         """Give each sequence of an admitted request its state."""
@@ -127,10 +131,13 @@ class OutputProcessor:
     def prompt_rows(self, request: Request, start: int, num_new: int) -> range:
         """The positions of a chunk (``num_new`` tokens from ``start``) whose logits give
         prompt logprobs still missing: position p's give prompt token p + 1's. None once they
-        are whole, nor a position already taken (a prompt recomputed after a preemption)."""
+        are whole, nor a position already taken (a prompt recomputed after a preemption).
+        A chunk after a cached prefix first takes the prefix's entries from the cache."""
         state = request.engine_state
         if state is None or state.prompt_logprobs is None:
             return _NO_ROWS
+        if len(state.prompt_logprobs) <= start < request.num_prompt_tokens:
+            self._take_cached(request, state.prompt_logprobs, start)
         lo = max(start, len(state.prompt_logprobs) - 1)
         hi = min(start + num_new, request.num_prompt_tokens - 1)
         return range(lo, hi) if lo < hi else _NO_ROWS
@@ -154,6 +161,29 @@ class OutputProcessor:
                 entry = dict(top)
                 entry[token] = value
                 entries.append(entry)
+        cache = self.kv.prompt_logprobs if self.kv is not None else None
+        if cache is not None:  # the blocks whose every entry is now known
+            bs = cache.block_size
+            cache.store(self._hashes(request), request.prompt_token_ids, k, entries,
+                        range(rows.start // bs, rows.stop // bs))
+
+    def _take_cached(self, request: Request, entries: list[dict[int, float] | None],
+                     start: int) -> None:
+        """Extend ``entries`` to position ``start`` (the first computed after a cached prefix,
+        a block boundary) with the kept entries of the prefix's blocks: the scheduler admitted
+        the request after them only if every one is kept
+        (:class:`~kvflow.kv_manager.prompt_logprobs_cache.PromptLogprobsCache`)."""
+        cache = self.kv.prompt_logprobs if self.kv is not None else None
+        assert cache is not None and start % cache.block_size == 0, (request, start)
+        k = request.sampling_params.prompt_logprobs or 0
+        cached = cache.entries_of(self._hashes(request), request.prompt_token_ids, k,
+                                  start // cache.block_size)
+        # NOTE: shared with the cache, never modified (nor by the outputs that carry them).
+        entries.extend(cached[len(entries) - 1:])
+
+    def _hashes(self, request: Request) -> list[bytes]:
+        assert self.kv is not None
+        return self.kv.block_hashes(request.request_id, request.token_ids, request.cache_salt)
 
     def sampling_row(self, request: Request) -> SamplingRow:
         """One sequence's sampling row, with no grammar mask (speculative verification makes

@@ -221,18 +221,21 @@ class ContinuousScheduler(Scheduler):
         """What admitting ``request`` under ``budget`` would run: (tokens, its cached blocks,
         its cached tokens). A swapped-out request resumes from its computed tokens and reuses
         no cache; one whose KV was transferred in starts after it (in blocks of its own: it is
-        no cache hit); one that asks for prompt logprobs, and has not had them, uses no cache
-        (a cached block has no logits); any other starts after its longest cached prefix."""
+        no cache hit); one that asks for prompt logprobs, and has not had them, takes the
+        cached blocks whose prompt logprobs are kept too (a cached block has no logits:
+        :class:`~kvflow.kv_manager.prompt_logprobs_cache.PromptLogprobsCache`); any other
+        starts after its longest cached prefix."""
         if request.num_transferred_tokens:
             num_done = request.num_transferred_tokens
             return self._chunk(request.num_tokens - num_done, budget, prefill=True), [], num_done
         if self.kv.is_swapped(request.request_id):
             remaining = request.num_tokens - request.num_computed_tokens
             return self._chunk(remaining, budget, prefill=remaining > 1), [], 0
-        if _needs_prompt_logits(request):
-            return self._chunk(request.num_tokens, budget, prefill=True), [], 0
         hits, num_cached = self.kv.get_computed_blocks(request.request_id, request.token_ids,
                                                        request.cache_salt)
+        if hits and _needs_prompt_logits(request):
+            hits = hits[:self._num_with_prompt_logprobs(request, len(hits))]
+            num_cached = len(hits) * self.kv.block_size
         num_new = self._chunk(request.num_tokens - num_cached, budget, prefill=True,
                               recompute=request.num_output_tokens > 0)
         return num_new, hits, num_cached
@@ -266,16 +269,26 @@ class ContinuousScheduler(Scheduler):
         request.num_computed_tokens = num_cached
         if request.num_transferred_tokens:
             request.num_transferred_tokens = 0  # in its blocks now; a recompute redoes them
-        elif self.kv.enable_caching and _needs_prompt_logits(request):
-            _, num_skipped = self.kv.get_computed_blocks(rid, request.token_ids,
-                                                         request.cache_salt)
-            self.prompt_logprobs_recomputed_tokens += num_skipped
         elif self.kv.enable_caching:
+            if _needs_prompt_logits(request):  # cached, but their prompt logprobs are not
+                _, num_found = self.kv.get_computed_blocks(rid, request.token_ids,
+                                                           request.cache_salt)
+                self.prompt_logprobs_recomputed_tokens += num_found - num_cached
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
             if request.metrics.first_scheduled_time is None:
                 request.metrics.cached_tokens = num_cached
         return num_new
+
+    def _num_with_prompt_logprobs(self, request: Request, num_hits: int) -> int:
+        """Of a prompt's first ``num_hits`` cached blocks, how many lead with their prompt
+        logprobs kept (for the request's ``prompt_logprobs``)."""
+        plc = self.kv.prompt_logprobs
+        if plc is None:
+            return 0
+        hashes = self.kv.block_hashes(request.request_id, request.token_ids, request.cache_salt)
+        k = request.sampling_params.prompt_logprobs or 0
+        return plc.num_usable(hashes, request.prompt_token_ids, k, num_hits)
 
 
 def _needs_prompt_logits(request: Request) -> bool:
