@@ -312,10 +312,7 @@ class PythonicStream(ToolStream):
             self._state = "text"
             return
         for name, arguments in calls:
-            call = ToolCall(name, arguments)
-            self.calls.append(call)
-            self._out.append(ToolDelta(index=len(self.calls) - 1, id=call.id, name=name))
-            self._out.append(ToolDelta(index=len(self.calls) - 1, arguments=arguments))
+            self._add_arguments(self._begin_call(name), arguments)
         self._state = "after"
 
     def _end(self) -> None:

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 
 from kvflow.openai_api.json_scan import ObjectScanner
 
-_SPACE = " \n\t\r"
-
 
 @dataclass
 class ToolCall:
@@ -79,14 +77,18 @@ class ToolStream(ABC):
     may follow it, and whitespace alone around calls is no content), calls through
     :meth:`_call_progress`."""
 
+    # The keys an object call's arguments may come under, the first the format's own.
+    ARGS_KEYS: tuple[str, ...] = ("arguments", "parameters")
+
     def __init__(self) -> None:
-        self.calls: list[ToolCall] = []  # the calls begun: name sent, arguments so far
+        # The calls begun (name sent); their arguments are whole once the stream finishes.
+        self.calls: list[ToolCall] = []
         self.complete = True  # every call begun has ended (a format may ask more)
         self.chars_scanned = 0  # characters looked at, for tests of the cost
         self._out: list[ToolDelta] = []
         self._rest = ""  # the end of the last piece, held back (a marker may begin there)
         self._space: list[str] = []  # content whitespace not yet sent
-        self._sent_content = False
+        self._arguments: list[list[str]] = []  # per call, its argument fragments
         self._scanner: ObjectScanner | None = None
         self._scanner_call: int | None = None  # the index of the current scan's call
         self._scanned_before = 0
@@ -110,6 +112,8 @@ class ToolStream(ABC):
         if self._space and not self.calls:
             self._send_content("".join(self._space))
         self._space.clear()
+        for call, parts in zip(self.calls, self._arguments, strict=True):
+            call.arguments = "".join(parts)
         return self._take()
 
     # --- for the formats ---------------------------------------------------------------------
@@ -131,7 +135,7 @@ class ToolStream(ABC):
         """Content text: sent once it is followed by something other than whitespace."""
         if not text:
             return
-        body = text.rstrip(_SPACE)
+        body = text.rstrip()
         if not body:
             self._space.append(text)
             return
@@ -153,25 +157,30 @@ class ToolStream(ABC):
         self._scanned_before = scanner.chars_scanned
         if scanner.name is None:
             return  # arguments before the name: held until the name is known
-        index = self._scanner_call
-        if index is None:
-            call = ToolCall(scanner.name, "")
-            self.calls.append(call)
-            index = self._scanner_call = len(self.calls) - 1
-            self._out.append(ToolDelta(index=index, id=call.id, name=call.name))
+        if self._scanner_call is None:
+            self._scanner_call = self._begin_call(scanner.name)
         fragment = scanner.take_arguments()
         if scanner.done and scanner.valid and not scanner.has_arguments:
             fragment = "{}"
+        self._add_arguments(self._scanner_call, fragment)
+
+    def _begin_call(self, name: str) -> int:
+        """A new call named ``name``: its id and name are sent; returns its index."""
+        call = ToolCall(name, "")
+        self.calls.append(call)
+        self._arguments.append([])
+        self._out.append(ToolDelta(index=len(self.calls) - 1, id=call.id, name=name))
+        return len(self.calls) - 1
+
+    def _add_arguments(self, index: int, fragment: str) -> None:
         if fragment:
-            self.calls[index].arguments += fragment
+            self._arguments[index].append(fragment)
             self._out.append(ToolDelta(index=index, arguments=fragment))
 
     def _call_cut(self) -> None:
         """The output ended inside the current call."""
         if self._scanner is not None and self._scanner.name is not None:
             self.complete = False
-
-    ARGS_KEYS: tuple[str, ...] = ("arguments", "parameters")
 
     # --- inside --------------------------------------------------------------------------------
     def _run(self, delta: str) -> None:
@@ -186,7 +195,6 @@ class ToolStream(ABC):
 
     def _send_content(self, text: str) -> None:
         if text:
-            self._sent_content = True
             self._out.append(ToolDelta(content=text))
 
     def _take(self) -> list[ToolDelta]:
