@@ -74,19 +74,34 @@ def test_prefix_cache_hits_parallel_sampling_and_stops(tiny_engines):
             assert a[token] == pytest.approx(b[token], abs=1e-4)
 
 
-def test_sampling_is_seeded_and_requests_may_opt_out(tiny_engines):
-    """With speculation on, a seeded sampled request repeats itself exactly, and one that
-    asks ``speculative=False`` gets the non-speculative engine's own tokens."""
+SAMPLED = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
+           SamplingParams(max_tokens=30, temperature=1.0, top_k=20, seed=6, n=2,
+                          ignore_eos=True),
+           SamplingParams(max_tokens=30, temperature=0.7, min_p=0.1, presence_penalty=0.5,
+                          seed=7, ignore_eos=True),
+           SamplingParams(max_tokens=30, temperature=0.8, seed=8, ignore_eos=True,
+                          speculative=False)]
+
+
+@pytest.mark.parametrize("spec", [
+    {"num_speculative_tokens": 1},
+    {"num_speculative_tokens": 5, "speculative_draft_length": "fixed"},
+    {"num_speculative_tokens": 3, "max_num_batched_tokens": 8},  # drafts cut by the budget
+], ids=["one", "five", "budget"])
+def test_seeded_sampling_equals_the_non_speculative_engine(tiny_engines, spec):
+    """Seeded sampled requests (``n = 2`` among them) emit the non-speculative engine's
+    tokens, token for token, whatever their draft count; alone or beside others."""
     engine = tiny_engines["llama-gqa4", "onnxruntime"]
-    seeded = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
-    out = SamplingParams(max_tokens=30, temperature=0.8, seed=6, ignore_eos=True,
-                         speculative=False)
-    plain, _ = generate(engine, [PROMPTS[0]], [out])
-    first, _ = generate(engine, [PROMPTS[0], PROMPTS[0]], [seeded, out], speculative="ngram")
-    again, _ = generate(engine, [PROMPTS[0]], [seeded], speculative="ngram")
-    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
-    assert first[1].outputs[0].token_ids == plain[0].outputs[0].token_ids
-    assert first[1].num_draft_tokens == 0
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    budget = {k: v for k, v in spec.items() if k == "max_num_batched_tokens"}
+    plain, _ = generate(engine, prompts, SAMPLED, **budget)
+    both, counters = generate(engine, prompts, SAMPLED, speculative="ngram", **spec)
+    alone, _ = generate(engine, prompts[:1], SAMPLED[:1], speculative="ngram", **spec)
+    assert_same_tokens(both, plain)
+    assert_same_tokens(alone, plain[:1])
+    assert counters.spec_accepted_tokens > 0
+    assert both[3].num_draft_tokens == 0  # it asked for no speculation
+    assert len({t for o in plain for c in o.outputs for t in c.token_ids}) > 10  # it sampled
 
 
 @pytest.mark.slow
@@ -119,18 +134,54 @@ def test_draft_model_greedy_equals_the_target_alone(tiny_engines, draft):
              num_speculative_tokens=4, **options) as llm:
         spec = llm.generate(PROMPTS, params)
         counters = llm.engine.counters.copy()
-        sampled = llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.9,
-                                                       seed=3, ignore_eos=True))
-        assert all(o.num_output_tokens == 20 for o in sampled)
+        before = llm.engine.counters.copy()
+        sampled = llm.generate(PROMPTS, SAMPLED)
+        sampled_drafts = llm.engine.counters.spec_draft_tokens - before.spec_draft_tokens
+        sampled_accepted = (llm.engine.counters.spec_accepted_tokens
+                            - before.spec_accepted_tokens)
         proposer = llm.engine.speculation.proposer
         llm.generate(["x"], SamplingParams(max_tokens=3))  # a step after the others ended
         assert set(proposer.kv.block_tables) <= {r.request_id for r in
                                                  llm.engine.scheduler.running}
         proposer.kv.check_integrity()
     assert_same_tokens(spec, plain)
-    assert counters.spec_draft_tokens > 0
+    # Sampled: the seeded non-speculative tokens, token for token.
+    assert_same_tokens(sampled, generate(target, PROMPTS, SAMPLED, **options)[0])
+    assert counters.spec_draft_tokens > 0 and sampled_drafts > 0
     if draft == "llama-gqa4":
         assert counters.spec_accepted_tokens >= 0.8 * counters.spec_draft_tokens
+        # The draft draws with the request's own uniforms: the target's own weights draft
+        # the very tokens the target samples.
+        assert sampled_accepted >= 0.8 * sampled_drafts
+
+
+def test_draft_catch_up_is_chunked_under_the_token_budget(tiny_engines):
+    """A prompt longer than the budget is caught up chunk by chunk, drafting nothing until
+    it is; then its drafts are those of a catch-up in one go (greedy)."""
+    from kvflow.orchestrator.request import Request
+
+    target = tiny_engines["llama-gqa4", "onnxruntime"]
+    with LLM(target, speculative="draft", draft_engine=str(target)) as llm:
+        proposer = llm.engine.speculation.proposer
+        prompt = [(7 * i) % 50 + 3 for i in range(30)]
+        params = SamplingParams(temperature=0, max_tokens=10)
+        chunked = Request("chunked", prompt, params, 0.0)
+        computed = []
+        for _ in range(3):
+            assert proposer.propose([chunked], [3], token_budget=8) == [[]]
+            computed.append(len(chunked.proposer_state.tokens))
+        assert computed == [8, 16, 24]
+        # Six tokens left: they fit; the drafts come. Another request's catch-up (30
+        # tokens) does not fit beside them: it waits.
+        other = Request("other", prompt, params, 0.0)
+        drafts = proposer.propose([chunked, other], [3, 3], token_budget=8)
+        assert len(drafts[0]) == 3 and drafts[1] == []
+        assert len(other.proposer_state.tokens) == 2  # what was left of the budget
+        whole = Request("whole", prompt, params, 0.0)
+        assert proposer.propose([whole], [3]) == [drafts[0]]
+        proposer.kv.check_integrity()
+        proposer.retain(set())
+        assert not proposer.kv.block_tables
 
 
 def test_draft_engine_is_checked(tiny_engines):
