@@ -87,6 +87,19 @@ def test_the_budget_adapts_when_the_cost_per_token_changes():
     assert abs(budget.tokens - 190) <= 6
 
 
+def test_steps_of_one_size_that_get_slower_shrink_the_budget():
+    """A long prompt alone in chunks of one size (long_prefill_token_threshold caps them), each
+    costlier than the last (its attention reads a longer context): without spread the fit
+    cannot refit its slope, yet it follows their time, so the next step's plan shrinks."""
+    budget = StepBudget(0.2, max_tokens=2048)
+    drive(budget, linear(0.010, 0.002), 40)
+    assert budget.tokens == 95
+    for step in range(1000):  # long enough for the steps of other sizes to be forgotten
+        extra = min(0.0002 * step, 0.1)  # up to 100 ms more a step, whatever its size
+        budget.observe(64, 0.010 + extra + 0.002 * 64)
+    assert 40 <= budget.tokens <= 50  # (200 - 110) ms / 2 ms = 45
+
+
 def test_bad_target_is_refused():
     with pytest.raises(ValueError, match="target_s must be > 0"):
         StepBudget(0.0, 16)

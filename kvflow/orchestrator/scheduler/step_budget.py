@@ -17,7 +17,9 @@ Until the fit is known the budget is cautious: the first step plans ``FIRST_STEP
 while the steps measured do not vary enough in size to separate the fixed cost from the cost
 per token, the whole step time is charged to its tokens (an overestimate of the cost per
 token, so a smaller budget); and the budget never plans a step more than ``GROWTH`` times
-the largest one measured, so an extrapolated fit cannot plan a step of seconds.
+the largest one measured, so an extrapolated fit cannot plan a step of seconds. Once known,
+the fit follows steps that stop varying in size (a long prompt alone, chunk after chunk, its
+attention costlier with each) through its fixed cost, keeping its cost per token.
 
 Which runner gets which target by default: :func:`default_max_step_ms`.
 """
@@ -85,6 +87,12 @@ class StepBudget:
         if self.fit is None:
             # No spread yet (or no slope): the whole step charged to its tokens.
             self._ratio = mean_t / mean_n
+            return
+        # Steps of one size (a long prompt alone, chunk after chunk) cannot refit the slope,
+        # but their time still moves (attention over a growing context): the fit keeps its cost
+        # per token and follows their mean time with its fixed cost.
+        fixed = mean_t - self.fit[1] * mean_n
+        self.fit = (fixed, self.fit[1]) if fixed >= 0 else (0.0, mean_t / mean_n)
 
     @property
     def per_token_s(self) -> float | None:
