@@ -120,6 +120,30 @@ def test_the_backend_takes_exactly_one_prompt_and_checks_every_message():
         assert words in str(info.value)
 
 
+def test_a_prompts_logprobs_are_parsed_and_encoded_once_for_its_n_choices():
+    """The backend sends one prompt's logprobs once for its n choices: every choice reads the
+    same parsed entries, the same converted list, and the body encodes it once."""
+    from kvflow.openai_api.responses import encode_body, final_response, new_states
+
+    parsed = parse_completion_request({"prompt": [5, 6], "n": 3, "prompt_logprobs": 1},
+                                      MODEL, chat=False)
+    wire = json.dumps([{"token_id": 5, "logprob": None},
+                       {"token_id": 6, "logprob": -0.5, "top_logprobs": {"6": -0.5, "7": -1.5},
+                        "token": "b", "top_tokens": {"6": "b", "7": "c"}}])
+    states = new_states(parsed)
+    for state in states:  # what the fanout hands each choice: the one response's string
+        state.update({"text_output": "x", "finish_reason": "length", "num_input_tokens": 2,
+                      "num_output_tokens": 1, "prompt_logprobs": wire})
+    assert states[0].prompt_logprobs is states[1].prompt_logprobs is states[2].prompt_logprobs
+    body = final_response(parsed, states)
+    lists = [c["prompt_logprobs"] for c in body["choices"]]
+    assert lists[0] is lists[1] is lists[2] and lists[0][0] is None
+    assert json.loads(encode_body(body)) == json.loads(json.dumps(body))
+    # A client's text that looks like the placeholder is text: only the nonce's is replaced.
+    tricky = {"choices": [{"text": '"0:0"', "prompt_logprobs": lists[0]}]}
+    assert json.loads(encode_body(tricky)) == json.loads(json.dumps(tricky))
+
+
 # --- against the real servers ---------------------------------------------------------------
 
 @pytest.mark.slow

@@ -338,14 +338,14 @@ def test_tools_no_context_holds_are_a_400_naming_them(openai_frontend):
 
 
 def test_the_event_loop_serves_others_while_a_big_request_is_parsed(openai_frontend):
-    """A 3.8 MB tools list takes the frontend a good part of a second to parse and plan (then
+    """A 3.7 MB tools list takes the frontend a good part of a second to parse and plan (then
     it is refused): on a worker thread, while the event loop answers /health meanwhile. The
     order of the answers is the check: a blocked loop would answer every /health after it."""
     import threading
     import urllib.request
 
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-            "tools": big_tools(128, 100, properties=400)}
+            "tools": big_tools(128, 100, properties=300)}
     data = json.dumps(body).encode()
     assert len(data) < 4 << 20
     finished: list[str] = []
