@@ -55,6 +55,11 @@ SCHEMAS = {
 }
 
 
+DEEP: dict = {"type": "object"}
+for _ in range(3000):
+    DEEP = {"allOf": [DEEP]}
+
+
 def tool(name: str, parameters: object) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
@@ -159,6 +164,7 @@ def test_the_constraint_matches_the_tools_own_schema():
      "leads only back to itself"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/nowhere"}}},
      "Pointer '/$defs/nowhere' does not exist"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": DEEP}}, "is nested too deeply"),
 ])
 def test_parameters_that_describe_no_object_are_refused_by_name(parameters, words):
     # tool_choice none checks the schema's shape, but compiles nothing.

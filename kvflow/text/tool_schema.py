@@ -47,7 +47,10 @@ def resolve_pointer(schema: Any, ref: str) -> Any | None:
 def check_parameters(where: str, schema: dict[str, Any]) -> None:
     """A ValueError naming ``where`` if ``schema`` loops through references without ever
     describing a value, or describes something other than an object."""
-    _check_no_empty_loop(where, schema)
+    try:
+        _check_no_empty_loop(where, schema)
+    except RecursionError:
+        raise ValueError(f"{where} is nested too deeply") from None
     node, seen = schema, 0
     while isinstance(node, dict) and isinstance(node.get("$ref"), str) and "type" not in node:
         target = resolve_pointer(schema, node["$ref"])
