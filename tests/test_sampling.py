@@ -503,12 +503,14 @@ class TestReproducibility:
         b = self.generate(SamplingParams(seed=2), [], 0, 0, 0)
         assert a != b
 
+    @pytest.mark.parametrize("coupled", [False, True], ids=["cdf", "race"])
     @pytest.mark.parametrize("target", range(len(PARAMS)))
-    def test_draw_picks_what_sample_would_with_the_same_number(self, target: int) -> None:
+    def test_draw_picks_what_sample_would_with_the_same_number(self, target: int,
+                                                               coupled: bool) -> None:
         """Speculative decoding's way to sample: ``draw`` with the number a row's generator
         holds next is ``sample``, on every path; it reads no generator."""
         params = self.PARAMS[target]
-        sampler = Sampler(self.VOCAB, [EOS])
+        sampler = Sampler(self.VOCAB, [EOS], coupled=coupled)
         rng = np.random.default_rng(5)
         for step in range(10):
             logits = (rng.standard_normal((2, self.VOCAB + 3)) * 4).astype(np.float32)
@@ -758,3 +760,79 @@ def test_greedy_is_the_first_argmax(logits: list[int], temperature: float) -> No
     x = np.asarray([logits], np.float32)
     out = Sampler(len(logits), [EOS]).sample(x, [row(SamplingParams(temperature=temperature))])
     assert out.token_ids == [int(np.argmax(x[0]))]
+
+
+# --------------------------------------------------------------------------------------------
+# The coupled draw (the race)
+# --------------------------------------------------------------------------------------------
+
+HEAVY = [5, 100, 2000, 2500, 2999]  # on both sides of the 1024 most likely
+
+
+def race_reference(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The sampler's distribution by hand: softmax at the temperature, top-k, top-p (of the
+    top-k renormalised), min-p (ties in the order: lower id first)."""
+    p = softmax(logits.astype(np.float64) / params.temperature)
+    order = sorted(range(p.size), key=lambda t: (-p[t], t))
+    keep = order[:params.top_k] if params.top_k > 0 else order
+    mass, ahead, nucleus = sum(p[t] for t in keep), 0.0, []
+    for t in keep:
+        if ahead < params.top_p:
+            nucleus.append(t)
+        ahead += p[t] / mass
+    out = np.zeros_like(p)
+    kept = [t for t in nucleus if p[t] >= params.min_p * p[nucleus[0]]]
+    out[kept] = p[kept]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),  # the dense race: the rest of the row holds 2/3
+    SamplingParams(temperature=0.7, min_p=0.02),
+    SamplingParams(temperature=1.0, top_k=50),
+    SamplingParams(temperature=1.0, top_p=0.5),  # a nucleus past the candidate set
+], ids=["dense", "min_p", "top_k", "top_p"])
+def test_the_race_draws_the_samplers_distribution(params: SamplingParams) -> None:
+    """Sampler(coupled=True) draws the same distribution as the inverse CDF: 8000 seeded
+    draws over 3000 tokens, in 7 cells (5 heavy tokens, the other candidates, the rest),
+    against the distribution built by hand."""
+    from scipy.stats import chisquare
+
+    vocab, n = 3000, 8000
+    logits = np.zeros(vocab, np.float32)
+    logits[HEAVY] = 4.0
+    rows = [row(params, seed=i) for i in range(n)]
+    tokens = Sampler(vocab, [EOS], coupled=True).draw(
+        np.tile(logits, (n, 1)), rows, np.random.default_rng(1).random(n))
+
+    def cells(x: np.ndarray) -> np.ndarray:
+        rest = x.copy()
+        rest[HEAVY] = 0
+        return np.array([*x[HEAVY], rest[:1024].sum(), rest[1024:].sum()])
+
+    counts = cells(np.bincount(tokens, minlength=vocab).astype(np.float64))
+    expected = cells(race_reference(logits, params)) * n
+    assert counts[expected == 0].sum() == 0
+    assert chisquare(counts[expected > 0], expected[expected > 0]).pvalue > 1e-4
+
+
+def test_the_race_couples_close_distributions() -> None:
+    """Two close distributions drawn with the same numbers agree about as often as their
+    overlap (1 - TV) allows, by the race; the inverse CDF's token order makes that rarer."""
+    rng = np.random.default_rng(0)
+    vocab, n = 2000, 400
+    agree: dict[bool, list[float]] = {False: [], True: []}
+    overlap = []
+    for _ in range(5):
+        p = (rng.standard_normal(vocab) * 3).astype(np.float32)
+        q = (p + rng.standard_normal(vocab) * 0.1).astype(np.float32)
+        u = rng.random(n)
+        rows = [row(SamplingParams())] * n
+        for coupled in (False, True):
+            sampler = Sampler(vocab, [EOS], coupled=coupled)
+            a = sampler.draw(np.tile(p, (n, 1)), rows, u)
+            b = sampler.draw(np.tile(q, (n, 1)), rows, u)
+            agree[coupled].append(float(np.mean(np.array(a) == np.array(b))))
+        overlap.append(float(np.minimum(softmax(p), softmax(q)).sum()))
+    assert np.mean(agree[True]) > np.mean(overlap) - 0.03
+    assert np.mean(agree[False]) < np.mean(agree[True]) - 0.1

@@ -155,6 +155,23 @@ def test_draft_model_greedy_equals_the_target_alone(tiny_engines, draft):
         assert sampled_accepted >= 0.8 * sampled_drafts
 
 
+def test_draft_model_racing_equals_the_racing_engine(tiny_engines):
+    """Drafts and tokens drawn by the race (``Sampler.coupled``, the draft proposer's
+    ``coupled``): seeded outputs are the non-speculative racing engine's, token for token,
+    and the target's own weights drafting are accepted nearly always."""
+    target = tiny_engines["llama-gqa4", "onnxruntime"]
+    with LLM(target) as llm:
+        llm.engine.sampler.coupled = True
+        plain = llm.generate(PROMPTS, SAMPLED)
+    with LLM(target, speculative="draft", draft_engine=str(target),
+             num_speculative_tokens=4) as llm:
+        llm.engine.sampler.coupled = llm.engine.speculation.proposer.coupled = True
+        spec = llm.generate(PROMPTS, SAMPLED)
+        counters = llm.engine.counters.copy()
+    assert_same_tokens(spec, plain)
+    assert counters.spec_accepted_tokens >= 0.8 * counters.spec_draft_tokens > 0
+
+
 def test_draft_catch_up_is_chunked_under_the_token_budget(tiny_engines):
     """A prompt longer than the budget is caught up chunk by chunk, drafting nothing until
     it is; then its drafts are those of a catch-up in one go (greedy)."""

@@ -89,24 +89,30 @@ def reference(logits: np.ndarray, params: SamplingParams, allowed: np.ndarray,
     return out / out.sum()
 
 
+# How drafts are drawn: with the uniforms the request's stream holds for its next tokens
+# (a draft model's way), by the inverse CDF or by the race (the target's sampler then races
+# too); or by the inverse CDF from a stream of the proposer's own.
+DRAWS = ["cdf", "race", "independent"]
+
+
 class MarkovProposer(Proposer):
-    """Drafts from a Markov model through the target's sampler rules: with the uniforms the
-    request's stream holds for its next tokens (``coupled``, a draft model's way), or with
-    a stream of its own."""
+    """Drafts from a Markov model through the target's sampler rules, drawn as ``draw``
+    says (:data:`DRAWS`)."""
 
     name = "markov"
 
-    def __init__(self, model: Markov, coupled: bool, seed: int = 11) -> None:
-        self.model, self.coupled = model, coupled
-        self.sampler = Sampler(VOCAB, [EOS])
+    def __init__(self, model: Markov, draw: str, seed: int = 11) -> None:
+        self.model, self.draw = model, draw
+        self.coupled = draw == "race"
+        self.sampler = Sampler(VOCAB, [EOS], coupled=self.coupled)
         self.rng = np.random.default_rng(seed)
 
     def propose(self, requests, max_tokens, token_budget=None):
         out = []
         for r, k in zip(requests, max_tokens, strict=True):
             assert r.engine_state is not None
-            us = (peek_uniforms(r.engine_state.generator, k) if self.coupled
-                  else self.rng.random(k))
+            us = (self.rng.random(k) if self.draw == "independent"
+                  else peek_uniforms(r.engine_state.generator, k))
             drafts: list[int] = []
             for j in range(k):
                 row = SamplingRow(r.sampling_params, r.prompt_token_ids,
@@ -129,14 +135,15 @@ def new_request(compiler, params: SamplingParams, seed: int) -> Request:
 
 
 def generate(compiler, params: SamplingParams, seed: int, n: int,
-             decoder: SpeculativeDecoder | None) -> list[int]:
+             decoder: SpeculativeDecoder | None, coupled: bool = False) -> list[int]:
     """A seeded request's first ``n`` tokens (fewer if EOS ends it), step by step as the
     engine runs them: drafts (the decoder's, cut by the grammar) then verification; or,
-    without a decoder, the sampler alone under the grammar's mask."""
+    without a decoder, the sampler alone under the grammar's mask. ``coupled``: the sampler
+    draws by the race."""
     r = new_request(compiler, params, seed)
     state = r.engine_state
     assert state is not None
-    sampler = Sampler(VOCAB, [EOS])
+    sampler = Sampler(VOCAB, [EOS], coupled=coupled)
     while r.num_output_tokens < n:
         r.num_computed_tokens = r.num_tokens - 1
         if decoder is None:
@@ -168,18 +175,18 @@ def test_accept_greedy():
     assert accept_greedy([4, 6, 7, 8], [5, 6, 7]) == [4]
 
 
-@pytest.mark.parametrize("coupled", [True, False], ids=["coupled", "independent"])
-def test_the_issues_example_a_refused_draft_does_not_bias_the_output(compiler, coupled):
+@pytest.mark.parametrize("draw", DRAWS)
+def test_the_issues_example_a_refused_draft_does_not_bias_the_output(compiler, draw):
     """Target (masked) {A: .5, B: .5}; the draft {A: .5, X: .5}, X refused and cut. A must
     come out half the time (the cut position drawn afresh, as the old rule did with the
     draft's rejection lost, gave A 75%)."""
     target = Markov([[0.0, 0.0, 5.0, 0.0]] * 4)  # X would win, were it allowed
     drafter = Markov([[0.0, -30.0, 0.0, -30.0]] * 4)
-    decoder = SpeculativeDecoder(MarkovProposer(drafter, coupled), 1, dynamic=False)
-    sampler = Sampler(VOCAB, [EOS])
+    decoder = SpeculativeDecoder(MarkovProposer(drafter, draw), 1, dynamic=False)
+    sampler = Sampler(VOCAB, [EOS], coupled=draw == "race")
     counts = np.zeros(VOCAB)
     gen = make_generator(3)
-    n = 20_000
+    n = 10_000
     for _ in range(n):
         r = new_request(compiler, SamplingParams(temperature=1.0), 0)
         assert r.engine_state is not None
@@ -197,9 +204,9 @@ def test_the_issues_example_a_refused_draft_does_not_bias_the_output(compiler, c
     assert chisquare(counts[:2], [n / 2, n / 2]).pvalue > 1e-4
 
 
-@pytest.mark.parametrize("coupled", [True, False], ids=["coupled", "independent"])
+@pytest.mark.parametrize("draw", DRAWS)
 @pytest.mark.parametrize("params", PARAMS, ids=["plain", "top_k", "top_p+presence", "min_p"])
-def test_two_tokens_under_a_grammar_have_the_targets_distribution(compiler, params, coupled):
+def test_two_tokens_under_a_grammar_have_the_targets_distribution(compiler, params, draw):
     """Two drafts a step, cut by the grammar: the first two emitted tokens' joint
     distribution (16 cells) equals the masked, filtered target's, built by hand."""
     exact = np.zeros((VOCAB, VOCAB))
@@ -207,11 +214,11 @@ def test_two_tokens_under_a_grammar_have_the_targets_distribution(compiler, para
     for a in range(VOCAB):
         if p1[a] > 0:
             exact[a] = p1[a] * reference(TARGET.table[a], params, LATER, [a])
-    decoder = SpeculativeDecoder(MarkovProposer(DRAFTER, coupled), 2, dynamic=False)
+    decoder = SpeculativeDecoder(MarkovProposer(DRAFTER, draw), 2, dynamic=False)
     counts = np.zeros((VOCAB, VOCAB))
-    n = 6000
+    n = 4000
     for seed in range(n):
-        first, second = generate(compiler, params, seed, 2, decoder)
+        first, second = generate(compiler, params, seed, 2, decoder, draw == "race")
         counts[first, second] += 1
     keep = exact.ravel() > 0
     assert counts.ravel()[~keep].sum() == 0
@@ -222,25 +229,33 @@ def test_two_tokens_under_a_grammar_have_the_targets_distribution(compiler, para
 
 @pytest.mark.parametrize("params", PARAMS, ids=["plain", "top_k", "top_p+presence", "min_p"])
 def test_a_seeded_request_repeats_whatever_its_draft_count(compiler, params):
-    """The same seed gives the same tokens with 1, 2 or 5 drafts a step, drafts from the
-    request's stream or from another, and without speculation at all."""
+    """The same seed gives the same tokens with 1, 2 or 5 drafts a step, however drawn, and
+    without speculation at all (by the inverse CDF, and by the race)."""
     for seed in range(20):
-        plain = generate(compiler, params, seed, 12, None)
-        for k in (1, 2, 5):
-            for coupled in (True, False):
-                decoder = SpeculativeDecoder(MarkovProposer(DRAFTER, coupled, seed=k), k,
-                                             dynamic=False)
-                assert generate(compiler, params, seed, 12, decoder)[:12] == plain
+        for coupled in (False, True):
+            plain = generate(compiler, params, seed, 12, None, coupled)
+            for k in (1, 2, 5):
+                for draw in (["race"] if coupled else ["cdf", "independent"]):
+                    decoder = SpeculativeDecoder(MarkovProposer(DRAFTER, draw, seed=k), k,
+                                                 dynamic=False)
+                    assert generate(compiler, params, seed, 12, decoder, coupled) == plain
 
 
-def test_a_draft_from_the_targets_own_distribution_is_always_accepted():
+@pytest.mark.parametrize("draw", ["cdf", "race"])
+def test_a_draft_from_the_targets_own_distribution_is_always_accepted(draw):
     """Drafted with the request's own uniforms from the target's distribution (no grammar),
     every draft is the target's token: the draft and verification use the same numbers."""
-    decoder = SpeculativeDecoder(MarkovProposer(TARGET, coupled=True), 3, dynamic=False)
+    decoder = SpeculativeDecoder(MarkovProposer(TARGET, draw), 3, dynamic=False)
     for seed in range(10):
-        generate(None, PARAMS[2], seed, 9, decoder)
+        generate(None, PARAMS[2], seed, 9, decoder, draw == "race")
     assert decoder.policy.rejections == 2.0  # the prior's pseudo-rejections alone
     assert decoder.policy.accepted > 2.0 + 10
+
+
+def test_a_racing_proposer_needs_a_racing_sampler():
+    decoder = SpeculativeDecoder(MarkovProposer(TARGET, "race"), 3, dynamic=False)
+    with pytest.raises(ValueError, match="Sampler.coupled"):
+        generate(None, PARAMS[0], 0, 3, decoder, coupled=False)
 
 
 def test_verification_draws_one_number_per_emitted_token():

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvflow.orchestrator.sampling.params import SamplingParams
+from kvflow.orchestrator.sampling.race import SPLIT_ID, keyed_uniforms, race, race_sorted
 
 # Width of the blocks the dense inverse CDF sums first; a row's cumulative sum is then only
 # taken inside one block. Any width gives the same distribution.
@@ -201,6 +202,33 @@ def sample_dense(w: np.ndarray, min_p: np.ndarray, u: np.ndarray) -> np.ndarray:
     return _degenerate_fallback(w, mx[:, 0], tokens)
 
 
+def sample_dense_race(w: np.ndarray, min_p: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """:func:`sample_dense`'s distribution drawn by the race
+    (:mod:`~kvflow.orchestrator.sampling.race`): a keyed draw first chooses between the
+    row's ``TOP_P_CANDIDATES`` most likely tokens and the rest, by their masses; the race
+    then runs among the chosen side alone (the rest, rarely: a flat distribution)."""
+    m, vocab = w.shape
+    tokens = np.empty(m, dtype=np.int64)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        mx = w.max(axis=1, keepdims=True)
+        log_min_p = np.log(min_p)
+        n_cand = min(vocab, TOP_P_CANDIDATES)
+        ids, vals = top_n_sorted(w, n_cand)
+        for r in range(m):
+            ratio = (vals[r] - mx[r]).astype(np.float64)
+            ratio[ratio < log_min_p[r]] = -np.inf
+            if n_cand < vocab:
+                full = (w[r] - mx[r]).astype(np.float64)
+                full[full < log_min_p[r]] = -np.inf
+                split = keyed_uniforms(keys[r], np.array([SPLIT_ID]))[0]
+                if split * np.exp(full).sum() >= np.exp(ratio).sum():
+                    full[ids[r]] = -np.inf  # the rest of the row: the candidates out
+                    tokens[r] = race(np.arange(vocab), full, keys[r])
+                    continue
+            tokens[r] = race(ids[r], ratio, keys[r])
+    return _degenerate_fallback(w, mx[:, 0], tokens)
+
+
 def _sample_sorted(
     ids: np.ndarray,
     probs: np.ndarray,
@@ -209,6 +237,7 @@ def _sample_sorted(
     log_ratio: np.ndarray,
     min_p: np.ndarray,
     u: np.ndarray,
+    keys: np.ndarray | None = None,
 ) -> np.ndarray:
     """Sample among candidates sorted most likely first.
 
@@ -220,9 +249,13 @@ def _sample_sorted(
         log_ratio: [m, c] log(p / p_max) of ``ids``, for min_p.
         min_p: [m].
         u: [m] uniform draws in [0, 1).
+        keys: [m] the rows' race keys (None: the inverse CDF at ``u``; else the race among
+            the kept candidates, :mod:`~kvflow.orchestrator.sampling.race`).
     """
     cum = np.cumsum(probs, axis=1)
     keep = nucleus_size(probs, cum, total, top_p, log_ratio, min_p)
+    if keys is not None:
+        return race_sorted(ids, log_ratio, keep, keys)
     rows = np.arange(ids.shape[0])
     target = u * cum[rows, keep - 1]
     j = np.minimum(np.count_nonzero(cum <= target[:, None], axis=1), keep - 1)
@@ -246,7 +279,8 @@ def nucleus_size(probs: np.ndarray, cum: np.ndarray, total: np.ndarray, top_p: n
 
 
 def sample_top_k(
-    w: np.ndarray, top_k: int, top_p: np.ndarray, min_p: np.ndarray, u: np.ndarray
+    w: np.ndarray, top_k: int, top_p: np.ndarray, min_p: np.ndarray, u: np.ndarray,
+    keys: np.ndarray | None = None,
 ) -> np.ndarray:
     """Rows sharing one top_k: top_p is then taken over the renormalised top-k distribution."""
     ids, vals = top_n_sorted(w, top_k)
@@ -256,11 +290,12 @@ def sample_top_k(
         probs = np.exp(log_ratio)
     probs = np.nan_to_num(probs, nan=0.0)
     total = probs.sum(axis=1)
-    tokens = _sample_sorted(ids, probs, total, top_p, log_ratio, min_p, u)
+    tokens = _sample_sorted(ids, probs, total, top_p, log_ratio, min_p, u, keys)
     return _degenerate_fallback(w, vals[:, 0], tokens)
 
 
-def sample_top_p(w: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, u: np.ndarray) -> np.ndarray:
+def sample_top_p(w: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, u: np.ndarray,
+                 keys: np.ndarray | None = None) -> np.ndarray:
     """top_p without top_k: sort a candidate set, or the whole row if the nucleus is larger."""
     m, vocab = w.shape
     tokens = np.empty(m, dtype=np.int64)
@@ -276,7 +311,8 @@ def sample_top_p(w: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, u: np.ndar
             ratio = vals - mx[rows]
             probs = np.exp(ratio).astype(np.float64)
             return _sample_sorted(ids, probs, total[rows], top_p[rows],
-                                  ratio.astype(np.float64), min_p[rows], u[rows])
+                                  ratio.astype(np.float64), min_p[rows], u[rows],
+                                  None if keys is None else keys[rows])
 
         n_cand = min(vocab, TOP_P_CANDIDATES)
         ids, vals = top_n_sorted(w, n_cand)

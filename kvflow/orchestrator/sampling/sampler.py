@@ -12,7 +12,8 @@ Order of operations per row (vLLM's):
 4. greedy rows take the argmax (ties go to the lowest token id);
 5. other rows: divide by the temperature, keep top_k, then top_p (of the top-k renormalised
    distribution), then min_p, and invert the CDF of the softmax at ONE uniform draw from the
-   row's own generator.
+   row's own generator (or, ``coupled``, run the race keyed by that draw:
+   :mod:`~kvflow.orchestrator.sampling.race`, for speculative decoding with a draft model).
 
 Reproducibility: everything a row's token depends on is computed from that row alone (numpy's
 row-wise reductions, selections and sorts do not look at neighbouring rows), and each row draws
@@ -43,10 +44,12 @@ from kvflow.orchestrator.sampling.kernels import (
     argmax_rows,
     logprobs_of,
     sample_dense,
+    sample_dense_race,
     sample_top_k,
     sample_top_p,
 )
 from kvflow.orchestrator.sampling.params import MAX_SEED, SamplingParams
+from kvflow.orchestrator.sampling.race import race_keys
 from kvflow.orchestrator.sampling.structured import apply_bitmask
 
 # Row categories, in the order the work matrix is laid out (each one is a contiguous slice).
@@ -108,9 +111,13 @@ class Sampler:
         vocab_size: Number of real tokens; logits columns past it (padding) are never sampled.
         eos_token_ids: Ids masked while a row is below its ``min_tokens`` (unless
             ``ignore_eos``).
+        coupled: draw each row's token by the race keyed by its uniform
+            (:mod:`~kvflow.orchestrator.sampling.race`) rather than the inverse CDF: the same
+            distribution, other tokens; for an engine whose draft model drafts with the race.
     """
 
-    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int],
+                 coupled: bool = False) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
             raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
         if vocab_size < 1:
@@ -121,6 +128,7 @@ class Sampler:
                 raise ValueError(f"eos_token_ids must be in [0, {vocab_size}), got {t}")
         self.vocab_size: int = int(vocab_size)
         self.eos_token_ids: tuple[int, ...] = eos
+        self.coupled: bool = bool(coupled)
 
     # ------------------------------------------------------------------ public
 
@@ -288,17 +296,19 @@ class Sampler:
                     u = np.array([r.generator.random() for r in group], dtype=np.float64)
                 else:
                     u = uniforms[dest]
+                noise = race_keys(u) if self.coupled else None
                 temps = np.array([q.temperature for q in params], dtype=np.float32)
                 block /= temps[:, None]
                 min_p = np.array([q.min_p for q in params], dtype=np.float64)
                 if category == _DENSE:
-                    tokens[dest] = sample_dense(block, min_p, u)
+                    tokens[dest] = (sample_dense(block, min_p, u) if noise is None
+                                    else sample_dense_race(block, min_p, noise))
                 elif category == _TOP_K:
                     top_p = np.array([q.top_p for q in params], dtype=np.float64)
-                    tokens[dest] = sample_top_k(block, top_k, top_p, min_p, u)
+                    tokens[dest] = sample_top_k(block, top_k, top_p, min_p, u, noise)
                 else:
                     top_p = np.array([q.top_p for q in params], dtype=np.float64)
-                    tokens[dest] = sample_top_p(block, top_p, min_p, u)
+                    tokens[dest] = sample_top_p(block, top_p, min_p, u, noise)
             start = stop
 
     @staticmethod

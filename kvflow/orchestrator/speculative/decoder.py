@@ -103,6 +103,9 @@ class SpeculativeDecoder:
         """The tokens each request emits, given its drafts and the logits of their positions
         (``logits[i]``: ``[len(drafts[i]) + 1, vocab]``), or only their argmax (``greedy``,
         every request plain greedy); and per request that asked, each token's logprobs."""
+        if self.proposer.coupled and not sampler.coupled:
+            raise ValueError(f"the {self.proposer.name!r} proposer draws its drafts by the race: "
+                             "the engine's sampler must too (Sampler.coupled)")
         tokens: list[list[int]] = []
         entries: list[list[LogprobEntry] | None] = []
         for i, (request, draft) in enumerate(zip(requests, drafts, strict=True)):

@@ -20,7 +20,10 @@ sampler's own pick (:meth:`~kvflow.orchestrator.sampling.sampler.Sampler.draw`: 
 with the uniform the request's own random stream holds for its ``j``-th next token. No stream
 is shared between requests, and none is advanced: a seeded request's drafts, like its tokens,
 follow from its seed alone, and where the draft's distribution equals the target's, its drafts
-are the target's tokens.
+are the target's tokens. With ``coupled`` (the engine's sampler then coupled too) both draw by
+the race (:mod:`~kvflow.orchestrator.sampling.race`), and a draft close to the target is
+accepted about as often as under rejection sampling (``1 - TV``); by the inverse CDF, the
+token order makes that much rarer on flat distributions.
 
 Its blocks exist only for running requests: after every step it frees the tables of the
 requests that no longer run (finished, aborted, preempted), so nothing outlives them; a
@@ -60,19 +63,22 @@ class DraftModelProposer(Proposer):
     Args:
         runner: the draft model's runner (its own KV pool, ``runner.num_blocks``).
         vocab_size: the target's vocabulary (the draft's must be the same).
+        coupled: draw sampled drafts by the race (the engine's sampler must too:
+            ``Sampler.coupled``).
     """
 
     name = "draft"
 
-    def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
+    def __init__(self, runner: ModelRunner, vocab_size: int, coupled: bool = False) -> None:
         if runner.vocab_size != vocab_size:
             raise ValueError(f"draft_engine: the draft's vocabulary ({runner.vocab_size}) is "
                              f"not the target's ({vocab_size})")
         self.runner = runner
         self.kv = KVCacheManager(runner.num_blocks, runner.block_size)
         self.vocab_size = vocab_size
-        # The target's sampler rules, per set of EOS ids (min_tokens bans them).
-        self._samplers: dict[tuple[int, ...], Sampler] = {}
+        self.coupled = coupled
+        # The target's sampler rules, per set of EOS ids (min_tokens bans them) and way to draw.
+        self._samplers: dict[tuple[tuple[int, ...], bool], Sampler] = {}
 
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
                 token_budget: int | None = None) -> list[list[int]]:
@@ -160,10 +166,10 @@ class DraftModelProposer(Proposer):
         return peek_uniforms(gen, n)
 
     def _sampler(self, r: Request) -> Sampler:
-        eos = tuple(r.eos_token_ids)
-        if eos not in self._samplers:
-            self._samplers[eos] = Sampler(self.vocab_size, eos)
-        return self._samplers[eos]
+        key = (tuple(r.eos_token_ids), self.coupled)
+        if key not in self._samplers:
+            self._samplers[key] = Sampler(self.vocab_size, key[0], coupled=self.coupled)
+        return self._samplers[key]
 
     def _step(self, requests: Sequence[Request], live: list[int], chunks: list[SeqChunk],
               out: list[list[int]], uniforms: dict[int, np.ndarray]) -> list[int]:

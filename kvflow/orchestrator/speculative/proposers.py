@@ -17,9 +17,14 @@ from kvflow.orchestrator.request import Request
 class Proposer(ABC):
     """Drafts tokens for one request at a time. Verification is lossless whatever the drafts
     are (:mod:`~kvflow.orchestrator.speculative.verification`): a proposer only decides how
-    many are accepted."""
+    many are accepted.
+
+    ``coupled``: its drafts are drawn by the race
+    (:mod:`~kvflow.orchestrator.sampling.race`) with the request's uniforms, so the engine's
+    sampler must draw by the race too (``Sampler.coupled``), or they are rarely accepted."""
 
     name = ""
+    coupled = False
 
     @abstractmethod
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],

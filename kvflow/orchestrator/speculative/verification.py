@@ -19,9 +19,10 @@ This is a coupling of the draft and the target rather than Leviathan et al.'s re
 sampling, whose emitted token depends on the draft and so on whether a position had one. An
 n-gram's draft ``d`` is accepted with probability ``p(d)``, as there. A draft model draws its
 drafts with the very uniforms verification will use
-(:class:`~kvflow.orchestrator.speculative.draft_model.DraftModelProposer`), so a draft ``q``
-close to ``p`` is accepted where their inverse CDFs agree: always when ``q == p``; in general
-less often than rejection sampling's ``1 - TV(p, q)``.
+(:class:`~kvflow.orchestrator.speculative.draft_model.DraftModelProposer`): by the race
+(``Sampler.coupled``, :mod:`~kvflow.orchestrator.sampling.race`) a draft distribution ``q``
+close to ``p`` is accepted about as often as under rejection sampling (``1 - TV(p, q)``; at
+least ``(1 - TV) / (1 + TV)``); by the inverse CDF, less often on flat distributions.
 """
 
 from __future__ import annotations
