@@ -67,12 +67,21 @@ def encode_body(body: dict[str, Any]) -> bytes:
 
 class PromptLogprobs:
     """One prompt's logprobs, as the backend sent them (``wire``: its JSON), parsed once for
-    all the prompt's choices; each shape the API gives them in is built once too."""
+    all the prompt's choices, when first read (by the response's encoder, on a worker
+    thread: never while the event loop collects the streams); each shape the API gives them
+    in is built once too."""
 
     def __init__(self, wire: str) -> None:
         self.wire = wire
-        self.entries = [TokenLogprobs.from_wire(e) for e in json.loads(wire)]
+        self._entries: list[TokenLogprobs] | None = None
         self._vllm: dict[tuple[int, int], SharedJSON] = {}
+
+    @property
+    def entries(self) -> list[TokenLogprobs]:
+        """Per prompt token (the first's logprob None)."""
+        if self._entries is None:
+            self._entries = [TokenLogprobs.from_wire(e) for e in json.loads(self.wire)]
+        return self._entries
 
     def vllm(self, k: int, asked: int) -> SharedJSON:
         """vLLM's ``prompt_logprobs`` field (:func:`vllm_prompt_logprobs`), built once."""
@@ -98,9 +107,7 @@ class ChoiceState:
     accepted_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     generate: bool = True
-    # Per prompt token (the first's logprob None), once the backend sent them.
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs_new: bool = False  # they came with the last update
+    prompt_logprobs_new: bool = False  # the prompt's logprobs came with the last update
     # A chat choice whose text is read for reasoning or tool calls (None: the text is content).
     output: ChatOutput | None = None
     # The prompt's logprobs, parsed once for its choices: ``shared`` (prompt index -> them) is
@@ -120,7 +127,7 @@ class ChoiceState:
                 record = PromptLogprobs(wire)
                 if self.shared is not None:
                     self.shared[self.prompt_index] = record
-            self.prompt_record, self.prompt_logprobs = record, record.entries
+            self.prompt_record = record
         self.prompt_tokens = outputs.get("num_input_tokens", self.prompt_tokens)
         self.cached_tokens = outputs.get("cached_tokens", self.cached_tokens)
         self.draft_tokens = outputs.get("num_draft_tokens", self.draft_tokens)
@@ -141,6 +148,11 @@ class ChoiceState:
                    ] if outputs.get("output_logprobs") else []
         self.logprobs += entries
         return delta, entries
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """Per prompt token (the first's logprob None), once the backend sent them."""
+        return None if self.prompt_record is None else self.prompt_record.entries
 
     def echo_text(self, choice: ChoiceRequest) -> str:
         """The text an echoing choice puts first: its prompt's text, or a token-id prompt's

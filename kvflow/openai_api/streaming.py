@@ -102,11 +102,18 @@ async def sse(parsed: CompletionRequest, generators: list[Any], states: list[Cho
         body = chunk(parsed, [piece], usage(parsed, states) if parsed.continuous_usage else None)
         return event(body)
 
+    async def render_off_loop(k: int, outputs: dict[str, Any], first: bool) -> bytes:
+        # NOTE: a response with the prompt's logprobs (megabytes of JSON) is parsed and
+        # encoded on a thread; meanwhile this stream waits and no one else touches its state.
+        if outputs.get("prompt_logprobs"):
+            return await asyncio.to_thread(render, k, outputs, first)
+        return render(k, outputs, first)
+
     tasks: list[asyncio.Task] = []
     try:
         open_choices = 0
         for k, outputs in enumerate(firsts):
-            yield render(k, outputs, True)  # the first chunk (its role) always goes
+            yield await render_off_loop(k, outputs, True)  # the first (its role) always goes
             if not states[k].finish_reason:
                 open_choices += 1
                 tasks.append(asyncio.create_task(pump(k)))
@@ -120,7 +127,7 @@ async def sse(parsed: CompletionRequest, generators: list[Any], states: list[Cho
                 yield event(err.body())
                 break
             else:
-                piece = render(k, item, False)
+                piece = await render_off_loop(k, item, False)
                 if piece:
                     yield piece
         if parsed.include_usage:
