@@ -21,7 +21,7 @@ PARSERS = {**TOOL_PARSERS, "json_list": JsonListParser}
 SYNTAX = ["<tool_call>", "</tool_call>", "<tool_", "{", "}", "[", "]", '"', "\\", ":", ",",
           " ", "\n", '"name"', '"arguments"', '"parameters"', '"f"', "<|python_tag|>", ";",
           "f(", ")", "a=", "1", "'", "#", "b'x'", "{1, 2}", "1j", "1e999", "<think>",
-          "</think>"]
+          "</think>", "\\ud800"]
 texts = st.one_of(st.text(max_size=60), st.lists(st.sampled_from(SYNTAX), max_size=30).map(
     "".join))
 
@@ -48,6 +48,8 @@ def streamed(parser, pieces: list[str]):
 
 def whole(parser, text: str):
     out = parser.read(text)
+    for call in out.calls:  # the response can hold them: no lone surrogate from "\ud800"
+        (call.name + call.arguments).encode("utf-8")
     return out.content, [(c.name, c.arguments) for c in out.calls], out.complete
 
 
@@ -114,6 +116,7 @@ def test_real_calls_split_anywhere_come_back_as_written(fmt, cs, lead, cuts):
 # --- what a model may write that is not a call -------------------------------------------------
 @pytest.mark.parametrize("text", [
     '[f(a=b"x")]', "[f(a={1,2})]", "[f(a=1j)]", "[f(a=1e999)]", "[f(**kw)]", "[f(1)]",
+    '[f(a="\\ud800")]', '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
     "[" * 5000, "[f(a=" + "(" * 300 + ")" * 300 + ")]", "[f(a=1" + "0" * 5000 + ")]",
     '<tool_call>{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}</tool_call>",
     '{"name": "f", "parameters": ' + "[" * 5000 + "]" * 5000 + "}",

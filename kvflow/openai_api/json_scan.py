@@ -16,8 +16,8 @@ import re
 # Inside a string only a quote or a backslash matters: jump to the next one.
 _STRING_STOP = re.compile(r'["\\]')
 _SPACE = " \n\t\r"
-# A member's key is read only while it could still be one of the keys asked for: the longest
-# of those, each character written as a \uXXXX escape, and its quotes.
+# A member's key is read only while it could still be one of the keys asked for (``name``,
+# ``arguments``, ``parameters``: at most 16 characters, each perhaps a \uXXXX escape).
 _MAX_KEY_CHARS = 6 * 16 + 2
 # A function name is at most 64 characters (escaped: 6 each); past this it is no name.
 _MAX_NAME_CHARS = 6 * 64 + 2
@@ -34,6 +34,16 @@ def loads(text: str) -> object:
         return json.loads(text)
     except (ValueError, RecursionError):
         return None
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` can go into a response: JSON's ``\ud800`` escape decodes to a lone
+    surrogate, which UTF-8 cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class ObjectScanner:
@@ -197,7 +207,7 @@ class ObjectScanner:
         if self._member == "name":
             raw = self._end_capture(text, end)
             value = loads(raw) if raw is not None else None
-            self.name = value if isinstance(value, str) else None
+            self.name = value if isinstance(value, str) and _utf8(value) else None
         elif self._member == "\0arguments":
             self._end_capture(text, end)
         self._member = ""

@@ -341,7 +341,12 @@ def python_calls(text: str) -> list[tuple[str, str]] | None:
                     node.args or any(kw.arg is None for kw in node.keywords):
                 return None
             args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-            out.append((node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))
+            arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+            try:
+                arguments.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate ("\ud800"): kept as JSON's escape
+                arguments = json.dumps(args, allow_nan=False)
+            out.append((node.func.id, arguments))
         return out
     except _NOT_CALLS:
         return None
