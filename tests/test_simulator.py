@@ -82,8 +82,10 @@ def test_simulator_and_real_engine_make_identical_decisions(tiny_engines):
     # Sequences grow to 18-54 tokens (up to 14 blocks of 4): four running ones need more than
     # the 23 usable blocks, so the scheduler must preempt, and both sides must preempt alike.
     specs = random_workload(12, 20, 16, rate=2.0, burstiness=1.0, seed=5, range_ratio=0.5)
+    # The token budget alone: a step bounded in time (the torch runner's default) would plan
+    # from measured step times, and the real engine's are not the simulator's.
     sched = EngineOptions(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=128,
-                            enable_prefix_caching=False)
+                          enable_prefix_caching=False, max_step_ms=0.0)
     sim = simulate(specs, FixedCostModel(1.0), sched, num_blocks=24, block_size=4)
 
     clock = SimClock()

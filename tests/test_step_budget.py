@@ -71,10 +71,16 @@ def test_max_num_batched_tokens_still_caps_the_budget():
     assert StepBudget(0.2, max_tokens=8).tokens == 8  # the first step too
 
 
-def test_a_fixed_cost_over_the_target_leaves_one_token():
+def test_a_fixed_cost_past_the_target_still_lets_a_chunk_advance():
+    """No budget meets a 50 ms target when a bare step takes 80 ms: the tokens may then add
+    half the target (25 ms), not one token a step; and half the fixed cost where the target
+    is met only by a sliver."""
     budget = StepBudget(0.05, max_tokens=512)
     drive(budget, linear(0.080, 0.001), 20)
-    assert budget.tokens == 1
+    assert budget.tokens == 25
+    budget = StepBudget(0.1, max_tokens=512)
+    drive(budget, linear(0.060, 0.001), 20)  # 60 ms fixed: the target is still met
+    assert budget.tokens == 40
 
 
 def test_the_budget_adapts_when_the_cost_per_token_changes():
@@ -158,17 +164,18 @@ def test_decodes_behind_a_prefill_keep_their_token_when_the_budget_falls():
     """A prompt admitted before a short one keeps prefilling while the short one decodes
     behind it; when the measured cost rises and the budget collapses, the prompt's chunk
     leaves the decode its token (no stall), and the prompt still advances."""
-    sched = make_scheduler_for_test(num_blocks=128, max_num_batched_tokens=64,
-                                    max_step_ms=100.0, long_prefill_token_threshold=20)
+    sched = make_scheduler_for_test(num_blocks=400, max_num_batched_tokens=64,
+                                    max_model_len=2048, max_step_ms=100.0,
+                                    long_prefill_token_threshold=20)
     cheap = linear(0.001, 0.001)
-    sched.add_request(make_request("long", 200, max_tokens=2))
+    sched.add_request(make_request("long", 1000, max_tokens=2))
     timed_step(sched, cheap)  # "long": its first chunk (20)
-    sched.add_request(make_request("short", 4, max_tokens=100))
+    sched.add_request(make_request("short", 4, max_tokens=300))
     out = timed_step(sched, cheap)  # "long" 20, "short" admitted with 4
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
         ("long", 20), ("short", 4)]
-    dear = linear(0.5, 0.001)  # a fixed cost past the target: the budget falls to 1
-    for _ in range(40):
+    dear = linear(0.2, 0.1)  # 100 ms a token, over a fixed cost past the target
+    for _ in range(150):
         out = timed_step(sched, dear)
         got = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
         assert got["short"] == 1 and got["long"] >= 1, got

@@ -11,7 +11,10 @@ reports each step's tokens and duration (:meth:`~kvflow.orchestrator.scheduler.c
 and the budget fits ``t(n) = fixed_s + per_token_s * n`` by least squares over the recent
 steps, exponentially forgotten (half-life ``HALF_LIFE_STEPS``), so it follows the cost as it
 changes (longer contexts, prompt logprobs, a busier machine). The next step's budget is then
-``(target - fixed_s) / per_token_s``, within ``[1, max_num_batched_tokens]``.
+``(target - fixed_s) / per_token_s``, within ``[1, max_num_batched_tokens]``; where the fixed
+cost alone nears or passes the target (a slow or busy machine: no budget meets it), the tokens
+may still add ``MIN_CHUNK_SHARE`` of it (of the target, at most), so that prompts advance at a
+useful rate while the decodes slow by at most half the target.
 
 Until the fit is known the budget is cautious: the first step plans ``FIRST_STEP_TOKENS``;
 while the steps measured do not vary enough in size to separate the fixed cost from the cost
@@ -31,6 +34,8 @@ HALF_LIFE_STEPS = 32
 FIRST_STEP_TOKENS = 32
 # The most a planned step may exceed the largest step measured, as a factor.
 GROWTH = 2
+# The least time a step's tokens may add, as a share of its fixed cost (or of the target).
+MIN_CHUNK_SHARE = 0.5
 # The spread of step sizes (standard deviation, tokens) a fit needs to be trusted.
 MIN_SPREAD_TOKENS = 2.0
 # The runners that compute on the CPU, where one large step takes seconds: their default
@@ -108,7 +113,10 @@ class StepBudget:
             return max(1, min(self.max_tokens, FIRST_STEP_TOKENS))
         cap = min(self.max_tokens, max(FIRST_STEP_TOKENS, GROWTH * self.largest_step))
         fixed, per_token = self.fit if self.fit is not None else (0.0, self._ratio)
-        if self.target_s <= fixed:
-            return 1
+        # The tokens may always add MIN_CHUNK_SHARE of a bare step's time (of the target, at
+        # most: a transient overestimate of the fixed cost must not plan a long step): where
+        # the fixed cost alone nears or passes the target, which no budget can then meet,
+        # prompts still advance at a useful rate.
+        chunk_s = max(self.target_s - fixed, MIN_CHUNK_SHARE * min(fixed, self.target_s))
         # NOTE: the epsilon keeps an exact quotient (95.0 computed as 94.999...) whole.
-        return max(1, min(cap, int((self.target_s - fixed) / per_token + 1e-6)))
+        return max(1, min(cap, int(chunk_s / per_token + 1e-6)))
