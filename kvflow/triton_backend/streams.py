@@ -244,7 +244,9 @@ class Responder:
                  cancel_poll_s: float = CANCEL_POLL_S) -> None:
         self.abort = abort
         self.cancel_poll_s = cancel_poll_s
-        self._ready: queue.SimpleQueue[ResponseStream | None] = queue.SimpleQueue()
+        # Streams with outputs to send; an Event is a drain() waiting; None stops the thread.
+        self._ready: queue.SimpleQueue[ResponseStream | threading.Event | None] = (
+            queue.SimpleQueue())
         self._live: dict[str, ResponseStream] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvflow-responder",
@@ -259,6 +261,17 @@ class Responder:
     def ready(self, stream: ResponseStream) -> None:
         """``stream``'s mailbox has outputs (its callback, on the engine loop's thread)."""
         self._ready.put(stream)
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every response queued before this call has been handed to Triton; False
+        if that took over ``timeout_s`` or the thread has stopped. The engine's failure hook
+        calls it before it stops tritonserver, so that every waiter's error (which names the
+        failure) has left before the server refuses anything."""
+        if threading.current_thread() is self._thread:
+            return False  # it would wait on itself
+        reached = threading.Event()
+        self._ready.put(reached)
+        return self._thread.is_alive() and reached.wait(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Send what is queued, then stop the thread."""
@@ -278,6 +291,9 @@ class Responder:
             else:
                 if stream is _STOP:
                     return
+                if isinstance(stream, threading.Event):  # a drain: all before it went
+                    stream.set()
+                    continue
             if stream is not None:
                 try:
                     stream.flush()
