@@ -16,6 +16,10 @@ cost alone nears or passes the target (a slow or busy machine: no budget meets i
 may still add ``MIN_CHUNK_SHARE`` of it (of the target, at most), so that prompts advance at a
 useful rate while the decodes slow by at most half the target.
 
+The first step is not measured (``WARMUP_STEPS``: a runner's lazy setup), and a step's time
+counts for at most ``OUTLIER_FACTOR`` times its prediction (a pause of the collector or the OS
+is no cost per token; a machine that did slow down shows it over a few steps).
+
 Until the fit is known the budget is cautious: the first step plans ``FIRST_STEP_TOKENS``;
 while the steps measured do not vary enough in size to separate the fixed cost from the cost
 per token, the whole step time is charged to its tokens (an overestimate of the cost per
@@ -34,6 +38,10 @@ HALF_LIFE_STEPS = 32
 FIRST_STEP_TOKENS = 32
 # The most a planned step may exceed the largest step measured, as a factor.
 GROWTH = 2
+# Steps not measured at first (a runner's first step pays for its lazy setup), and the most
+# a step's time counts for, as a multiple of its prediction (a pause is not a cost per token).
+WARMUP_STEPS = 1
+OUTLIER_FACTOR = 4.0
 # The least time a step's tokens may add, as a share of its fixed cost (or of the target).
 MIN_CHUNK_SHARE = 0.5
 # The spread of step sizes (standard deviation, tokens) a fit needs to be trusted.
@@ -69,11 +77,20 @@ class StepBudget:
         self.largest_step = 0  # tokens of the largest step measured
         self.fit: tuple[float, float] | None = None  # (fixed_s, per_token_s)
         self._ratio = 0.0  # seconds per token, the whole step charged to its tokens
+        self.num_observed = 0
 
     def observe(self, num_tokens: int, step_time_s: float) -> None:
         """One step of ``num_tokens`` tokens took ``step_time_s`` seconds."""
         if num_tokens <= 0 or not step_time_s > 0:
             return
+        self.num_observed += 1
+        if self.num_observed <= WARMUP_STEPS:
+            return  # a runner's first step pays for its lazy setup
+        predicted = self.predict_s(num_tokens)
+        if predicted is not None:
+            # A pause (the collector, the OS) says nothing about the cost per token; a
+            # machine that did slow down shows it over a few steps.
+            step_time_s = min(step_time_s, OUTLIER_FACTOR * predicted)
         d, s = self._decay, self._sums
         for i, v in enumerate((1.0, num_tokens, num_tokens * num_tokens, step_time_s,
                                num_tokens * step_time_s)):
@@ -98,6 +115,12 @@ class StepBudget:
         # per token and follows their mean time with its fixed cost.
         fixed = mean_t - self.fit[1] * mean_n
         self.fit = (fixed, self.fit[1]) if fixed >= 0 else (0.0, mean_t / mean_n)
+
+    def predict_s(self, num_tokens: int) -> float | None:
+        """The predicted time of a step of ``num_tokens`` tokens (None: nothing measured)."""
+        if self.fit is not None:
+            return self.fit[0] + self.fit[1] * num_tokens
+        return self._ratio * num_tokens if self._ratio else None
 
     @property
     def per_token_s(self) -> float | None:
