@@ -162,14 +162,14 @@ def test_a_failing_engine_turns_readiness_off_fails_waiters_and_exits_1(tiny_eng
     client thread late on a busy machine) may get the stopping server's own refusal instead;
     which requests are late is timing, so it is not asserted."""
     from kvflow import envs
-    from kvflow.utils.procs import free_port
+    from kvflow.utils.procs import free_port, spawn
 
     http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
     log = tmp_path / "serve.log"
     env = {**os.environ, envs.FAIL_AFTER_STEPS: "40"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvflow.cli", "serve", "--engine",
+    with open(log, "wb") as out:  # spawn: it dies with this process, however it ends
+        proc = spawn(
+            subprocess.Popen, [sys.executable, "-m", "kvflow.cli", "serve", "--engine",
              str(tiny_engines["llama-gqa4", "onnxruntime"]), "--http-port", str(http),
              "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port",
              str(api)], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
