@@ -264,9 +264,9 @@ class Responder:
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until every response queued before this call has been handed to Triton; False
-        if that took over ``timeout_s`` or the thread has stopped. The engine's failure hook
-        calls it before it stops tritonserver, so that every waiter's error (which names the
-        failure) has left before the server refuses anything."""
+        if that took over ``timeout_s`` or the thread has stopped. For the engine's failure
+        hook, before it stops tritonserver: every waiter's error (which names the failure)
+        then leaves before the server refuses anything."""
         if threading.current_thread() is self._thread:
             return False  # it would wait on itself
         reached = threading.Event()
