@@ -64,6 +64,19 @@ def test_the_whole_step_is_charged_to_its_tokens_until_sizes_vary():
     assert budget.fit is not None and budget.fit[1] > 0
 
 
+def test_slow_decodes_alone_still_leave_a_prompt_a_measuring_step():
+    """Decodes of one token at 400 ms each (a busy machine) cannot tell their fixed cost from
+    a cost per token: charged whole to the token, a prompt would get one token a step, and
+    the steps would never vary. It gets FIRST_STEP_TOKENS, the step that tells them apart."""
+    budget = StepBudget(0.2, max_tokens=2048)
+    for _ in range(10):
+        budget.observe(1, 0.402)
+    assert budget.fit is None and budget.tokens == FIRST_STEP_TOKENS
+    budget.observe(FIRST_STEP_TOKENS, 0.4 + 0.002 * FIRST_STEP_TOKENS)
+    assert budget.fit == pytest.approx((0.4, 0.002))
+    assert abs(budget.tokens - 50) <= 1  # past the target: half of it, 100 ms, for tokens
+
+
 def test_max_num_batched_tokens_still_caps_the_budget():
     budget = StepBudget(0.2, max_tokens=64)
     drive(budget, linear(0.001, 1e-5), 20)
@@ -190,7 +203,9 @@ def test_decodes_behind_a_prefill_keep_their_token_when_the_budget_falls():
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
         ("long", 20), ("short", 4)]
     dear = linear(0.2, 0.1)  # 100 ms a token, over a fixed cost past the target
-    for _ in range(150):
+    for n in (1, 30) * 100:  # the machine slowed down (as steps of other sizes measured it)
+        sched.observe_step(0, dear(n), n)
+    for _ in range(20):
         out = timed_step(sched, dear)
         got = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
         assert got["short"] == 1 and got["long"] >= 1, got

@@ -23,8 +23,10 @@ is no cost per token; a machine that did slow down shows it over a few steps).
 Until the fit is known the budget is cautious: the first step plans ``FIRST_STEP_TOKENS``;
 while the steps measured do not vary enough in size to separate the fixed cost from the cost
 per token, the whole step time is charged to its tokens (an overestimate of the cost per
-token, so a smaller budget); and the budget never plans a step more than ``GROWTH`` times
-the largest one measured, so an extrapolated fit cannot plan a step of seconds. Once known,
+token, so a smaller budget), but never below ``FIRST_STEP_TOKENS``, the step that will vary
+them (decodes alone, one token each, would otherwise leave a prompt a token a step on a slow
+machine, forever); and the budget never plans a step more than ``GROWTH`` times the largest
+one measured, so an extrapolated fit cannot plan a step of seconds. Once known,
 the fit follows steps that stop varying in size (a long prompt alone, chunk after chunk, its
 attention costlier with each) through its fixed cost, keeping its cost per token.
 
@@ -86,11 +88,11 @@ class StepBudget:
         self.num_observed += 1
         if self.num_observed <= WARMUP_STEPS:
             return  # a runner's first step pays for its lazy setup
-        predicted = self.predict_s(num_tokens)
-        if predicted is not None:
+        if self.fit is not None:
             # A pause (the collector, the OS) says nothing about the cost per token; a
-            # machine that did slow down shows it over a few steps.
-            step_time_s = min(step_time_s, OUTLIER_FACTOR * predicted)
+            # machine that did slow down shows it over a few steps. (Not against the whole
+            # step charged to its tokens: that predicts a small step far too short.)
+            step_time_s = min(step_time_s, OUTLIER_FACTOR * self.predict_s(num_tokens))
         d, s = self._decay, self._sums
         for i, v in enumerate((1.0, num_tokens, num_tokens * num_tokens, step_time_s,
                                num_tokens * step_time_s)):
@@ -116,11 +118,11 @@ class StepBudget:
         fixed = mean_t - self.fit[1] * mean_n
         self.fit = (fixed, self.fit[1]) if fixed >= 0 else (0.0, mean_t / mean_n)
 
-    def predict_s(self, num_tokens: int) -> float | None:
-        """The predicted time of a step of ``num_tokens`` tokens (None: nothing measured)."""
+    def predict_s(self, num_tokens: int) -> float:
+        """The predicted time of a step of ``num_tokens`` tokens (0: nothing measured)."""
         if self.fit is not None:
             return self.fit[0] + self.fit[1] * num_tokens
-        return self._ratio * num_tokens if self._ratio else None
+        return self._ratio * num_tokens
 
     @property
     def per_token_s(self) -> float | None:
@@ -132,10 +134,17 @@ class StepBudget:
     @property
     def tokens(self) -> int:
         """The budget of the next step, in ``[1, max_tokens]``."""
-        if self.largest_step == 0:
-            return max(1, min(self.max_tokens, FIRST_STEP_TOKENS))
+        explore = max(1, min(self.max_tokens, FIRST_STEP_TOKENS))
+        if self.fit is None and self._ratio == 0:
+            return explore
         cap = min(self.max_tokens, max(FIRST_STEP_TOKENS, GROWTH * self.largest_step))
-        fixed, per_token = self.fit if self.fit is not None else (0.0, self._ratio)
+        if self.fit is None:
+            # Steps of one size, decodes alone most often, cannot tell a fixed cost from a cost
+            # per token; charged whole to its tokens, a slow decode would leave prompts a
+            # token a step, and nothing would ever vary: a step of FIRST_STEP_TOKENS at least
+            # is what measures the difference.
+            return max(explore, min(cap, int(self.target_s / self._ratio + 1e-6)))
+        fixed, per_token = self.fit
         # The tokens may always add MIN_CHUNK_SHARE of a bare step's time (of the target, at
         # most: a transient overestimate of the fixed cost must not plan a long step): where
         # the fixed cost alone nears or passes the target, which no budget can then meet,
