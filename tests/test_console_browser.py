@@ -35,7 +35,7 @@ def browser():
                 "--window-size=1400,1000", "--no-first-run", "--disable-extensions",
                 "--disable-background-networking", "--disable-component-update"):
         options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     try:
         yield driver
@@ -105,6 +105,48 @@ def test_chats_from_the_page_run_in_the_engine_view_then_free_the_pool(
         json.loads(e["message"])["message"] for e in browser.get_log("performance"))
         if m["method"] == "Network.requestWillBeSent"]
     assert urls and all(u.startswith(openai_frontend.url + "/") for u in urls), urls
+    assert_no_policy_violation(browser)
+
+
+def assert_no_policy_violation(browser) -> None:
+    """The page's content security policy refused nothing it does."""
+    refused = [e["message"] for e in browser.get_log("browser")
+               if "Content Security Policy" in e["message"]]
+    assert not refused, refused
+
+
+@needs_browser
+def test_with_an_api_key_the_page_chats_with_its_token(browser, keyed_server, tmp_path):
+    """The browser's Basic login opens the page; its scripts reach the API with the console's
+    token (an API route takes no Basic login), and a chat from the page runs."""
+    from selenium.webdriver.common.by import By
+
+    from kvflow.openai_api import FrontendConfig, FrontendProcess
+    from kvflow.utils.procs import free_port
+
+    frontend = FrontendProcess(FrontendConfig((keyed_server.grpc_url,), port=free_port(),
+                                              api_key="s3cret-key"),
+                               log_path=tmp_path / "frontend.log")
+    frontend.start()
+    try:
+        browser.get(frontend.url.replace("http://", "http://anyone:s3cret-key@") + "/")
+        wait_until("the model's name", lambda: browser.find_element(By.ID, "model").text
+                   not in ("", "console"), 60)
+        wait_until("the state polled", lambda: "updated" in browser.find_element(
+            By.ID, "status").text, 60)
+        element = browser.find_element(By.ID, "max_tokens")
+        element.clear()
+        element.send_keys("8")
+        browser.find_element(By.ID, "prompt").send_keys("Hello")
+        browser.find_element(By.ID, "send").click()
+        card = wait_until("the reply", lambda: (
+            cards := browser.find_elements(By.CSS_SELECTOR, ".reply")) and cards[0]
+            .get_attribute("data-done") == "true" and cards[0])
+        assert "error" not in card.get_attribute("class"), card.text
+        assert "TTFT" in card.find_element(By.CLASS_NAME, "stats").text
+        assert_no_policy_violation(browser)
+    finally:
+        assert frontend.stop() == 0
 
 
 def test_with_an_api_key_the_page_asks_for_it(keyed_server, tmp_path):

@@ -141,36 +141,33 @@ def create_app(cfg: FrontendConfig) -> Any:
             state["chat_format"] = chat_format(cfg, parameters)
         return state["model"]
 
-    def console_page(request: Request, name: str, media: str) -> Any:
-        """A console file, behind the key (a browser asks for it: HTTP Basic, any user)."""
+    def console_page(request: Request, content: bytes, media: str) -> Any:
+        """A console response, behind the key (a browser asks for it: HTTP Basic, any user)."""
         try:
             guard.check(request.headers, console_get=True)
         except OpenAIError as e:
             return Response(e.message, status_code=401, media_type="text/plain",
                             headers={**CONSOLE_HEADERS,
                                      "WWW-Authenticate": 'Basic realm="kvflow"'})
-        return Response(console_file(name), media_type=media, headers=CONSOLE_HEADERS)
+        return Response(content, media_type=media, headers=CONSOLE_HEADERS)
 
     @app.get("/")
     async def console(request: Request) -> Any:
         """The live console's page (kvflow/console/static)."""
-        return console_page(request, "index.html", "text/html")
+        return console_page(request, console_file("index.html"), "text/html")
 
     @app.get("/console/token")
     async def console_token(request: Request) -> Any:
         """The token the console's scripts send to the API routes (security.KeyGuard)."""
-        try:
-            guard.check(request.headers, console_get=True)
-        except OpenAIError as e:
-            return error_response(e, "/console")
-        return JSONResponse({"token": guard.console_token}, headers=CONSOLE_HEADERS)
+        return console_page(request, json.dumps({"token": guard.console_token}).encode(),
+                            "application/json")
 
     @app.get("/console/{name}")
     async def console_asset(name: str, request: Request) -> Any:
         if name not in CONSOLE_ASSETS:
             return Response("not found", status_code=404, media_type="text/plain",
                             headers=CONSOLE_HEADERS)
-        return console_page(request, name, CONSOLE_ASSETS[name])
+        return console_page(request, console_file(name), CONSOLE_ASSETS[name])
 
     @app.get("/health")
     async def health() -> Any:

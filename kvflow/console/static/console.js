@@ -25,15 +25,19 @@ function percentile(values, p) {
 }
 const ms = (v) => (v === null ? "-" : v.toFixed(0));
 
+// This server's URL of a path: from location.origin, which never holds the user name and
+// password of a page opened as http://user:key@host/ (fetch refuses a URL that does).
+const here = (path) => new URL(path, location.origin);
+
 // fetch() of an API route, with the console token when the server has a key.
 async function api(path, init = {}) {
   if (token === undefined) {
-    const r = await fetch("/console/token", { cache: "no-store" });
+    const r = await fetch(here("/console/token"), { cache: "no-store" });
     token = r.ok ? (await r.json()).token : null;
   }
   const headers = { ...(init.headers || {}) };
   if (token) headers.Authorization = `Bearer ${token}`;
-  return fetch(path, { ...init, headers });
+  return fetch(here(path), { ...init, headers });
 }
 
 async function poll() {
