@@ -11,6 +11,7 @@ One room per job:
 * ``preemption.py``: which running request gives way, and swap or recompute;
 * ``policies.py``: the admission order of the waiting queue (fcfs, priority, sjf, ...);
 * ``continuous.py``: continuous batching under a token budget (every queue policy);
+* ``step_budget.py``: the token budget from a target step time and the measured step costs;
 * ``static.py``: static batching, the baseline;
 * ``registry.py``: the class for each policy name (``SCHEDULERS``, ``make_scheduler``);
 * ``output.py``: the step's handoff objects (``SchedulerOutput``, ``RunnerOutput``).
