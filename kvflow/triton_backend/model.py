@@ -145,6 +145,9 @@ class KvflowTritonModel:
         self.pb.Logger.log_error(f"kvflow: the engine failed: {error!r}; stopping tritonserver")
         with contextlib.suppress(OSError):
             (self.repository / ENGINE_FAILED_FILE).write_text(f"{error!r}\n")
+        # Every waiter's error (it names the failure) goes to Triton before the server stops
+        # and refuses requests with its own words.
+        self.responder.drain(timeout_s=10.0)
         server = os.getppid()  # the stub's parent
         try:
             is_triton = Path(f"/proc/{server}/comm").read_text().strip() == "tritonserver"
