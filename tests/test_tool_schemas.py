@@ -180,3 +180,17 @@ def test_absent_parameters_are_a_function_of_no_arguments():
     tools = parse_tools([{"type": "function", "function": {"name": "now"}}])
     assert tools[0].parameters == {"type": "object", "properties": {}}
     plan_tools({"tools": [tool("now", None)], "tool_choice": "required"}, "hermes")
+
+
+def test_schemas_too_large_for_a_constrained_call_are_refused_before_compiling():
+    """Parameters past what a constrained output carries are refused by their size, naming
+    ``tools``; under ``auto`` with a parser that reads free text, nothing is constrained."""
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 100}
+                                            for i in range(3000)}}
+    tools = [tool("big", big)]
+    for choice in ("required", {"type": "function", "function": {"name": "big"}}):
+        with pytest.raises(ValueError, match=r"^tools: .* at most 262144 \(256 KiB\)"):
+            plan_tools({"tools": tools, "tool_choice": choice}, "hermes")
+    with pytest.raises(ValueError, match=r"^tools: "):
+        plan_tools({"tools": tools}, "hermes")
+    assert plan_tools({"tools": tools}, "llama3_json").constraint == {}

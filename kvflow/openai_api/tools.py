@@ -28,6 +28,7 @@ from typing import Any
 from kvflow.openai_api.tool_parsers import TOOL_PARSERS, JsonListParser, ToolParser
 from kvflow.orchestrator.sampling.params import GUIDED_FIELDS
 from kvflow.orchestrator.sampling.structured import JSON_OPTIONS, schema_error
+from kvflow.orchestrator.sampling.structured_output import MAX_SPEC_BYTES
 from kvflow.text.chat_tools import FunctionTool, parse_tools
 from kvflow.text.tool_schema import embedded_parameters
 
@@ -56,6 +57,9 @@ def plan_tools(body: dict[str, Any], parser_name: str) -> ToolPlan:
     parallel = body.get("parallel_tool_calls") is not False
     if choice == "none":
         return ToolPlan("none")
+    guided = [k for k in (*GUIDED_FIELDS, "response_format") if body.get(k) is not None]
+    if choice != "auto" or (parser_name == "hermes" and not guided):
+        _check_constraint_size(tools, choice)
     for i, tool in enumerate(tools):
         where = f"tools[{i}].function.parameters ({tool.name})"
         try:
@@ -66,7 +70,6 @@ def plan_tools(body: dict[str, Any], parser_name: str) -> ToolPlan:
             # Pointers as the client wrote them, not as they sit in the call's schema.
             error = error.replace(f"/$defs/{tool.name}", "")
             raise ValueError(f"{where} is not a JSON schema kvflow can enforce: {error}")
-    guided = [k for k in (*GUIDED_FIELDS, "response_format") if body.get(k) is not None]
     if choice != "auto":
         if guided:
             raise ValueError(f"tool_choice {choice!r} constrains the output itself: give it or "
@@ -77,6 +80,17 @@ def plan_tools(body: dict[str, Any], parser_name: str) -> ToolPlan:
     constraint = {} if guided or parser_name != "hermes" else {
         "guided_grammar": auto_grammar(tools, parallel)}
     return ToolPlan("auto", tools, parser, parallel, constraint)
+
+
+def _check_constraint_size(tools: tuple[FunctionTool, ...], choice: str) -> None:
+    """Refuse, before any schema is compiled, tools whose parameters alone exceed what a
+    constrained output may carry (``MAX_SPEC_BYTES``): the call's schema holds them all."""
+    chosen = [t for t in tools if choice in ("required", "auto") or t.name == choice]
+    size = sum(len(json.dumps(t.parameters)) for t in chosen)
+    if size > MAX_SPEC_BYTES:
+        raise ValueError(f"tools: the parameters of the tools a call may use are {size} bytes "
+                         f"of JSON schema; a constrained tool call carries at most "
+                         f"{MAX_SPEC_BYTES} ({MAX_SPEC_BYTES // 1024} KiB)")
 
 
 def parse_tool_choice(value: Any, tools: tuple[FunctionTool, ...] | list[FunctionTool]) -> str:
