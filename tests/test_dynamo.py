@@ -22,6 +22,7 @@ from kvflow.dynamo.events import block_id, encode_events
 from kvflow.dynamo.protocol import chunks_of, sampling_params_from
 from kvflow.kv_manager import KVCacheManager
 from kvflow.orchestrator.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvflow.utils.procs import spawn
 from tests.helpers import kvflow_samples
 from tests.helpers import metric as serving_metric
 
@@ -352,7 +353,8 @@ def test_a_killed_worker_is_routed_around_and_nothing_hangs(cluster):
 @pytest.mark.slow
 @needs_dynamo
 def test_cluster_up_serves_and_ctrl_c_stops_everything(default_engines, tmp_path):
-    proc = subprocess.Popen(
+    proc = spawn(
+        subprocess.Popen,
         [sys.executable, "-m", "kvflow.cli", "cluster", "up", "--engine",
          str(default_engines["onnxruntime"]), "--workers", "1", "--http-port", "0",
          "--dir", str(tmp_path / "c")],

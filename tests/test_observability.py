@@ -406,7 +406,7 @@ def test_prometheus_scrapes_every_series(triton_server, tmp_path):
     server: a PromQL query over each series answers, and each dashboard query parses."""
     import shutil
 
-    from kvflow.utils.procs import free_port
+    from kvflow.utils.procs import free_port, spawn
 
     binary = shutil.which("prometheus")
     if binary is None:  # `make test` installs it where it can (as root, as in CI)
@@ -419,7 +419,8 @@ def test_prometheus_scrapes_every_series(triton_server, tmp_path):
     (tmp_path / "prometheus.yml").write_text(config)
     port = free_port()
     with open(tmp_path / "log", "wb") as log:
-        proc = subprocess.Popen(
+        proc = spawn(
+            subprocess.Popen,
             [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
              f"--storage.tsdb.path={tmp_path / 'data'}",
              f"--web.listen-address=127.0.0.1:{port}"],

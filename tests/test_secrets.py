@@ -20,7 +20,7 @@ import pytest
 
 from kvflow.triton_backend import preload
 from kvflow.triton_backend.launcher import shm_regions_of
-from kvflow.utils.procs import free_port
+from kvflow.utils.procs import free_port, spawn
 
 API_KEY = "t0p-s3cret-api-key"
 NOBODY = 65534
@@ -89,7 +89,7 @@ def served(tiny_engines, tmp_path_factory):
            "--engine", str(tiny_engines["llama-gqa4", "onnxruntime"]),
            *(f"--{name}-port={port}" for name, port in ports.items())]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = spawn(subprocess.Popen, cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         wait_until(lambda: f"OpenAI API http://127.0.0.1:{ports['openai']}" in log.read_text(),
