@@ -21,10 +21,11 @@ def llm(default_engines):
     # 30 blocks of 16 tokens = 480 token slots for 16 requests of ~10 + 24 tokens: too few for
     # all at once, so the scheduler must preempt; a 24-token budget forces chunked prefill.
     # fp32 matmuls: only they are batch-invariant (the 4-bit auto and int8 paths are not: a
-    # step's size picks the path, and int8 activations round; docs/design.md).
+    # step's size picks the path, and int8 activations round; docs/design.md). No step-time
+    # bound: the steps' composition must not depend on how fast this machine is.
     with LLM(default_engines["onnxruntime"], num_kv_blocks=31, max_num_batched_tokens=48,
              long_prefill_token_threshold=6, kv_watermark=0.0,
-             quantized_matmul="fp32") as llm:
+             quantized_matmul="fp32", max_step_ms=0.0) as llm:
         yield llm
 
 

@@ -6,8 +6,8 @@
 - ``protocol``: an OpenAI request body -> one Triton request per choice.
 - ``errors``: OpenAI's error shape; backend errors -> OpenAI errors.
 - ``responses``: Triton responses -> OpenAI bodies, SSE chunks, logprobs and usage.
-- ``tools``, ``tool_parsers``, ``json_scan``, ``reasoning``, ``chat_output``: tool calling
-  and reasoning: what a request's tools ask of the output, and a chat output read into
+- ``tools``, ``tool_parsers``, ``tool_stream``, ``json_scan``, ``reasoning``, ``chat_output``:
+  tool calling and reasoning: what a request's tools ask of the output, and a chat output read into
   ``reasoning_content``, ``content`` and ``tool_calls``.
 - ``tokenize``: vLLM's ``/tokenize`` and ``/detokenize``.
 - ``pool``: the gRPC aio clients of the servers, one stream per request; ``streaming``: their
