@@ -109,7 +109,10 @@ class LLMEngine:
                 assert options.speculative is not None
                 proposer = make_proposer(options.speculative)
             self.speculation = SpeculativeDecoder(proposer, options.num_speculative_tokens,
-                                                  options.speculative_draft_length == "dynamic")
+                                                  options.speculative_draft_length == "dynamic",
+                                                  token_budget=options.max_num_batched_tokens)
+            # A proposer that draws by the race needs a sampler that races too (verify).
+            self.sampler.coupled = proposer.coupled
 
     @property
     def step_stats(self) -> deque[StepStats]:
@@ -344,7 +347,8 @@ class LLMEngine:
         assert self.speculation is not None
         decode_tokens = sum(s.num_new_tokens for s in sched.scheduled if s.is_decode)
         prefill_tokens = sched.num_batched_tokens - decode_tokens
-        self.speculation.propose(self.scheduler.running, prefill_tokens)
+        self.speculation.propose(self.scheduler.running, prefill_tokens,
+                                  self.scheduler.token_budget)
         if not prefill_tokens:
             # NOTE: prefill chunks run other kernels (large steps: fp32 GEMM), at another
             # cost per token; the fit is of the steps speculation shapes.

@@ -115,7 +115,7 @@ def draft_proposer(plan: EnginePlan, target: Any) -> Any:
                          f"below the target's ({plan.scheduler.max_model_len})")
     runner = create_runner(None, path, plan.num_blocks, 0, quantized_matmul="auto")
     try:
-        return DraftModelProposer(runner, target.vocab_size)
+        return DraftModelProposer(runner, target.vocab_size, coupled=True)
     except BaseException:
         runner.close()
         raise
