@@ -234,3 +234,17 @@ def run_host_attention(fn, step: dict, heads: int, kv_heads: int, head_dim: int)
         kv_registry.unregister(k_cache)
         kv_registry.unregister(v_cache)
     return out, k_cache, v_cache
+
+
+def byte_level_tokenizer():
+    """A byte-level tokenizer, one token per byte (and ``</s>``), as llguidance reads it: the
+    grammar tests' vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["</s>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["</s>"])
+    return tok

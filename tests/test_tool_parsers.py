@@ -10,6 +10,7 @@ import pytest
 
 from kvflow.openai_api.tool_parsers import TOOL_PARSERS, JsonListParser
 from kvflow.text.chat_tools import tool_call_format
+from tests.helpers import byte_level_tokenizer
 
 PARSERS = {**TOOL_PARSERS, "json_list": JsonListParser}
 
@@ -228,19 +229,6 @@ def test_tool_plans():
         plan_tools({"tools": [WEATHER, bad], "tool_choice": "required"}, "hermes")
 
 
-def _byte_tokenizer():
-    """A byte-level tokenizer, one token per byte, as llguidance reads it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    vocab["</s>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["</s>"])
-    return tok
-
-
 @pytest.mark.parametrize("parallel", [True, False])
 def test_auto_grammar_leaves_text_free_and_holds_calls_to_the_schema(parallel):
     import llguidance
@@ -249,7 +237,7 @@ def test_auto_grammar_leaves_text_free_and_holds_calls_to_the_schema(parallel):
     from kvflow.openai_api.tools import auto_grammar
     from kvflow.text.chat_tools import parse_tools
 
-    tok = _byte_tokenizer()
+    tok = byte_level_tokenizer()
     grammar = llguidance.grammar_from("grammar", auto_grammar(parse_tools([WEATHER]), parallel))
     lltok = llguidance.LLTokenizer(tok.to_str())
 

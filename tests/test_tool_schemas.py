@@ -21,6 +21,7 @@ from kvflow.openai_api.tools import auto_grammar, plan_tools, required_schema
 from kvflow.orchestrator.sampling.structured import JSON_OPTIONS
 from kvflow.text.chat_tools import parse_tools
 from kvflow.text.tool_schema import embedded_parameters
+from tests.helpers import byte_level_tokenizer
 
 
 class Address(BaseModel):
@@ -64,19 +65,7 @@ def tool(name: str, parameters: object) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
 
-def _byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["</s>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["</s>"])
-    return tok
-
-
-TOK = _byte_tokenizer()
+TOK = byte_level_tokenizer()
 LLTOK = llguidance.LLTokenizer(TOK.to_str())
 # Closing characters first: a walk that prefers them ends soon, whatever the schema.
 PREFERRED = [TOK.token_to_id(c) for c in '"]}0,']
