@@ -340,7 +340,9 @@ def test_tools_no_context_holds_are_a_400_naming_them(openai_frontend):
 def test_the_event_loop_serves_others_while_a_big_request_is_parsed(openai_frontend):
     """A 3.7 MB tools list takes the frontend a good part of a second to parse and plan (then
     it is refused): on a worker thread, while the event loop answers /health meanwhile. The
-    order of the answers is the check: a blocked loop would answer every /health after it."""
+    order of the answers is the check: a blocked loop would answer the first /health, sent
+    while the big one is parsed, after it. (How many more fit before it depends on the
+    machine's load, so only the first is asserted.)"""
     import threading
     import urllib.request
 
@@ -365,5 +367,5 @@ def test_the_event_loop_serves_others_while_a_big_request_is_parsed(openai_front
             assert r.status == 200
         finished.append("health")
     thread.join()
-    assert finished == ["health"] * 5 + ["big"], finished
+    assert finished[0] == "health" and finished.count("big") == 1, finished
     assert_still_serving(openai_frontend)
