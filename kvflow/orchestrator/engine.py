@@ -21,6 +21,7 @@ import numpy as np
 from kvflow.kv_manager import KVCacheManager
 from kvflow.observability.trace import StepTimes, StepTracer
 from kvflow.orchestrator.input_processor import InputProcessor, PreparedPrompt
+from kvflow.orchestrator.memory_budget import MemoryBudget
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.output_processor import OutputProcessor, SampledTokens
 from kvflow.orchestrator.outputs import (
@@ -71,6 +72,7 @@ class LLMEngine:
                  trace_source: str = "engine", proposer: Proposer | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
+        self.memory_budget: MemoryBudget | None = None  # create_engine's sizing, when it made it
         if options.max_step_ms is None:
             # The runner decides the default target step time (200 ms on a CPU runner); with
             # chunked prefill off there is none, since a prompt cannot be split to fit it.

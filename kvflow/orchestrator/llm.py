@@ -2,36 +2,46 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvflow.build.engine_config import EngineConfig
-from kvflow.kv_manager import KVCacheSpec
 from kvflow.orchestrator.engine import LLMEngine
+from kvflow.orchestrator.memory_budget import (
+    HOST_RUNNERS,
+    MemoryBudget,
+    available_host_memory,
+    size_pool,
+    weights_bytes,
+)
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.outputs import RequestOutput
 from kvflow.orchestrator.sampling.params import SamplingParams
-from kvflow.runtime.base import KV_CACHE_DTYPE_BYTES, kv_bytes_per_block, resolve_kv_cache_dtype
+from kvflow.runtime.base import kv_bytes_per_block, resolve_kv_cache_dtype
 from kvflow.text.tokenizer import ChatPrompt, EngineTokenizer, Prompt
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+logger = logging.getLogger(__name__)
 
-
-def kv_blocks_for(engine: EngineConfig, options: EngineOptions) -> int:
-    """Pool size in blocks: ``num_kv_blocks``, or what ``kv_cache_bytes`` holds in the
-    resolved ``kv_cache_dtype``, capped at what ``max_num_seqs`` full-length sequences could
-    ever use."""
-    if options.num_kv_blocks is not None:
-        return options.num_kv_blocks
-    m, bs = engine.model, engine.limits.block_size
+def memory_budget(engine_dir: str | Path, engine: EngineConfig,
+                  options: EngineOptions) -> MemoryBudget:
+    """The KV pool and swap space in blocks, sized from memory
+    (:mod:`kvflow.orchestrator.memory_budget`): ``num_kv_blocks``, or what ``kv_cache_bytes``
+    holds, or what ``max_num_seqs`` full-length sequences could use capped by
+    ``kv_cache_memory_fraction`` of the memory the weights leave; in the resolved
+    ``kv_cache_dtype``."""
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, engine, options.runner)
-    spec = KVCacheSpec(m.num_hidden_layers, m.num_key_value_heads, m.head_dim, bs,
-                       KV_CACHE_DTYPE_BYTES[kv_dtype])
-    by_bytes = spec.num_blocks_for_bytes(options.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES)
-    needed = options.max_num_seqs * -(-options.max_model_len // bs) + 1
-    return min(by_bytes, needed)
+    per_block = kv_bytes_per_block(engine, kv_dtype)
+    host = (options.runner or engine.backend) in HOST_RUNNERS
+    return size_pool(weights=weights_bytes(engine_dir, engine.files),
+                     available=available_host_memory() if host else None,
+                     bytes_per_block=per_block, block_size=engine.limits.block_size,
+                     max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
+                     fraction=options.kv_cache_memory_fraction,
+                     kv_cache_bytes=options.kv_cache_bytes, num_kv_blocks=options.num_kv_blocks,
+                     swap_bytes=options.swap_space_bytes)
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class EnginePlan:
     num_blocks: int
     num_host_blocks: int
     kv_cache_dtype: str
+    budget: MemoryBudget
 
     @property
     def runner(self) -> str | None:
@@ -70,10 +81,10 @@ def plan_engine(engine_dir: str | Path, **overrides: Any) -> EnginePlan:
         if getattr(options, name) > limit:
             raise ValueError(f"{name}={getattr(options, name)} exceeds the engine's build limit "
                              f"of {limit}")
-    num_blocks = kv_blocks_for(engine, options)
+    budget = memory_budget(engine_dir, engine, options)
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, engine, options.runner)
-    num_host_blocks = options.swap_space_bytes // kv_bytes_per_block(engine, kv_dtype)
-    return EnginePlan(engine, options, num_blocks, num_host_blocks, kv_dtype)
+    return EnginePlan(engine, options, budget.num_blocks, budget.num_host_blocks, kv_dtype,
+                      budget)
 
 
 def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
@@ -83,6 +94,7 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
     from kvflow.runtime import create_runner  # the one place that reaches the runtimes
 
     plan = plan_engine(engine_dir, **overrides)
+    logger.info("kvflow %s: %s", Path(engine_dir).name, plan.budget.describe())
     runner = create_runner(plan.runner, engine_dir, plan.num_blocks, plan.num_host_blocks,
                            cuda_graphs=plan.cuda_graphs,
                            quantized_matmul=plan.scheduler.quantized_matmul,
@@ -92,8 +104,10 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
     except BaseException:
         runner.close()
         raise
-    return LLMEngine(runner, EngineTokenizer(engine_dir), plan.scheduler,
-                     plan.engine.model.eos_token_ids, proposer=proposer)
+    engine = LLMEngine(runner, EngineTokenizer(engine_dir), plan.scheduler,
+                       plan.engine.model.eos_token_ids, proposer=proposer)
+    engine.memory_budget = plan.budget
+    return engine
 
 
 def draft_proposer(plan: EnginePlan, target: Any) -> Any:

@@ -147,8 +147,14 @@ class EngineOptions:
                                              "folder (same tokenizer and KV layout as the "
                                              "target's)")
     # --- KV pool and runner -------------------------------------------------------------------
-    kv_cache_bytes: int | None = _option(None, "KV pool size in bytes (default 1 GiB, capped at "
-                                               "what max_num_seqs full sequences use)")
+    kv_cache_bytes: int | None = _option(None, "KV pool size in bytes, capped at what "
+                                               "max_num_seqs full sequences use (default: "
+                                               "sized from memory, kv_cache_memory_fraction; "
+                                               "1 GiB on the GPU runners)")
+    kv_cache_memory_fraction: float = _option(0.5, "the host runners' KV pool: what "
+                                                   "max_num_seqs full-length sequences use, "
+                                                   "at most this fraction of the memory "
+                                                   "available after the weights and swap")
     num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides "
                                               "kv_cache_bytes)")
     swap_space_bytes: int = _option(256 << 20, "host swap pool for preemption by swap (0: none)")
@@ -208,6 +214,9 @@ class EngineOptions:
                      "swap_space_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got "
+                             f"{self.kv_cache_memory_fraction}")
         if not self.priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if not 0 <= self.kv_watermark < 1:

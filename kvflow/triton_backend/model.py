@@ -120,6 +120,8 @@ class KvflowTritonModel:
             self.engine = create_engine(engine_dir, **overrides)
         except ValueError as e:
             raise pb_utils.TritonModelException(f"model parameters: {e}") from None
+        if self.engine.memory_budget is not None:
+            pb_utils.Logger.log_info(f"kvflow: {self.engine.memory_budget.describe()}")
         self.max_model_len = self.engine.options.max_model_len
         self.metrics = TritonMetrics(pb_utils, args.get("model_name", "kvflow"))
         self.loop = EngineLoop(self.engine, step_hook=self.metrics.on_step,
