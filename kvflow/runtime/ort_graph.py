@@ -13,7 +13,15 @@ in which:
   weights and a ``Split``, fp32 ``Gemm`` or blocked ``DequantizeLinear + MatMul`` alike
   (:mod:`kvflow.runtime.ort_graph_linear`);
 - optionally, each GGUF-blocked matmul (Q4_1, Q4_0, Q8_0) is one ``kvflow::MatMulQ`` of the
-  native op library: int8 activations per block and integer dot products, as llama.cpp's.
+  native op library: int8 activations per block and integer dot products, as llama.cpp's;
+  and (when the library has it) the embedding ``Gather`` over a tied table is
+  ``kvflow::GatherQ`` over the LM head's blocks (:mod:`kvflow.runtime.ort_graph_gather`).
+
+The graph may come with its weights loaded, or without (``load_external_data=False``) plus a
+:class:`~kvflow.runtime.ort_weights.WeightSource` and
+:class:`~kvflow.runtime.ort_weights.PreparedWeights`: then the weights the fusions make are
+written once to the prepared-weights file and the result references them (and the engine's own
+data file) as external data, for ORT to map.
 
 Every match is verified (constants, shapes, single consumers); a pattern that does not match
 cleanly is left as it is and counted in the :class:`FusionReport`. Tensors that remain keep
@@ -28,9 +36,11 @@ from dataclasses import dataclass, field
 import onnx
 
 from kvflow.runtime.ort_graph_edit import Graph
+from kvflow.runtime.ort_graph_gather import gather_quantized_rows
 from kvflow.runtime.ort_graph_linear import fold_minima, fuse_linear_groups, native_matmuls
 from kvflow.runtime.ort_graph_norm import fuse_rms_norms, fuse_rotary
 from kvflow.runtime.ort_graph_rows import gather_logit_rows_early
+from kvflow.runtime.ort_weights import PreparedWeights, ProgressFn, WeightSource
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,9 @@ class FusionReport:
 
 
 def fuse_for_ort(model: onnx.ModelProto, fp32_matmul: bool = False,
-                 native_matmul: bool = False) -> tuple[onnx.ModelProto, FusionReport]:
+                 native_matmul: bool = False, gather_q: bool = False,
+                 weights: WeightSource | None = None, prepared: PreparedWeights | None = None,
+                 progress: ProgressFn | None = None) -> tuple[onnx.ModelProto, FusionReport]:
     """A fused copy of ``model`` (weights loaded) for ORT's CPU provider, and what was done.
 
     ``fp32_matmul``: the graph will only run with DequantizeLinear folded into fp32 weights
@@ -69,14 +81,18 @@ def fuse_for_ort(model: onnx.ModelProto, fp32_matmul: bool = False,
     serves both paths. ``native_matmul``: the session will load the native op library
     (:mod:`kvflow.plugins.ort_custom_ops`); block-quantized matmuls it takes become
     ``kvflow::MatMulQ`` nodes (:func:`~kvflow.runtime.ort_graph_linear.native_matmuls`), before
-    any minima folding. ``model`` itself is not modified.
+    any minima folding; with ``gather_q`` (the library has ``kvflow::GatherQ``) the tied
+    embedding too. ``weights``/``prepared``: see the module doc. ``model`` itself is not
+    modified.
     """
-    g = Graph(model)
+    g = Graph(model, weights, prepared, progress)
     applied: Counter = Counter()
     skipped: Counter = Counter()
     fusions = [gather_logit_rows_early, fuse_rms_norms, fuse_rotary, fuse_linear_groups]
     if native_matmul:
         fusions.append(native_matmuls)
+        if gather_q:
+            fusions.append(gather_quantized_rows)
     if fp32_matmul:
         fusions.append(fold_minima)
     for fusion in fusions:

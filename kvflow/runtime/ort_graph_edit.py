@@ -6,26 +6,51 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
+from kvflow.runtime.ort_weights import (
+    INLINE_MAX_BYTES,
+    PreparedWeights,
+    ProgressFn,
+    WeightSource,
+    is_external,
+)
 
 MS_DOMAIN = "com.microsoft"
 
 
 class Graph:
-    """A mutable view of an ONNX graph for the rewrites: producers, consumers, constants."""
+    """A mutable view of an ONNX graph for the rewrites: producers, consumers, constants.
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    With ``weights`` (a graph read without its external data) constants are read through the
+    mapped data file, and initializers the rewrites make are *deferred*: a placeholder with
+    their dims and type, computed only if still used when the graph is finished, into
+    ``prepared`` (:mod:`kvflow.runtime.ort_weights`), or found there from an earlier load.
+    Without, every initializer is in memory, as ``onnx.load(path)`` gives them.
+    """
+
+    def __init__(self, model: onnx.ModelProto, weights: WeightSource | None = None,
+                 prepared: PreparedWeights | None = None,
+                 progress: ProgressFn | None = None) -> None:
         g = model.graph
-        unloaded = [t.name for t in g.initializer if t.data_location == TensorProto.EXTERNAL]
-        if unloaded:
+        unloaded = [t.name for t in g.initializer if is_external(t)]
+        if unloaded and weights is None:
             raise ValueError(f"the graph's weights are not loaded ({len(unloaded)} initializers "
                              f"in external data, e.g. {unloaded[0]!r}): fuse a model read with "
-                             "onnx.load(path), which loads them")
+                             "onnx.load(path), which loads them, or give its WeightSource")
+        if prepared is not None and weights is None:
+            raise ValueError("prepared weights need the graph's WeightSource")
+        self.weights = weights
+        self.prepared = prepared
+        self.progress = progress
+        self.deferred: dict[str, Callable[[], np.ndarray]] = {}
+        # codes initializer -> (its kvflow::MatMulQ blocks, how they were made): ort_graph_gather
+        self.packed: dict[str, tuple] = {}
         self.model = model
         self._nodes = {id(n): n for n in g.node}
         self.rank = {key: float(i) for i, key in enumerate(self._nodes)}
@@ -62,12 +87,20 @@ class Graph:
         if name in self._values:
             return self._values[name]
         value = None
-        if name in self.inits:
+        cache = True
+        if name in self.deferred:
+            value = self.deferred[name]()
+            cache = value.nbytes < INLINE_MAX_BYTES  # recomputed rather than held
+        elif name in self.inits and is_external(self.inits[name]):
+            assert self.weights is not None
+            value = self.weights.array(self.inits[name])
+            cache = isinstance(value, np.memmap) or value.nbytes < INLINE_MAX_BYTES
+        elif name in self.inits:
             value = numpy_helper.to_array(self.inits[name])
         elif (p := self.producer.get(name)) is not None and p.op_type == "Constant" \
                 and p.attribute and p.attribute[0].name == "value":
             value = numpy_helper.to_array(p.attribute[0].t)
-        if value is not None:
+        if value is not None and cache:
             self._values[name] = value
         return value
 
@@ -98,11 +131,65 @@ class Graph:
         self.names.add(name)
         return name
 
-    def add_init(self, base: str, array: np.ndarray) -> str:
+    def add_init(self, base: str, array: np.ndarray | Callable[[], np.ndarray],
+                 dims: list[int] | None = None, data_type: int | None = None) -> str:
+        """A new initializer: ``array``, or a function that computes it (then ``dims`` and
+        ``data_type`` say what it will be). Large ones are deferred when the graph has
+        prepared weights (see the class doc); the rest are computed now."""
         name = self.unique(base)
+        if callable(array):
+            if self.prepared is None:
+                array = array()
+            else:
+                assert dims is not None and data_type is not None
+                return self._defer(name, array, dims, data_type)
+        if self.prepared is not None and array.nbytes >= INLINE_MAX_BYTES:
+            value = array
+            return self._defer(name, lambda: value, list(array.shape),
+                               helper.np_dtype_to_tensor_dtype(array.dtype))
         self.inits[name] = numpy_helper.from_array(np.ascontiguousarray(array), name)
         self._values[name] = array
         return name
+
+    def _defer(self, name: str, make: Callable[[], np.ndarray], dims: list[int],
+               data_type: int) -> str:
+        placeholder = TensorProto(name=name, data_type=data_type, dims=dims)
+        placeholder.data_location = TensorProto.EXTERNAL
+        self.inits[name] = placeholder
+        self.deferred[name] = make
+        return name
+
+    def cat_init(self, base: str, names: list[str], axis: int) -> str:
+        """The concatenation of initializers ``names`` along ``axis`` (same type)."""
+        first = self.inits[names[0]]
+        dims = list(first.dims)
+        dims[axis] = sum(int(self.inits[n].dims[axis]) for n in names)
+
+        def make() -> np.ndarray:
+            arrays = [self.const(n) for n in names]
+            assert all(a is not None for a in arrays)
+            return np.concatenate(arrays, axis=axis)  # type: ignore[arg-type]
+        return self.add_init(base, make, dims, first.data_type)
+
+    def reshape_init(self, base: str, source: str, dims: list[int]) -> str:
+        """Initializer ``source`` with other ``dims``: the same bytes, so an externally
+        stored one stays a reference to them (nothing is written)."""
+        t = self.inits[source]
+        if is_external(t) and source not in self.deferred:
+            name = self.unique(base)
+            alias = TensorProto()
+            alias.CopyFrom(t)
+            alias.name = name
+            del alias.dims[:]
+            alias.dims.extend(dims)
+            self.inits[name] = alias
+            return name
+
+        def make() -> np.ndarray:
+            value = self.const(source)
+            assert value is not None
+            return value.reshape(dims)
+        return self.add_init(base, make, dims, t.data_type)
 
     def add_value_info(self, name: str, elem_type: int, dims: list | None) -> None:
         self.value_info[name] = helper.make_tensor_value_info(name, elem_type, dims)
@@ -170,6 +257,8 @@ class Graph:
         out.graph.CopyFrom(shell)
         g = out.graph
         g.node.extend(order)
+        self._materialize([name for name in self.inits if name in live and
+                           name in self.deferred])
         g.initializer.extend(t for name, t in self.inits.items() if name in live)
         produced = {o for n in order for o in n.output}
         g.value_info.extend(v for name, v in self.value_info.items()
@@ -178,6 +267,30 @@ class Graph:
                 not any(o.domain == MS_DOMAIN for o in out.opset_import):
             out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
         return out
+
+
+    def _materialize(self, names: list[str]) -> None:
+        """Swap deferred placeholders for references into the prepared-weights file, making
+        (or remaking, whole) the file when it lacks one."""
+        if not names:
+            return
+        assert self.prepared is not None
+        refs = {n: self.prepared.lookup(n, list(self.inits[n].dims), self.inits[n].data_type)
+                for n in names}
+        if any(r is None for r in refs.values()):
+            made = self.prepared.write([(n, self.deferred[n]) for n in names], self.progress)
+            for n in names:
+                want = self.inits[n]
+                if list(made[n].dims) != list(want.dims) or made[n].data_type != want.data_type:
+                    raise AssertionError(f"prepared weight {n!r}: made {list(made[n].dims)} "
+                                         f"type {made[n].data_type}, declared "
+                                         f"{list(want.dims)} type {want.data_type}")
+            refs = dict(made)
+        for n in names:
+            ref = refs[n]
+            assert ref is not None
+            self.inits[n] = ref
+            self.deferred.pop(n)
 
 
 def _topological(nodes: list[onnx.NodeProto], rank: dict[int, float],

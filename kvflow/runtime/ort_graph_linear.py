@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import onnx
@@ -129,12 +130,6 @@ def _match_dequantized(g: Graph, node: onnx.NodeProto) -> _Unit | None:
     return unit
 
 
-def _cat(g: Graph, names: list[str], axis: int) -> np.ndarray:
-    arrays = [g.const(n) for n in names]
-    assert all(a is not None for a in arrays)
-    return np.concatenate(arrays, axis=axis)  # type: ignore[arg-type]
-
-
 def _merge(g: Graph, units: list[_Unit]) -> None:
     first = units[0]
     tag = f"{first.weight or first.codes}.fused{len(units)}"
@@ -145,15 +140,14 @@ def _merge(g: Graph, units: list[_Unit]) -> None:
         bias = g.add_init(f"{tag}.bias", np.concatenate([
             g.const(u.bias) if u.bias else np.zeros(u.features, np.float32) for u in units]))
     if first.weight:
-        weight = g.add_init(f"{tag}.weight", _cat(g, [u.weight for u in units], 0))
+        weight = g.cat_init(f"{tag}.weight", [u.weight for u in units], 0)
         nodes.append(g.node("Gemm", [first.x, weight, *([bias] if bias else [])], [product],
                             transB=1))
     else:
-        dq_inputs = [g.add_init(f"{tag}.q", _cat(g, [u.codes for u in units], 1)),
-                     g.add_init(f"{tag}.scale", _cat(g, [u.scale for u in units], 1))]
+        dq_inputs = [g.cat_init(f"{tag}.q", [u.codes for u in units], 1),
+                     g.cat_init(f"{tag}.scale", [u.scale for u in units], 1)]
         if first.zero_point:
-            dq_inputs.append(g.add_init(f"{tag}.zero_point",
-                                        _cat(g, [u.zero_point for u in units], 1)))
+            dq_inputs.append(g.cat_init(f"{tag}.zero_point", [u.zero_point for u in units], 1))
         weight = g.unique(f"{tag}.dq")
         nodes.append(g.node("DequantizeLinear", dq_inputs, [weight], axis=0,
                             block_size=first.block_size))
@@ -161,7 +155,7 @@ def _merge(g: Graph, units: list[_Unit]) -> None:
         if bias:
             steps.append(("Add", [bias]))
         if first.minimum:
-            minimum = g.add_init(f"{tag}.minimum", _cat(g, [u.minimum for u in units], 1))
+            minimum = g.cat_init(f"{tag}.minimum", [u.minimum for u in units], 1)
             steps.append(("Gemm", [first.block_sums, minimum]))
         current = ""
         for k, (op, inputs) in enumerate(steps):
@@ -224,9 +218,7 @@ def fold_minima(g: Graph) -> tuple[Counter, Counter]:
         shape3 = g.add_init(f"{tag}.blocks_shape", np.array([blocks, unit.block_size, n],
                                                              dtype=np.int64))
         shape2 = g.add_init(f"{tag}.weight_shape", np.array([k, n], dtype=np.int64))
-        minimum = g.const(unit.minimum)
-        assert minimum is not None
-        minima = g.add_init(f"{tag}.minimum3", minimum.reshape(blocks, 1, n))
+        minima = g.reshape_init(f"{tag}.minimum3", unit.minimum, [blocks, 1, n])
         names = [g.unique(f"{tag}.{s}") for s in ("blocks", "plus_minimum", "weight")]
         product = unit.out if not unit.bias else g.unique(f"{tag}.matmul")
         nodes = [g.node("Reshape", [dq, shape3], [names[0]]),
@@ -278,15 +270,45 @@ def pack_blocks(codes: np.ndarray, scale: np.ndarray,
     return np.concatenate(parts, axis=1)
 
 
-def _native_weight(g: Graph, unit: _Unit) -> tuple[np.ndarray, int] | None:
+@dataclass
+class NativeWeight:
+    """How a quantized unit's weight becomes ``kvflow::MatMulQ`` blocks: ``bits``, the
+    ``scale`` and ``minimum`` (None: 8 bit) already checked exact in fp16, and the codes'
+    initializer (read only when the blocks are made)."""
+
+    codes: str
+    scale: np.ndarray
+    minimum: np.ndarray | None
+    bits: int
+    k: int
+    n: int
+
+    def pack(self, g: Graph) -> np.ndarray:
+        codes = g.const(self.codes)
+        assert codes is not None
+        typed = codes.astype(np.int8 if self.bits == 8 else np.uint8)
+        packed = pack_blocks(typed, self.scale, self.minimum)
+        assert packed is not None  # fp16 exactness was checked by native_weight
+        return packed
+
+    @property
+    def packed_dims(self) -> list[int]:
+        return [self.n, self.k // NATIVE_BLOCK * _BLOCK_BYTES[self.bits]]
+
+
+def native_weight(g: Graph, unit: _Unit) -> NativeWeight | None:
+    """The unit's ``kvflow::MatMulQ`` form, or None if it has none (block size, code type,
+    a scale or minimum not exact in fp16). Reads the scales, not the codes."""
     codes_type = g.inits[unit.codes].data_type
     if unit.block_size != NATIVE_BLOCK:
         return None
-    codes, scale = g.const(unit.codes), g.const(unit.scale)
-    assert codes is not None and scale is not None
+    k, n = list(g.inits[unit.codes].dims)
+    scale = g.const(unit.scale)
+    assert scale is not None
+    if _half_bytes(scale) is None:
+        return None
     if codes_type == TensorProto.INT8 and not unit.zero_point and not unit.minimum:
-        packed = pack_blocks(codes.astype(np.int8), scale, None)
-        return None if packed is None else (packed, 8)
+        return NativeWeight(unit.codes, scale, None, 8, k, n)
     if codes_type != TensorProto.UINT4 or (unit.zero_point and unit.minimum):
         return None
     if unit.minimum:
@@ -298,8 +320,9 @@ def _native_weight(g: Graph, unit: _Unit) -> tuple[np.ndarray, int] | None:
     else:
         minimum = np.zeros_like(scale)
     assert minimum is not None
-    packed = pack_blocks(codes.astype(np.uint8), scale, minimum)
-    return None if packed is None else (packed, 4)
+    if _half_bytes(minimum) is None:
+        return None
+    return NativeWeight(unit.codes, scale, minimum, 4, k, n)
 
 
 def native_matmuls(g: Graph) -> tuple[Counter, Counter]:
@@ -314,15 +337,17 @@ def native_matmuls(g: Graph) -> tuple[Counter, Counter]:
         unit = _match_dequantized(g, node)
         if unit is None:
             continue
-        weight = _native_weight(g, unit)
+        weight = native_weight(g, unit)
         if weight is None:
             skipped[NATIVE_MATMUL] += 1
             continue
-        packed, bits = weight
-        k, n = list(g.inits[unit.codes].dims)
+        k, n, bits = weight.k, weight.n, weight.bits
         tag = unit.codes.removesuffix(".q")
         product = unit.out if not unit.bias else g.unique(f"{tag}.matmul_q")
-        nodes = [g.node(NATIVE_OP_TYPE, [unit.x, g.add_init(f"{tag}.blocks", packed)], [product],
+        blocks = g.add_init(f"{tag}.blocks", partial(weight.pack, g), weight.packed_dims,
+                            TensorProto.UINT8)
+        g.packed[unit.codes] = (blocks, weight)
+        nodes = [g.node(NATIVE_OP_TYPE, [unit.x, blocks], [product],
                         domain=ONNX_DOMAIN, bits=bits, K=k, N=n)]
         if unit.bias:
             x_dims = g.dims(unit.x)

@@ -1,9 +1,11 @@
 """The ONNX Runtime runner: the engine's ONNX graph on ORT's CPU provider.
 
-At load, in memory (the file on disk stays the one artifact TensorRT compiles):
+At load (the file on disk stays the one artifact TensorRT compiles):
 
-1. the graph is fused for ORT (:mod:`kvflow.runtime.ort_graph`: RMSNorm, RoPE, Q/K/V and
-   gate/up into ORT's own fused kernels);
+1. the graph, read without its weights, is fused for ORT (:mod:`kvflow.runtime.ort_graph`:
+   RMSNorm, RoPE, Q/K/V and gate/up into ORT's own fused kernels); the weights are mapped from
+   the engine's data file and a prepared-weights file made once (:mod:`kvflow.runtime.ort_weights`),
+   never copied, and shared by every session;
 2. ``kvflow::PagedAttention`` runs as a native ORT custom op
    (:mod:`kvflow.plugins.ort_custom_ops`, built at install), so that one session runs the whole
    step (:class:`~kvflow.runtime.ort_sessions.OneSession`). When that library cannot be built
@@ -19,7 +21,9 @@ arithmetic, in the same library as the attention op), or without that library by
 ``MatMulNBits``. ``auto`` picks by step size: int8 for steps of at most
 :data:`AUTO_INT8_MAX_TOKENS` tokens (decodes, where reading 4-bit weights wins), fp32 GEMM for
 larger ones; without the native library auto is fp32 throughout, because ``MatMulNBits``'
-int8 arithmetic costs 4.6x llama.cpp's KL divergence (docs/benchmarks.md).
+int8 arithmetic costs 4.6x llama.cpp's KL divergence (docs/benchmarks.md). When the library
+has its tiled int8 GEMM (``ort_custom_ops.native_gemm()``), auto is int8 at every step size:
+no fp32 copy of a quantized weight exists at all.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import contextlib
 import ctypes
 import gc
 import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +43,7 @@ from onnx import helper
 
 from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins import ort_custom_ops
+from kvflow.plugins.torch_op import ONNX_DOMAIN
 from kvflow.runtime import ort_threads
 from kvflow.runtime.base import (
     QUANTIZED_MATMUL_MODES,
@@ -45,6 +53,7 @@ from kvflow.runtime.base import (
 )
 from kvflow.runtime.kv_cache import HostKVPool
 from kvflow.runtime.ort_graph import FusionReport, fuse_for_ort
+from kvflow.runtime.ort_graph_gather import GATHER_Q_OP_TYPE
 from kvflow.runtime.ort_sessions import (
     ARGMAX_OUTPUT,
     Executor,
@@ -55,6 +64,14 @@ from kvflow.runtime.ort_sessions import (
     with_argmax,
 )
 from kvflow.runtime.ort_threads import ThreadPolicy, ThreadSetting
+from kvflow.runtime.ort_weights import (
+    MappedWeights,
+    PreparedWeights,
+    ProgressFn,
+    WeightSource,
+    graph_data_files,
+    resident_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +83,7 @@ AUTO_INT8_MAX_TOKENS = 16
 ATTENTION_MODES = ("auto", "native", "segmented")
 KV_DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}  # the op's kv_dtype attribute
 _warned: set[str] = set()
+_gather_q: dict[Path, bool] = {}
 
 
 class OnnxRuntimeRunner(PoolRunner):
@@ -123,41 +141,37 @@ class OnnxRuntimeRunner(PoolRunner):
                        "segments around kvflow's host attention kernel instead")
         self.attention = "native" if library is not None else "segmented"
         executor_cls = OneSession if library is not None else Segmented
-        quantized = engine.quantization is not None
-        # Precision variants by step size: (most tokens, int8 activations).
-        variants = [(1 << 62, quantized and quantized_matmul == "int8")]
-        if quantized and quantized_matmul == "auto" and library is not None:
-            variants = [(AUTO_INT8_MAX_TOKENS, True), (1 << 62, False)]
-        limits = engine.limits
-        max_step = ort_threads.max_step_tokens(limits.max_model_len, limits.max_num_tokens,
-                                               limits.max_batch_size)
-        # A variant for steps larger than the engine can run would never be used.
-        variants = [v for i, v in enumerate(variants) if i == 0 or variants[i - 1][0] < max_step]
-        variants[-1] = (1 << 62, variants[-1][1])
-        exported = onnx.load(str(path))
+        t0 = time.perf_counter()
         self._variants: list[tuple[int, ThreadPolicy, dict[ThreadSetting, Executor]]] = []
         self.fusions: list[FusionReport] = []  # each variant's, in variant order
+        self.prepared: list[PreparedWeights] = []
+        # The graph's weights are mapped, not copied (ort_weights): prepacking would make
+        # private copies of mapped fp32 matmul weights. Quantized engines' fp32 weights are
+        # DequantizeLinear folds, new tensors either way, so they keep ORT's packed GEMM.
+        prepacking = engine.quantization is not None
         low = 1
-        for max_tokens, int8 in variants:
-            # A graph that never runs with int8 activations also folds Q4_1's block minima
-            # into its fp32 weights (ort_graph.fold_minima).
-            # One with int8 activations runs them through kvflow::MatMulQ when the native
-            # library loads (layers it cannot take stay ORT's MatMulNBits).
-            model, fusion = fuse_for_ort(exported, fp32_matmul=not int8,
-                                         native_matmul=int8 and library is not None)
+        for variant in fused_variants(path.parent, engine, quantized_matmul, library):
+            max_tokens, int8, model = variant.max_tokens, variant.int8, variant.model
+            fusion = variant.fusion
             self.fusions.append(fusion)
+            self.prepared.append(variant.prepared)
             model = with_argmax(model)
             if library is not None:
                 for node in attention_nodes(model):
                     node.attribute.extend([
                         helper.make_attribute("kv_dtype", KV_DTYPE_CODES[kv_dtype]),
                         helper.make_attribute("num_blocks", self.num_blocks)])
+            weights = MappedWeights.for_model(model, path.parent)
 
-            def make(setting: ThreadSetting, int8: bool = int8,
-                     model: onnx.ModelProto = model) -> Executor:
-                opts = session_options(setting.threads, setting.spinning, int8, library)
-                return executor_cls(model, opts)
+            def make(setting: ThreadSetting, int8: bool = int8, model: onnx.ModelProto = model,
+                     weights: MappedWeights = weights) -> Executor:
+                opts = session_options(setting.threads, setting.spinning, int8, library,
+                                       prepacking)
+                return executor_cls(model, opts, weights)
 
+            limits = engine.limits
+            max_step = ort_threads.max_step_tokens(limits.max_model_len, limits.max_num_tokens,
+                                                   limits.max_batch_size)
             probes = [t for t in ort_threads.probe_sizes(max_step)
                       if low <= t <= max_tokens] or [low]
             policy, executors = self._thread_policy(path, threads, make, probes, int8,
@@ -169,6 +183,15 @@ class OnnxRuntimeRunner(PoolRunner):
                         "threads: %s", self.attention, fusion.summary(),
                         "int8" if int8 else "fp32", span, policy.describe())
             low = max_tokens + 1
+        files = list(dict.fromkeys([*(f for p in self.prepared for f in p.data_files),
+                                    *(p.path for p in self.prepared if p.entries)]))
+        mapped, resident = resident_bytes(files)
+        logger.info("onnxruntime runner: weights %.0f MB in files, %.0f MB mapped, %.0f MB of "
+                    "them resident; loaded in %.1f s%s",
+                    sum(f.stat().st_size for f in files) / 1e6, mapped / 1e6, resident / 1e6,
+                    time.perf_counter() - t0,
+                    " (prepared weights written)" if any(p.written for p in self.prepared)
+                    else "")
 
     def _thread_policy(self, path: Path, threads: int | None, make, probes: list[int],
                        int8: bool, kv_dtype: np.dtype, fusion: FusionReport):
@@ -231,6 +254,87 @@ class OnnxRuntimeRunner(PoolRunner):
     def execute_argmax(self, step: StepInput) -> np.ndarray:
         """The step's argmax rows from the graph's own ArgMax: the logits stay inside ORT."""
         return self.executor_for(step.num_tokens).run(self._feeds(step), ARGMAX_OUTPUT)
+
+
+@dataclass
+class FusedVariant:
+    """One precision variant of the graph, fused, its weights mapped (see :func:`plan`)."""
+
+    max_tokens: int
+    int8: bool
+    model: onnx.ModelProto
+    fusion: FusionReport
+    prepared: PreparedWeights
+
+
+def plan(engine: EngineConfig, quantized_matmul: str,
+         library: Path | None) -> list[tuple[int, bool]]:
+    """The precision variants by step size: (most tokens, int8 activations), in order."""
+    quantized = engine.quantization is not None
+    variants = [(1 << 62, quantized and quantized_matmul == "int8")]
+    if quantized and quantized_matmul == "auto" and library is not None:
+        variants = [(AUTO_INT8_MAX_TOKENS, True), (1 << 62, False)]
+        if getattr(ort_custom_ops, "native_gemm", lambda: False)():
+            variants = [(1 << 62, True)]  # the tiled int8 GEMM: no fp32 copy for large steps
+    limits = engine.limits
+    max_step = ort_threads.max_step_tokens(limits.max_model_len, limits.max_num_tokens,
+                                           limits.max_batch_size)
+    # A variant for steps larger than the engine can run would never be used.
+    variants = [v for i, v in enumerate(variants) if i == 0 or variants[i - 1][0] < max_step]
+    variants[-1] = (1 << 62, variants[-1][1])
+    return variants
+
+
+def fused_variants(engine_dir: Path, engine: EngineConfig, quantized_matmul: str,
+                   library: Path | None,
+                   progress: ProgressFn | None = None) -> Iterator[FusedVariant]:
+    """Each variant of :func:`plan`, its graph read without weights and fused, the weights the
+    fusions make taken from (or written once to) its prepared-weights file."""
+    path = Path(engine_dir) / engine.files.get("onnx", ONNX_FILE)
+    exported = onnx.load(str(path), load_external_data=False)
+    source = WeightSource(path.parent)
+    data_files = graph_data_files(exported, path.parent)
+    for max_tokens, int8 in plan(engine, quantized_matmul, library):
+        # A graph that never runs with int8 activations also folds Q4_1's block minima
+        # into its fp32 weights (ort_graph.fold_minima).
+        # One with int8 activations runs them through kvflow::MatMulQ when the native
+        # library loads (layers it cannot take stay ORT's MatMulNBits).
+        native = int8 and library is not None
+        options = {"fp32_matmul": not int8, "native_matmul": native,
+                   "gather_q": native and gather_q_available(library)}
+        prepared = PreparedWeights(path.parent, data_files, options)
+        model, fusion = fuse_for_ort(exported, weights=source, prepared=prepared,
+                                     progress=progress, **options)
+        yield FusedVariant(max_tokens, int8, model, fusion, prepared)
+    source.close()
+
+
+def gather_q_available(library: Path | None) -> bool:
+    """Whether the native library registers ``kvflow::GatherQ`` (a session of one node
+    loads)."""
+    if library is None:
+        return False
+    if library not in _gather_q:
+        from onnxruntime import InferenceSession, SessionOptions
+
+        node = helper.make_node(GATHER_Q_OP_TYPE, ["blocks", "ids"], ["rows"],
+                                domain=ONNX_DOMAIN, bits=8, K=32, N=2)
+        graph = helper.make_graph(
+            [node], "probe",
+            [helper.make_tensor_value_info("blocks", onnx.TensorProto.UINT8, [2, 34]),
+             helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1])],
+            [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, [1, 32])])
+        probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid(ONNX_DOMAIN, 1)])
+        opts = SessionOptions()
+        opts.register_custom_ops_library(str(library))
+        try:
+            InferenceSession(probe.SerializeToString(), opts,
+                             providers=["CPUExecutionProvider"])
+            _gather_q[library] = True
+        except Exception:  # noqa: BLE001  (ORT: no such op in the library)
+            _gather_q[library] = False
+    return _gather_q[library]
 
 
 def _release_freed_memory() -> None:

@@ -24,19 +24,23 @@ from onnx import helper
 
 from kvflow.plugins.paged_attention_native import paged_attention_native
 from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
+from kvflow.runtime.ort_weights import MappedWeights
 
 ARGMAX_OUTPUT = "kvflow_argmax"
 INT8_ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations (ORT's levels 0-1 are fp32, but slow)
 
 
 def session_options(threads: int, spinning: bool, int8_activations: bool,
-                    custom_ops_library: Path | None = None) -> ort.SessionOptions:
+                    custom_ops_library: Path | None = None,
+                    prepacking: bool = True) -> ort.SessionOptions:
     """ORT options for one of the runner's sessions.
 
     ``int8_activations``: blocked DequantizeLinear + MatMul (quantized engines) becomes
     MatMulNBits with activations quantized to int8 per block and int32 accumulation; otherwise
     ORT folds each DequantizeLinear of constant codes into an fp32 weight at load, so that the
-    MatMuls are exactly those of the dequantized checkpoint.
+    MatMuls are exactly those of the dequantized checkpoint. ``prepacking``: False keeps
+    ORT from repacking constant fp32 matmul weights into private copies (mapped weights stay
+    the file's pages; :mod:`kvflow.runtime.ort_weights`).
     """
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -48,9 +52,19 @@ def session_options(threads: int, spinning: bool, int8_activations: bool,
                                       str(INT8_ACCURACY_LEVEL))
     else:
         opts.add_session_config_entry("session.disable_quant_qdq", "1")
+    if not prepacking:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     if custom_ops_library is not None:
         opts.register_custom_ops_library(str(custom_ops_library))
     return opts
+
+
+def _session(model: onnx.ModelProto, opts: ort.SessionOptions,
+             weights: MappedWeights | None) -> ort.InferenceSession:
+    if weights is not None:
+        weights.apply(opts, model)
+    return ort.InferenceSession(model.SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
 
 
 def with_argmax(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -75,11 +89,12 @@ class Executor(Protocol):
 
 
 class OneSession:
-    """The whole graph in one ORT session; PagedAttention runs as ORT's own kernel."""
+    """The whole graph in one ORT session; PagedAttention runs as ORT's own kernel.
+    ``weights``: how a graph read without its weights gets them (mapped)."""
 
-    def __init__(self, model: onnx.ModelProto, opts: ort.SessionOptions) -> None:
-        self.session = ort.InferenceSession(model.SerializeToString(), opts,
-                                            providers=["CPUExecutionProvider"])
+    def __init__(self, model: onnx.ModelProto, opts: ort.SessionOptions,
+                 weights: MappedWeights | None = None) -> None:
+        self.session = _session(model, opts, weights)
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     def run(self, feeds: dict[str, np.ndarray], want: str) -> np.ndarray:
@@ -115,8 +130,9 @@ class Segmented:
     """The graph cut at its PagedAttention nodes into ORT sessions, kvflow's compiled host
     kernel running between them (the fallback: see the module doc)."""
 
-    def __init__(self, model: onnx.ModelProto, opts: ort.SessionOptions) -> None:
-        self.segments = build_segments(model, opts)
+    def __init__(self, model: onnx.ModelProto, opts: ort.SessionOptions,
+                 weights: MappedWeights | None = None) -> None:
+        self.segments = build_segments(model, opts, weights)
 
     def run(self, feeds: dict[str, np.ndarray], want: str) -> np.ndarray:
         values = dict(feeds)
@@ -135,7 +151,8 @@ class Segmented:
         return values[want]
 
 
-def build_segments(model: onnx.ModelProto, opts: ort.SessionOptions) -> list[_Segment]:
+def build_segments(model: onnx.ModelProto, opts: ort.SessionOptions,
+                   weights: MappedWeights | None = None) -> list[_Segment]:
     """Cut ``model`` at its PagedAttention nodes into ORT sessions (see module doc)."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
@@ -169,8 +186,7 @@ def build_segments(model: onnx.ModelProto, opts: ort.SessionOptions) -> list[_Se
             seg_model = helper.make_model(g, opset_imports=[
                 o for o in model.opset_import if o.domain != ONNX_DOMAIN])
             seg_model.ir_version = model.ir_version
-            session = ort.InferenceSession(seg_model.SerializeToString(), opts,
-                                           providers=["CPUExecutionProvider"])
+            session = _session(seg_model, opts, weights)
         attrs = {a.name: helper.get_attribute_value(a) for a in attn.attribute} if attn else {}
         segments.append(_Segment(session, seg_inputs, seg_outputs, attn, attrs))
     return segments

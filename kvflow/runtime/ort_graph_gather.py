@@ -1,0 +1,73 @@
+"""The embedding lookup over the quantized LM head, for :mod:`kvflow.runtime.ort_graph`.
+
+A tied model's build keeps the fp32 table (``lm_head.weight``) for the embedding ``Gather`` and
+quantizes the LM head (``lm_head.weight.q`` + ``.scale`` [+ minimum]). Once the head is a
+``kvflow::MatMulQ`` (:func:`~kvflow.runtime.ort_graph_linear.native_matmuls`), the ``Gather``
+becomes ``kvflow::GatherQ`` over the same packed blocks: each token's row dequantized on the
+fly, so the fp32 table is never read at run time. Only when the table *is* the dequantized head:
+checked on sampled rows (a model quantized by ``--quantize`` keeps its original fp32
+embeddings, which the head's quantization rounds; those keep the ``Gather``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from kvflow.plugins.torch_op import ONNX_DOMAIN
+from kvflow.runtime.ort_graph_edit import Graph
+from kvflow.runtime.ort_graph_linear import NATIVE_BLOCK, NativeWeight
+
+GATHER_Q = "gather_q"
+GATHER_Q_OP_TYPE = "GatherQ"
+CHECK_ROWS = 64  # table rows compared with the dequantized head
+
+
+def _dequantized_rows(g: Graph, weight: NativeWeight, rows: np.ndarray) -> np.ndarray:
+    """Rows ``rows`` of the head's weight [N, K] as GatherQ computes them: fp16->fp32 d times
+    the code (plus fp16->fp32 m), in fp32."""
+    codes = g.const(weight.codes)
+    assert codes is not None
+    q = np.asarray(codes[:, rows]).astype(np.float32)  # [K, R]
+    d = weight.scale.astype(np.float16).astype(np.float32)[:, rows]  # [K/32, R]
+    w = np.repeat(d, NATIVE_BLOCK, axis=0) * q
+    if weight.minimum is not None:
+        m = weight.minimum.astype(np.float16).astype(np.float32)[:, rows]
+        w = w + np.repeat(m, NATIVE_BLOCK, axis=0)
+    return w.T
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def gather_quantized_rows(g: Graph) -> tuple[Counter, Counter]:
+    """Each axis-0 ``Gather`` over an fp32 table that equals a packed LM head's dequantized
+    weight becomes ``kvflow::GatherQ`` over those blocks."""
+    applied: Counter = Counter()
+    skipped: Counter = Counter()
+    for node in [n for n in g.nodes if n.op_type == "Gather"]:
+        table = node.input[0]
+        packed = g.packed.get(f"{table}.q")
+        t = g.inits.get(table)
+        if packed is None or t is None or t.data_type != TensorProto.FLOAT or \
+                _attrs(node).get("axis", 0) != 0:
+            continue
+        blocks, weight = packed
+        if list(t.dims) != [weight.n, weight.k]:
+            skipped[GATHER_Q] += 1
+            continue
+        rows = np.unique(np.linspace(0, weight.n - 1, CHECK_ROWS).astype(np.int64))
+        values = g.const(table)
+        assert values is not None
+        if not np.array_equal(np.asarray(values[rows]), _dequantized_rows(g, weight, rows)):
+            skipped[GATHER_Q] += 1
+            continue
+        g.replace([node], [g.node(GATHER_Q_OP_TYPE, [blocks, node.input[1]], list(node.output),
+                                  domain=ONNX_DOMAIN, bits=weight.bits, K=weight.k,
+                                  N=weight.n)])
+        applied[GATHER_Q] += 1
+    return applied, skipped
