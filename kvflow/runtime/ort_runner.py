@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import helper
 
 from kvflow.build.engine_config import EngineConfig
@@ -145,6 +146,7 @@ class OnnxRuntimeRunner(PoolRunner):
         self._variants: list[tuple[int, ThreadPolicy, dict[ThreadSetting, Executor]]] = []
         self.fusions: list[FusionReport] = []  # each variant's, in variant order
         self.prepared: list[PreparedWeights] = []
+        self.graphs: list[onnx.ModelProto] = []  # each variant's, as its sessions got it
         # The graph's weights are mapped, not copied (ort_weights): prepacking would make
         # private copies of mapped fp32 matmul weights. Quantized engines' fp32 weights are
         # DequantizeLinear folds, new tensors either way, so they keep ORT's packed GEMM.
@@ -162,11 +164,13 @@ class OnnxRuntimeRunner(PoolRunner):
                         helper.make_attribute("kv_dtype", KV_DTYPE_CODES[kv_dtype]),
                         helper.make_attribute("num_blocks", self.num_blocks)])
             weights = MappedWeights.for_model(model, path.parent)
+            self.graphs.append(model)
 
             def make(setting: ThreadSetting, int8: bool = int8, model: onnx.ModelProto = model,
                      weights: MappedWeights = weights) -> Executor:
-                opts = session_options(setting.threads, setting.spinning, int8, library,
-                                       prepacking)
+                def opts() -> ort.SessionOptions:
+                    return session_options(setting.threads, setting.spinning, int8, library,
+                                           prepacking)
                 return executor_cls(model, opts, weights)
 
             limits = engine.limits

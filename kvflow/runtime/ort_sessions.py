@@ -13,9 +13,10 @@ Both take the same feeds (the engine I/O contract) and return the one output ask
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import onnx
@@ -59,8 +60,14 @@ def session_options(threads: int, spinning: bool, int8_activations: bool,
     return opts
 
 
-def _session(model: onnx.ModelProto, opts: ort.SessionOptions,
+Options: TypeAlias = "ort.SessionOptions | Callable[[], ort.SessionOptions]"
+
+
+def _session(model: onnx.ModelProto, options: Options,
              weights: MappedWeights | None) -> ort.InferenceSession:
+    # NOTE: options given to ORT keep the external initializers added to them, so that the
+    # segments of a graph (each with its own) need options of their own: a factory.
+    opts = options() if callable(options) else options
     if weights is not None:
         weights.apply(opts, model)
     return ort.InferenceSession(model.SerializeToString(), opts,
@@ -92,7 +99,7 @@ class OneSession:
     """The whole graph in one ORT session; PagedAttention runs as ORT's own kernel.
     ``weights``: how a graph read without its weights gets them (mapped)."""
 
-    def __init__(self, model: onnx.ModelProto, opts: ort.SessionOptions,
+    def __init__(self, model: onnx.ModelProto, opts: Options,
                  weights: MappedWeights | None = None) -> None:
         self.session = _session(model, opts, weights)
         self.input_names = [i.name for i in self.session.get_inputs()]
@@ -130,7 +137,7 @@ class Segmented:
     """The graph cut at its PagedAttention nodes into ORT sessions, kvflow's compiled host
     kernel running between them (the fallback: see the module doc)."""
 
-    def __init__(self, model: onnx.ModelProto, opts: ort.SessionOptions,
+    def __init__(self, model: onnx.ModelProto, opts: Options,
                  weights: MappedWeights | None = None) -> None:
         self.segments = build_segments(model, opts, weights)
 
@@ -151,9 +158,10 @@ class Segmented:
         return values[want]
 
 
-def build_segments(model: onnx.ModelProto, opts: ort.SessionOptions,
+def build_segments(model: onnx.ModelProto, opts: Options,
                    weights: MappedWeights | None = None) -> list[_Segment]:
-    """Cut ``model`` at its PagedAttention nodes into ORT sessions (see module doc)."""
+    """Cut ``model`` at its PagedAttention nodes into ORT sessions (see module doc).
+    ``opts``: options, or (with ``weights`` given as OrtValues) a function making them."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     value_info = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}

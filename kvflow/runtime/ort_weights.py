@@ -272,7 +272,8 @@ def resident_bytes(paths: list[Path]) -> tuple[int, int]:
 class MappedWeights:
     """How a session of a graph read without its weights gets them: ORT maps the external data
     under ``folder`` itself; tensors stored elsewhere (a prepared file in the cache dir) are
-    ``values``, OrtValues over ``np.memmap``s made once and given to every session."""
+    ``values``, OrtValues over ``np.memmap``s made once and given to every session (ORT
+    copies those, see the module doc)."""
 
     folder: Path
     values: dict[str, object]
@@ -284,7 +285,16 @@ class MappedWeights:
         source = WeightSource(Path("/"))
         values: dict[str, object] = {}
         for t in model.graph.initializer:
-            if is_external(t) and Path(external_info(t)["location"]).is_absolute():
+            if not is_external(t) or not Path(external_info(t)["location"]).is_absolute():
+                continue
+            if t.data_type in _FOUR_BIT:
+                # No OrtValue of a 4-bit type can be made over packed bytes from Python:
+                # the tensor goes into the graph itself (ORT copies it, as it would anyway).
+                data = source.raw(t).tobytes()
+                del t.external_data[:]
+                t.data_location = TensorProto.DEFAULT
+                t.raw_data = data
+            else:
                 values[t.name] = ort.OrtValue.ortvalue_from_numpy(source.array(t))
         return cls(Path(folder), values)
 
