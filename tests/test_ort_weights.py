@@ -89,6 +89,7 @@ def test_changed_engine_data_makes_new_prepared_weights(quantized_engines, tmp_p
         assert runner.prepared[0].path.name not in before
     finally:
         runner.close()
+    assert not set(before) & set(prepared_files(folder))  # the stale file is gone
 
 
 def in_memory_executor(folder: Path, engine: EngineConfig, int8: bool, native: bool) -> Executor:

@@ -51,6 +51,7 @@ class Graph:
         self.deferred: dict[str, Callable[[], np.ndarray]] = {}
         # codes initializer -> (its kvflow::MatMulQ blocks, how they were made): ort_graph_gather
         self.packed: dict[str, tuple] = {}
+        self.memo: dict[tuple, bool] = {}  # checks of constants, by what they read
         self.model = model
         self._nodes = {id(n): n for n in g.node}
         self.rank = {key: float(i) for i, key in enumerate(self._nodes)}

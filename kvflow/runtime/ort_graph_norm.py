@@ -162,6 +162,13 @@ def _table_rows(g: Graph, tensor: str) -> tuple[str, str, onnx.NodeProto] | None
 
 def _tables_ok(g: Graph, cos_name: str, sin_name: str, head_dim: int) -> bool:
     """HF's non-interleaved layout: ``[P, D]`` tables whose halves repeat, a cos/sin pair."""
+    key = ("rope_tables", cos_name, sin_name, head_dim)
+    if key not in g.memo:  # every layer's q and k read the same pair
+        g.memo[key] = _check_tables(g, cos_name, sin_name, head_dim)
+    return g.memo[key]
+
+
+def _check_tables(g: Graph, cos_name: str, sin_name: str, head_dim: int) -> bool:
     cos, sin = g.const(cos_name), g.const(sin_name)
     half = head_dim // 2
     if cos is None or sin is None or cos.dtype != np.float32 or cos.shape != sin.shape or \

@@ -306,7 +306,7 @@ def fused_variants(engine_dir: Path, engine: EngineConfig, quantized_matmul: str
         native = int8 and library is not None
         options = {"fp32_matmul": not int8, "native_matmul": native,
                    "gather_q": native and gather_q_available(library)}
-        prepared = PreparedWeights(path.parent, data_files, options)
+        prepared = PreparedWeights(path.parent, data_files, options, graph_file=path)
         model, fusion = fuse_for_ort(exported, weights=source, prepared=prepared,
                                      progress=progress, **options)
         yield FusedVariant(max_tokens, int8, model, fusion, prepared)

@@ -149,10 +149,13 @@ class PreparedWeights:
     identity and the fusion options (see the module doc). ``lookup`` finds a tensor made by an
     earlier load; ``write`` makes the file when some are missing."""
 
-    def __init__(self, engine_dir: Path, data_files: list[Path], options: dict) -> None:
+    def __init__(self, engine_dir: Path, data_files: list[Path], options: dict,
+                 graph_file: Path | None = None) -> None:
         self.engine_dir = Path(engine_dir)
         self.data_files = list(data_files)
-        key_source = json.dumps({"format": FORMAT_VERSION, "data": data_identity(data_files),
+        self.options = json.loads(json.dumps(options, sort_keys=True))
+        identity = data_identity([*data_files, *([graph_file] if graph_file else [])])
+        key_source = json.dumps({"format": FORMAT_VERSION, "data": identity,
                                  "options": options}, sort_keys=True)
         self.key = hashlib.sha256(key_source.encode()).hexdigest()[:20]
         name = f"prepared-{self.key}{PREPARED_SUFFIX}"
@@ -223,14 +226,31 @@ class PreparedWeights:
                              f"{offset / 1e6:.0f} MB")
             f.truncate(offset)
         os.replace(tmp, self.path)
-        index = {"size": self.path.stat().st_size,
+        index = {"size": self.path.stat().st_size, "options": self.options,
                  "tensors": {n: vars(e) for n, e in entries.items()}}
         tmp_index = self.index_path.with_name(self.index_path.name + f".tmp-{os.getpid()}")
         tmp_index.write_text(json.dumps(index))
         os.replace(tmp_index, self.index_path)
         self.entries = entries
         self.written = True
+        self._remove_stale()
         return {n: self._reference(n, e) for n, e in entries.items()}
+
+
+    def _remove_stale(self) -> None:
+        """Delete the files this one replaces: same folder and options, older data. (A
+        process still running on one keeps its mapping.)"""
+        for index_path in self.path.parent.glob(f"prepared-*{PREPARED_SUFFIX}.json"):
+            other = index_path.with_name(index_path.name.removesuffix(".json"))
+            if other == self.path:
+                continue
+            try:
+                options = json.loads(index_path.read_text()).get("options")
+            except (OSError, ValueError):
+                continue
+            if options == self.options:
+                index_path.unlink(missing_ok=True)
+                other.unlink(missing_ok=True)
 
 
 def prepare(engine_dir: Path, engine, progress: ProgressFn | None = None) -> None:
