@@ -31,6 +31,7 @@ from kvflow.runtime.ort_sessions import (
 from kvflow.runtime.ort_weights import (
     INLINE_MAX_BYTES,
     PreparedWeights,
+    WeightSource,
     external_info,
     graph_data_files,
     is_external,
@@ -209,10 +210,13 @@ def tied_engines(tiny_models, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.parametrize("mapped", [False, True])
 @pytest.mark.parametrize("table", ["dequantized", "original"])
-def test_gather_q_takes_the_tied_table_only_when_it_is_the_head(tied_engines, table):
-    model = onnx.load(str(tied_engines[table] / "model.onnx"))
-    fused, report = fuse_for_ort(model, native_matmul=True, gather_q=True)
+def test_gather_q_takes_the_tied_table_only_when_it_is_the_head(tied_engines, table, mapped):
+    folder = tied_engines[table]
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=not mapped)
+    fused, report = fuse_for_ort(model, native_matmul=True, gather_q=True,
+                                 weights=WeightSource(folder) if mapped else None)
     ops = [n.op_type for n in fused.graph.node]
     names = {t.name for t in fused.graph.initializer}
     if table == "dequantized":

@@ -124,13 +124,25 @@ class Graph:
         ids = {id(n) for n in nodes}
         return name not in self.outputs and all(id(u) in ids for u in self.consumers[name])
 
-    def unique(self, base: str) -> str:
+    def _free_name(self, base: str) -> str:
         name, i = base, 0
         while name in self.names:
             i += 1
             name = f"{base}_{i}"
+        return name
+
+    def unique(self, base: str) -> str:
+        name = self._free_name(base)
         self.names.add(name)
         return name
+
+    def prepared_has(self, base: str, data_type: int) -> bool:
+        """Whether the prepared-weights file already holds the initializer the next
+        ``add_init(base, ...)`` of this type would make."""
+        if self.prepared is None:
+            return False
+        entry = self.prepared.entries.get(self._free_name(base))
+        return entry is not None and entry.data_type == data_type
 
     def add_init(self, base: str, array: np.ndarray | Callable[[], np.ndarray],
                  dims: list[int] | None = None, data_type: int | None = None) -> str:

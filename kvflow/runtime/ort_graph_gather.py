@@ -20,6 +20,7 @@ from onnx import TensorProto, helper
 from kvflow.plugins.torch_op import ONNX_DOMAIN
 from kvflow.runtime.ort_graph_edit import Graph
 from kvflow.runtime.ort_graph_linear import NATIVE_BLOCK, NativeWeight
+from kvflow.runtime.ort_weights import is_external
 
 GATHER_Q = "gather_q"
 GATHER_Q_OP_TYPE = "GatherQ"
@@ -29,15 +30,31 @@ CHECK_ROWS = 64  # table rows compared with the dequantized head
 def _dequantized_rows(g: Graph, weight: NativeWeight, rows: np.ndarray) -> np.ndarray:
     """Rows ``rows`` of the head's weight [N, K] as GatherQ computes them: fp16->fp32 d times
     the code (plus fp16->fp32 m), in fp32."""
-    codes = g.const(weight.codes)
-    assert codes is not None
-    q = np.asarray(codes[:, rows]).astype(np.float32)  # [K, R]
-    d = weight.scale.astype(np.float16).astype(np.float32)[:, rows]  # [K/32, R]
+    q = _code_columns(g, weight.codes, rows).astype(np.float32)  # [K, R]
+    d = weight.scale(g)[:, rows].astype(np.float16).astype(np.float32)  # [K/32, R]
     w = np.repeat(d, NATIVE_BLOCK, axis=0) * q
-    if weight.minimum is not None:
-        m = weight.minimum.astype(np.float16).astype(np.float32)[:, rows]
+    minimum = weight.minimum(g)
+    if minimum is not None:
+        m = minimum[:, rows].astype(np.float16).astype(np.float32)
         w = w + np.repeat(m, NATIVE_BLOCK, axis=0)
     return w.T
+
+
+def _code_columns(g: Graph, name: str, columns: np.ndarray) -> np.ndarray:
+    """Columns of a codes initializer [K, N]; of mapped 4-bit codes, only their bytes are read
+    (not the whole table unpacked)."""
+    t = g.inits[name]
+    if t.data_type == TensorProto.UINT4 and is_external(t) and name not in g.deferred:
+        assert g.weights is not None
+        raw = g.weights.raw(t)
+        k, n = list(t.dims)
+        flat = (np.arange(k)[:, None] * n + columns[None, :]).ravel()
+        nibbles = np.asarray(raw[flat // 2])
+        values = np.where(flat % 2 == 0, nibbles & 0x0F, nibbles >> 4)
+        return values.reshape(k, len(columns))
+    codes = g.const(name)
+    assert codes is not None
+    return np.asarray(codes[:, columns]).astype(np.int32)
 
 
 def _attrs(node: onnx.NodeProto) -> dict:

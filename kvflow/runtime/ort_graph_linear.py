@@ -272,22 +272,45 @@ def pack_blocks(codes: np.ndarray, scale: np.ndarray,
 
 @dataclass
 class NativeWeight:
-    """How a quantized unit's weight becomes ``kvflow::MatMulQ`` blocks: ``bits``, the
-    ``scale`` and ``minimum`` (None: 8 bit) already checked exact in fp16, and the codes'
-    initializer (read only when the blocks are made)."""
+    """How a quantized unit's weight becomes ``kvflow::MatMulQ`` blocks: ``bits``, and the
+    initializers of its codes, scales and (4 bit) minima or zero points, read only when the
+    blocks are made or a table is compared with them."""
 
     codes: str
-    scale: np.ndarray
-    minimum: np.ndarray | None
+    scale_name: str
+    minimum_name: str
+    zero_point_name: str
     bits: int
     k: int
     n: int
+
+    def scale(self, g: Graph) -> np.ndarray:
+        scale = g.const(self.scale_name)
+        assert scale is not None
+        return scale
+
+    def minimum(self, g: Graph) -> np.ndarray | None:
+        """The fp32 ``m`` of ``d * q + m`` (None for 8 bit)."""
+        if self.bits == 8:
+            return None
+        if self.minimum_name:
+            return g.const(self.minimum_name)
+        if self.zero_point_name:  # Q4_0, int4: d * (q - z) = d * q + m with m = -z * d
+            zero_point = g.const(self.zero_point_name)
+            assert zero_point is not None
+            return -zero_point.astype(np.float64) * self.scale(g).astype(np.float64)
+        return np.zeros_like(self.scale(g))
+
+    def exact_in_fp16(self, g: Graph) -> bool:
+        minimum = self.minimum(g)
+        return _half_bytes(self.scale(g)) is not None and \
+            (minimum is None or _half_bytes(minimum) is not None)
 
     def pack(self, g: Graph) -> np.ndarray:
         codes = g.const(self.codes)
         assert codes is not None
         typed = codes.astype(np.int8 if self.bits == 8 else np.uint8)
-        packed = pack_blocks(typed, self.scale, self.minimum)
+        packed = pack_blocks(typed, self.scale(g), self.minimum(g))
         assert packed is not None  # fp16 exactness was checked by native_weight
         return packed
 
@@ -296,33 +319,21 @@ class NativeWeight:
         return [self.n, self.k // NATIVE_BLOCK * _BLOCK_BYTES[self.bits]]
 
 
-def native_weight(g: Graph, unit: _Unit) -> NativeWeight | None:
+def native_weight(g: Graph, unit: _Unit, check: bool = True) -> NativeWeight | None:
     """The unit's ``kvflow::MatMulQ`` form, or None if it has none (block size, code type,
-    a scale or minimum not exact in fp16). Reads the scales, not the codes."""
+    and unless ``check`` is False, a scale or minimum not exact in fp16: that reads them)."""
     codes_type = g.inits[unit.codes].data_type
     if unit.block_size != NATIVE_BLOCK:
         return None
     k, n = list(g.inits[unit.codes].dims)
-    scale = g.const(unit.scale)
-    assert scale is not None
-    if _half_bytes(scale) is None:
-        return None
     if codes_type == TensorProto.INT8 and not unit.zero_point and not unit.minimum:
-        return NativeWeight(unit.codes, scale, None, 8, k, n)
-    if codes_type != TensorProto.UINT4 or (unit.zero_point and unit.minimum):
-        return None
-    if unit.minimum:
-        minimum = g.const(unit.minimum)
-    elif unit.zero_point:  # Q4_0, int4: d * (q - z) = d * q + m with m = -z * d, if exact
-        zero_point = g.const(unit.zero_point)
-        assert zero_point is not None
-        minimum = -zero_point.astype(np.float64) * scale.astype(np.float64)
+        bits = 8
+    elif codes_type == TensorProto.UINT4 and not (unit.zero_point and unit.minimum):
+        bits = 4
     else:
-        minimum = np.zeros_like(scale)
-    assert minimum is not None
-    if _half_bytes(minimum) is None:
         return None
-    return NativeWeight(unit.codes, scale, minimum, 4, k, n)
+    weight = NativeWeight(unit.codes, unit.scale, unit.minimum, unit.zero_point, bits, k, n)
+    return weight if not check or weight.exact_in_fp16(g) else None
 
 
 def native_matmuls(g: Graph) -> tuple[Counter, Counter]:
@@ -337,12 +348,15 @@ def native_matmuls(g: Graph) -> tuple[Counter, Counter]:
         unit = _match_dequantized(g, node)
         if unit is None:
             continue
-        weight = native_weight(g, unit)
+        tag = unit.codes.removesuffix(".q")
+        # Blocks an earlier load made from these same data passed the check then.
+        k, n = list(g.inits[unit.codes].dims)
+        made = g.prepared_has(f"{tag}.blocks", TensorProto.UINT8)
+        weight = native_weight(g, unit, check=not made)
         if weight is None:
             skipped[NATIVE_MATMUL] += 1
             continue
-        k, n, bits = weight.k, weight.n, weight.bits
-        tag = unit.codes.removesuffix(".q")
+        bits = weight.bits
         product = unit.out if not unit.bias else g.unique(f"{tag}.matmul_q")
         blocks = g.add_init(f"{tag}.blocks", partial(weight.pack, g), weight.packed_dims,
                             TensorProto.UINT8)
