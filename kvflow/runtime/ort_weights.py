@@ -196,7 +196,7 @@ class PreparedWeights:
     def _reference(self, name: str, e: _Entry) -> TensorProto:
         t = TensorProto(name=name, data_type=e.data_type, dims=e.dims)
         t.data_location = TensorProto.EXTERNAL
-        location = self.path.name if self.in_engine_dir else str(self.path)
+        location = self.path.name if self.in_engine_dir else str(self.path.resolve())
         for k, v in (("location", location), ("offset", str(e.offset)),
                      ("length", str(e.length))):
             item = t.external_data.add()
@@ -316,7 +316,7 @@ class MappedWeights:
                 t.raw_data = data
             else:
                 values[t.name] = ort.OrtValue.ortvalue_from_numpy(source.array(t))
-        return cls(Path(folder), values)
+        return cls(Path(folder).resolve(), values)  # ORT reads it after any chdir
 
     def apply(self, opts, model: onnx.ModelProto) -> None:
         """Point ``opts`` (an ``ort.SessionOptions``) at these weights, for ``model``."""
