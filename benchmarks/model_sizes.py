@@ -5,7 +5,8 @@
 
 Per model (random weights, :mod:`random_checkpoints`, no downloads): an F16 GGUF and a bf16
 safetensors folder written tensor by tensor, the GGUF quantized to Q4_1 by ``llama-quantize``
-(token embedding and output in Q8_0, as the shipped SmolLM2 GGUF has them). Then, stage by stage
+(token embedding and output in Q8_0, as the shipped SmolLM2 GGUF has them: llama-quantize's
+default for them, Q6_K, is a type kvflow would dequantize). Then, stage by stage
 (``--only``; a failure is recorded with its reason and the run goes on):
 
 * build: ``kvflow build-engine`` from the Q4_1 GGUF, and from the bf16 folder with ``--quantize
@@ -14,8 +15,8 @@ safetensors folder written tensor by tensor, the GGUF quantized to Q4_1 by ``lla
   with a KV pool the size of llama.cpp's ``-c 4096`` f16 cache and no swap space;
 * decode: single-stream tok/s after the first token (32-token prompt, 128 greedy tokens);
 * prefill: a 1,024-token prompt, wall time to its first token;
-* llamacpp: ``llama-batched-bench`` at B=1 on the same Q4_1 GGUF (S_TG of a 32-token prompt,
-  T_PP of a 1,024-token one) and its peak RSS, alternated round by round with kvflow's runs;
+* llamacpp: ``llama-batched-bench -c 4096`` at B=1 on the same Q4_1 GGUF (S_TG of a 32-token
+  prompt, T_PP of a 1,024-token one) and its peak RSS, alternated round by round with kvflow's;
 * served: kvflow's server (tritonserver + OpenAI frontend, what ``kvflow serve`` starts) and
   ``llama-server -np 8`` (with ``llamacpp``), c=8, 128 in / 64 out, rounds alternated.
 
@@ -187,7 +188,8 @@ def runtime_stages(shape: ModelShape, work: Path, gguf: Path, stages: set[str], 
                 worker = None
         if "llamacpp" in stages:
             lc.append(llama_bench(build, gguf, args.threads, PREFILL_TOKENS, DECODE_PROMPT,
-                                  DECODE_TOKENS, work / f"batched_bench_{r}.log", limit))
+                                  DECODE_TOKENS, LLAMA_CTX, work / f"batched_bench_{r}.log",
+                                  limit))
         print(f"[round {r}] kvflow decode {dec[-1:]} prefill {pre[-1:]}; llama.cpp "
               f"{ {k: v for k, v in lc[-1].items() if k != 'rows'} if lc else '-'}", flush=True)
     if worker is not None:

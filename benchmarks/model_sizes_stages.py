@@ -201,13 +201,14 @@ def random_prompt(n: int, seed: int, vocab: int = 49152) -> list[int]:
 
 # --- llama.cpp ---------------------------------------------------------------------------------
 def llama_bench(build: Any, gguf: Path, threads: int, prefill: int, decode_prompt: int,
-                decode_tokens: int, log_path: Path, limit: int | None) -> dict[str, Any]:
+                decode_tokens: int, ctx: int, log_path: Path, limit: int | None,
+                ) -> dict[str, Any]:
     """``llama-batched-bench`` at B=1 on prompts of ``decode_prompt`` and ``prefill`` tokens
     (``decode_tokens`` generated after each), under the RSS poller: S_TG of the short prompt,
-    T_PP of the long one, the peak RSS."""
+    T_PP of the long one, the peak RSS with a KV cache of ``ctx`` tokens (f16)."""
     from kvflow.bench.peers import NO_REPACK, parse_batched_bench
 
-    ctx = prefill + decode_tokens + 64
+    ctx = max(ctx, prefill + decode_tokens)
     cmd = [str(build.tool("llama-batched-bench")), "-m", str(gguf), "-c", str(ctx),
            "-npp", f"{decode_prompt},{prefill}", "-ntg", str(decode_tokens), "-npl", "1",
            "-t", str(threads), "-tb", str(threads), *NO_REPACK]

@@ -108,3 +108,27 @@ def test_bf16_rounds_to_nearest_even() -> None:
 def test_write_checkpoints_needs_an_output() -> None:
     with pytest.raises(ValueError, match="gguf_path or hf_dir"):
         rc.write_checkpoints(SHAPE, default_model_path())
+
+
+def test_report_shows_figures_ratios_and_each_failure(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "model_sizes_report", SCRIPT.with_name("model_sizes_report.py"))
+    assert spec is not None and spec.loader is not None
+    report_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report_mod)
+    report = {"machine": {"cpu": "x", "cpus": 2, "cpu_flags": ["avx2"]}, "models": {
+        "1b": {"checkpoint": {"params": 1_235_814_400, "q4_1_gguf_bytes": 891075936},
+               "build": {"q4_1_gguf": {"wall_s": 60.0, "peak_rss_bytes": 15 << 30,
+                                       "error": "killed by the benchmark at 15.00 GiB RSS",
+                                       "tail": "exporting ONNX"}},
+               "load": {"error": "no engine at e (run the build stage)"},
+               "llamacpp": {"decode_tok_s": 20.0, "prefill_s": 10.0,
+                            "peak_rss_bytes": 1 << 30},
+               "served": {"llama.cpp": {"tok_s": 40.0}, "kvflow": {"tok_s": 50.0}}}}}
+    report_mod.write_outputs(report, tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "60 / 15.00 (**failed**)" in text
+    assert "1b build q4_1_gguf: killed by the benchmark at 15.00 GiB RSS" in text
+    assert "1b load: no engine at e" in text
+    assert "| 1.25x |" in text  # served 50 / 40
+    assert (tmp_path / "model_sizes.png").stat().st_size > 0
