@@ -300,6 +300,9 @@ def main() -> int:
                            "commit": commit, "stages": sorted(stages),
                            "threads": args.threads, "rounds": args.rounds}
         prev = report["models"].get(key, {})
+        for part in ("build", "served"):  # per system: a run of some stages keeps the others'
+            if isinstance(prev.get(part), dict) and isinstance(res.get(part), dict):
+                res[part] = {**prev[part], **res[part]}
         report["models"][key] = {**prev, **res}
         report_path.write_text(json.dumps(report, indent=1))
         write_outputs(report, out)
