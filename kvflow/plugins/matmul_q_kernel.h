@@ -12,7 +12,11 @@
 // amax is 0; ties to even), s = d * sum(q). Per output, over blocks:
 //   y = sum_b (d_w * d_x) * sum_j q_w q_x  [+ m_w * s_x]
 // The integer sums are exact; the fp32 sums are in 8 lanes (AVX2) or in block order (the
-// portable code under #ifndef __AVX2__), which differ only by rounding.
+// portable code under #ifndef __AVX2__), which differ only by rounding. Steps of many rows run
+// the tiled GEMM of matmul_q_gemm.h instead: the same sums, in 16 columns' lanes.
+// Built with VNNI (AVX-512 VL or AVX-VNNI), the widening dot products are vpdpbusd (one
+// instruction, exact) instead of vpmaddubsw + vpmaddwd (whose 16-bit pair sums never saturate
+// here: 2 * 15 * 127 for Q4_1, 2 * 128 * 127 for Q8_0's sign trick).
 #pragma once
 
 #include <algorithm>
@@ -46,6 +50,7 @@ inline int block_bytes(int bits) { return bits == 4 ? kQ41Bytes : kQ80Bytes; }
 // x quantized: per row, K/32 blocks of 32 int8, and per block d and s.
 struct QActivations {
   std::vector<int8_t> q;
+  std::vector<uint8_t> u;  // q + 128, for the GEMM's Q8_0 VNNI dot products (else empty)
   std::vector<float> d, s;
 };
 
@@ -126,6 +131,17 @@ struct MatMulQArgs {
 };
 
 #ifdef __AVX2__
+// Per int32 lane, the sum of 4 products unsigned u x signed s.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -154,7 +170,6 @@ inline void column_rows(const MatMulQArgs& a, int64_t c0, int64_t r0) {
   const float* xd = a.x->d.data() + r0 * nb;
   const float* xs = a.x->s.data() + r0 * nb;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i shift = _mm256_setr_epi64x(0, 0, 4, 4);
   __m256 acc[C][R];
   float tail[C][R];
@@ -204,7 +219,7 @@ inline void column_rows(const MatMulQArgs& a, int64_t c0, int64_t r0) {
         for (int r = 0; r < R; ++r) {
           // Q8_0: sign(q_w) * q_x, so that |q_w| * that = q_w * q_x
           const __m256i sx = Bits == 4 ? qx[r] : _mm256_sign_epi8(qx[r], qw);
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
+          const __m256i dot = dot_u8s8(aw, sx);
           acc[c][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[c][r][j]),
                                       _mm256_cvtepi32_ps(dot), acc[c][r]);
         }

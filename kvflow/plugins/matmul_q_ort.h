@@ -6,7 +6,8 @@
 // float [..., N]. Attributes: bits (4: Q4_1 blocks, 8: Q8_0 blocks), K, N (required),
 // parallel_min_work (optional: below M * N * K / 32 blocks' work, run on the calling thread).
 // Work items are tiles of kColumnTile output columns, each for every row, through ORT's
-// intra-op pool (KernelContext_ParallelFor).
+// intra-op pool (KernelContext_ParallelFor). From kGemmMinRows rows on, a tile runs the tiled
+// int8 GEMM (matmul_q_gemm.h) where the build has one (kHasGemm), else the row kernels.
 #pragma once
 
 #include <onnxruntime_c_api.h>
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "matmul_q_gemm.h"
 #include "matmul_q_kernel.h"
 
 namespace kvflow_ort {
@@ -85,15 +87,25 @@ inline OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   quantize_rows(static_cast<const float*>(x), m, a.k, q);
   MatMulQArgs args{(int)a.bits, m, a.k, a.n, static_cast<const uint8_t*>(w), &q,
                    static_cast<float*>(y)};
+  void (*run)(void*, size_t) = run_column_tile;
+#if defined(KVFLOW_GEMM_512) || defined(KVFLOW_GEMM_256)
+  if (m >= kGemmMinRows) {
+    run = run_gemm_tile;
+    if (a.bits == 8) {
+      q.u.resize(q.q.size());
+      for (size_t i = 0; i < q.q.size(); ++i) q.u[i] = (uint8_t)(q.q[i] ^ 0x80);  // q + 128
+    }
+  }
+#endif
   const size_t tiles = (size_t)((a.n + kColumnTile - 1) / kColumnTile);
   bool done = false;
   if (m * a.n * (a.k / kQBlock) >= a.parallel_min_work && tiles > 1) {
-    OrtStatus* s = g_api->KernelContext_ParallelFor(ctx, run_column_tile, tiles, 0, &args);
+    OrtStatus* s = g_api->KernelContext_ParallelFor(ctx, run, tiles, 0, &args);
     done = s == nullptr;
     if (s) g_api->ReleaseStatus(s);  // no pool to run on: run here
   }
   if (!done)
-    for (size_t i = 0; i < tiles; ++i) run_column_tile(&args, i);
+    for (size_t i = 0; i < tiles; ++i) run(&args, i);
   return nullptr;
 }
 

@@ -1,10 +1,18 @@
 """The ONNX Runtime custom-op library: ``kvflow::PagedAttention`` in C++, built on this machine.
 
 ``paged_attention_ort.cc`` implements the node of :mod:`kvflow.plugins.torch_op` as an ORT
-kernel, so that one session runs a whole engine step. It is compiled here, with the machine's
-``g++`` and ``-march=native``, against ONNX Runtime's C API headers alone (the API table reaches
-the library through ``RegisterCustomOps``; nothing links against ``libonnxruntime.so``). Headers
-of API 21 load into any newer runtime.
+kernel, so that one session runs a whole engine step (with ``kvflow::MatMulQ`` and
+``kvflow::GatherQ`` beside it). It is compiled here, with the machine's ``g++``, against ONNX
+Runtime's C API headers alone (the API table reaches the library through ``RegisterCustomOps``;
+nothing links against ``libonnxruntime.so``). Headers of API 21 load into any newer runtime.
+
+It is compiled once per instruction set (:mod:`kvflow.plugins.ort_isa`: portable, AVX2,
+AVX-VNNI, AVX-512 VNNI), each a library of its own, and the one to load is picked at load time
+from the CPU's flags (``KVFLOW_ISA`` forces one). ``make install`` builds every variant the
+compiler can, so a venv moved to another CPU needs no compiler; :func:`library` builds the one
+it needs if it is missing. :func:`native_isa` and :func:`native_gemm` read what the loaded
+variant is from the library itself (its exported ``kvflow_ortops_isa`` and
+``kvflow_ortops_gemm``, through ctypes).
 
 The headers are not in the onnxruntime wheel. ``make install`` runs ``python -m
 kvflow.plugins.ort_custom_ops --fetch-headers``, which downloads Debian 13's
@@ -12,18 +20,19 @@ kvflow.plugins.ort_custom_ops --fetch-headers``, which downloads Debian 13's
 unpacks its headers into ``<venv>/onnxruntime-headers``; a system ``/usr/include/onnxruntime``
 serves too.
 
-The built library is cached under a name that hashes everything it depends on: the sources, the
-headers' API file, the flags, the compiler's identity and this CPU's feature flags. Any change
-rebuilds it; a venv copied to another CPU does not load a library built for the first.
+The built library is cached under a name that holds its ISA and hashes everything it depends
+on: the sources, the headers' API file, the flags (the ISA's included) and the compiler's
+identity. Any change rebuilds it. No ``-march=native``: what a variant runs on is its flags
+alone, so the build machine's CPU is no part of the key.
 
 For the runner: :func:`library` (the path, or None) and :func:`unavailable_reason` (why not).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -31,12 +40,15 @@ import tempfile
 from pathlib import Path
 
 from kvflow import envs
+from kvflow.plugins import ort_isa
 
 SOURCE = Path(__file__).with_name("paged_attention_ort.cc")
 # SOURCE and the headers it includes: what the library's name hashes.
 SOURCES = (SOURCE, SOURCE.with_name("paged_attention_ort_kernel.h"),
            SOURCE.with_name("paged_attention_ort_simd.h"), SOURCE.with_name("matmul_q_ort.h"),
-           SOURCE.with_name("matmul_q_kernel.h"))
+           SOURCE.with_name("matmul_q_kernel.h"), SOURCE.with_name("matmul_q_gemm.h"),
+           SOURCE.with_name("matmul_q_gemm_x86.h"), SOURCE.with_name("gather_q_ort.h"),
+           SOURCE.with_name("isa.h"))
 API_HEADER = "onnxruntime_c_api.h"
 HEADERS_DIRNAME = "onnxruntime-headers"
 # Debian 13 (trixie) ships ONNX Runtime 1.21's headers (API 21) in this package.
@@ -47,12 +59,13 @@ DEBIAN_KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 # -ffast-math minus -ffinite-math-only (the kernel masks with finite values, yet keeps NaN
 # semantics honest) and without its link step: GCC 12 links crtfastmath.o into a -shared
 # library built with -ffast-math, which turns on flush-to-zero for the whole Python process.
-CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+# The ISA's flags (ort_isa.flags) follow these.
+CXX_FLAGS = ("-std=c++17", "-O3", "-fno-math-errno", "-fno-trapping-math",
              "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math",
              "-ffp-contract=fast", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall",
              "-Wno-psabi", "-Wfatal-errors")
 
-_resolved: dict[Path | None, tuple[Path | None, str | None]] = {}
+_resolved: dict[tuple[Path | None, str], tuple[Path | None, str | None]] = {}
 
 
 class CustomOpsUnavailable(RuntimeError):
@@ -86,28 +99,21 @@ def _compiler() -> str:
     raise CustomOpsUnavailable("no C++ compiler (g++, c++ or clang++) on PATH")
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine() + " " + platform.processor()
+def compile_flags(isa: str) -> list[str]:
+    """Every compiler flag of ``isa``'s variant (the macro KVFLOW_ISA_NAME names it inside)."""
+    return [*CXX_FLAGS, *ort_isa.flags(isa), f'-DKVFLOW_ISA_NAME="{isa}"']
 
 
-def library_name(headers: Path, compiler: str) -> str:
-    """The file name: a hash of the sources, the API header, the flags, the compiler's identity
-    (its path and ``--version``) and the CPU's feature flags (``-march=native`` depends on
-    them)."""
+def library_name(headers: Path, compiler: str, isa: str) -> str:
+    """The file name: the ISA and a hash of the sources, the API header, the flags and the
+    compiler's identity (its path and ``--version``)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     for part in (*(source.read_bytes() for source in SOURCES),
                  (headers / API_HEADER).read_bytes(),
-                 " ".join(CXX_FLAGS).encode(), compiler.encode(), version.encode(),
-                 _cpu_flags().encode()):
+                 " ".join(compile_flags(isa)).encode(), compiler.encode(), version.encode()):
         digest.update(hashlib.sha256(part).digest())
-    return f"libkvflow-ortops-{digest.hexdigest()[:16]}.so"
+    return f"libkvflow-ortops-{isa}-{digest.hexdigest()[:16]}.so"
 
 
 def _cache_dirs() -> list[Path]:
@@ -116,41 +122,45 @@ def _cache_dirs() -> list[Path]:
     return [Path(sys.prefix) / "lib" / "kvflow", envs.cache_dir()]
 
 
-def build(headers_dir: Path | None = None) -> Path:
-    """The library, built now unless a cached one matches. Raises CustomOpsUnavailable."""
+def build(headers_dir: Path | None = None, isa: str = "portable") -> Path:
+    """``isa``'s library, built now unless a cached one matches. Raises
+    CustomOpsUnavailable."""
     headers = find_headers(headers_dir)
     compiler = _compiler()
-    name = library_name(headers, compiler)
+    name = library_name(headers, compiler, isa)
     for folder in _cache_dirs():
         if (folder / name).is_file():
             return folder / name
     errors = []
     for folder in _cache_dirs():
         try:
-            return _compile(compiler, headers, folder, name)
+            return _compile(compiler, headers, folder, name, isa)
         except OSError as e:
             errors.append(f"{folder}: {e}")
     raise CustomOpsUnavailable("cannot write the library: " + "; ".join(errors))
 
 
-def _compile(compiler: str, headers: Path, folder: Path, name: str) -> Path:
+def _compile(compiler: str, headers: Path, folder: Path, name: str, isa: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True, mode=0o755)
     # NOTE: built beside its final name, then renamed: processes starting together never load
     # a half-written file.
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *CXX_FLAGS, f"-I{headers}", "-o", tmp, str(SOURCE)],
-                                capture_output=True, text=True)
+        result = subprocess.run([compiler, *compile_flags(isa), f"-I{headers}", "-o", tmp,
+                                 str(SOURCE)], capture_output=True, text=True)
         if result.returncode != 0:
             lines = result.stderr.strip().splitlines()
             errors = [line for line in lines if "error" in line] or lines
-            raise CustomOpsUnavailable(f"{compiler} failed on {SOURCE.name}: "
+            raise CustomOpsUnavailable(f"{compiler} failed on {SOURCE.name} ({isa}): "
                                        + "\n".join(errors)[:1500])
         os.chmod(tmp, 0o755)
         os.replace(tmp, folder / name)
-        for old in folder.glob("libkvflow-ortops-*.so"):  # superseded builds (a loaded one
-            if old.name != name:                         # stays mapped where it is in use)
+        # Superseded builds of this ISA, and those named before there were ISAs (a loaded
+        # one stays mapped where it is in use).
+        for old in folder.glob("libkvflow-ortops-*.so"):
+            parts = old.stem.split("-")
+            if old.name != name and (len(parts) == 3 or parts[2] == isa):
                 old.unlink(missing_ok=True)
     finally:
         if os.path.exists(tmp):
@@ -168,28 +178,55 @@ def _check_loads(path: Path) -> None:
             from e
 
 
-def _resolve(headers_dir: Path | None) -> tuple[Path | None, str | None]:
-    if headers_dir not in _resolved:
+def _resolve(headers_dir: Path | None, isa: str | None) -> tuple[Path | None, str | None]:
+    try:
+        chosen = ort_isa.select(isa)
+    except ort_isa.IsaUnavailable as e:
+        return None, str(e)
+    key = (headers_dir, chosen)
+    if key not in _resolved:
         try:
-            path = build(headers_dir)
+            path = build(headers_dir, chosen)
             _check_loads(path)
-            _resolved[headers_dir] = (path, None)
+            _resolved[key] = (path, None)
         except CustomOpsUnavailable as e:
-            _resolved[headers_dir] = (None, str(e))
-    return _resolved[headers_dir]
+            _resolved[key] = (None, str(e))
+    return _resolved[key]
 
 
-def library(headers_dir: Path | None = None) -> Path | None:
+def library(headers_dir: Path | None = None, isa: str | None = None) -> Path | None:
     """The custom-op library for ``SessionOptions.register_custom_ops_library``, built if need
     be (at most once a process), or None when it cannot be: :func:`unavailable_reason` says
-    why. ``headers_dir`` replaces the folders searched for the headers."""
-    return _resolve(headers_dir)[0]
+    why. ``headers_dir`` replaces the folders searched for the headers; ``isa`` (else
+    ``KVFLOW_ISA``, else the best this CPU runs) picks the variant."""
+    return _resolve(headers_dir, isa)[0]
 
 
-def unavailable_reason(headers_dir: Path | None = None) -> str | None:
-    """Why :func:`library` is None (headers missing, no compiler, the compiler's error, the
-    runtime refusing the library), or None when it is available."""
-    return _resolve(headers_dir)[1]
+def unavailable_reason(headers_dir: Path | None = None, isa: str | None = None) -> str | None:
+    """Why :func:`library` is None (an ISA this CPU lacks, headers missing, no compiler, the
+    compiler's error, the runtime refusing the library), or None when it is available."""
+    return _resolve(headers_dir, isa)[1]
+
+
+def _exported(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.kvflow_ortops_isa.restype = ctypes.c_char_p
+    lib.kvflow_ortops_gemm.restype = ctypes.c_int
+    return lib
+
+
+def native_isa(isa: str | None = None) -> str | None:
+    """The ISA the loaded library was compiled for (``portable``, ``avx2``, ``avxvnni``,
+    ``avx512vnni``), as the library itself says; None when it is unavailable."""
+    path = library(isa=isa)
+    return None if path is None else _exported(path).kvflow_ortops_isa().decode()
+
+
+def native_gemm(isa: str | None = None) -> bool:
+    """Whether the loaded library's kvflow::MatMulQ runs large steps (prefill, big batches) on
+    its tiled int8 GEMM (every variant but ``portable``); False when it is unavailable."""
+    path = library(isa=isa)
+    return path is not None and bool(_exported(path).kvflow_ortops_gemm())
 
 
 def paged_attention_model(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -283,6 +320,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"kvflow: ONNX Runtime headers in {fetch_headers()}", file=sys.stderr)
             except (CustomOpsUnavailable, OSError, subprocess.CalledProcessError) as e:
                 print(f"kvflow: could not fetch the ONNX Runtime headers ({e})", file=sys.stderr)
+    # Every variant the compiler builds (a venv moved to another CPU loads its own); one
+    # that fails is reported and skipped.
+    if ort_isa.is_x86():
+        for isa in ort_isa.ISAS:
+            try:
+                build(None, isa)
+            except CustomOpsUnavailable as e:
+                print(f"kvflow: no {isa} variant of the native op library: {e}",
+                      file=sys.stderr)
     path = library()
     if path is None:
         print(f"kvflow: the ONNX Runtime custom-op library is unavailable "

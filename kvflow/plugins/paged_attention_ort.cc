@@ -31,6 +31,8 @@
 #include <string>
 #include <vector>
 
+#include "gather_q_ort.h"
+#include "isa.h"
 #include "matmul_q_ort.h"
 #include "paged_attention_ort_kernel.h"
 
@@ -352,6 +354,16 @@ OrtCustomOp make_op() {
 
 }  // namespace
 
+// What this build is, for kvflow/plugins/ort_custom_ops.py (ctypes): its ISA's name, and
+// whether kvflow::MatMulQ has the tiled GEMM (matmul_q_gemm.h).
+extern "C" __attribute__((visibility("default"))) const char* kvflow_ortops_isa() {
+  return KVFLOW_ISA_NAME;
+}
+
+extern "C" __attribute__((visibility("default"))) int kvflow_ortops_gemm() {
+  return kHasGemm ? 1 : 0;
+}
+
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
@@ -362,17 +374,24 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
                       api_base->GetVersionString();
     return v1 ? v1->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
+  const std::string lacks = cpu_lacks();
+  if (!lacks.empty())
+    return api->CreateStatus(ORT_FAIL, (std::string("kvflow ops built for ") + KVFLOW_ISA_NAME +
+                                        ": this CPU lacks " + lacks).c_str());
   g_api = api;
   matmul_q::g_api = api;
+  gather_q::g_api = api;
   // NOTE: the ops and one domain for the process, shared by every session (never freed: ORT
   // keeps pointers to them for each session's lifetime). kvflow::MatMulQ: matmul_q_ort.h.
   static OrtCustomOp op = make_op();
   static OrtCustomOp matmul_q_op = matmul_q::make_op();
+  static OrtCustomOp gather_q_op = gather_q::make_op();
   static OrtCustomOpDomain* domain = nullptr;
   static OrtStatus* created = [&]() -> OrtStatus* {
     if (OrtStatus* s = api->CreateCustomOpDomain("kvflow", &domain)) return s;
     if (OrtStatus* s = api->CustomOpDomain_Add(domain, &op)) return s;
-    return api->CustomOpDomain_Add(domain, &matmul_q_op);
+    if (OrtStatus* s = api->CustomOpDomain_Add(domain, &matmul_q_op)) return s;
+    return api->CustomOpDomain_Add(domain, &gather_q_op);
   }();
   if (created) return api->CreateStatus(api->GetErrorCode(created), api->GetErrorMessage(created));
   return api->AddCustomOpDomain(options, domain);
