@@ -32,8 +32,17 @@ namespace kvflow_ort {
 
 static_assert(kColumnTile == 16, "the GEMM's tiles are 16 columns");
 
-// Below this many rows the row kernels win (their weights stream once per row group anyway).
-constexpr int64_t kGemmMinRows = 16;
+// Below this many rows the row kernels win: a tile's repacking costs about what a few rows'
+// products do. Measured (one thread, the default model's shapes): with VNNI the GEMM wins from
+// 8 rows on; AVX2's Q8_0 (three instructions a dot product, as the row kernels') from 16.
+inline int64_t gemm_min_rows(int bits) {
+#if defined(KVFLOW_GEMM_512) || defined(__AVXVNNI__)
+  (void)bits;
+  return 8;
+#else
+  return bits == 4 ? 8 : 16;
+#endif
+}
 
 // One work item's columns, repacked: all nb blocks of 16 columns (columns past N are zeros).
 struct GemmTile {

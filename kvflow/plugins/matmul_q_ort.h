@@ -6,7 +6,7 @@
 // float [..., N]. Attributes: bits (4: Q4_1 blocks, 8: Q8_0 blocks), K, N (required),
 // parallel_min_work (optional: below M * N * K / 32 blocks' work, run on the calling thread).
 // Work items are tiles of kColumnTile output columns, each for every row, through ORT's
-// intra-op pool (KernelContext_ParallelFor). From kGemmMinRows rows on, a tile runs the tiled
+// intra-op pool (KernelContext_ParallelFor). From gemm_min_rows rows on, a tile runs the tiled
 // int8 GEMM (matmul_q_gemm.h) where the build has one (kHasGemm), else the row kernels.
 #pragma once
 
@@ -89,7 +89,7 @@ inline OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
                    static_cast<float*>(y)};
   void (*run)(void*, size_t) = run_column_tile;
 #if defined(KVFLOW_GEMM_512) || defined(KVFLOW_GEMM_256)
-  if (m >= kGemmMinRows) {
+  if (m >= gemm_min_rows((int)a.bits)) {
     run = run_gemm_tile;
     if (a.bits == 8) {
       q.u.resize(q.q.size());
