@@ -27,9 +27,10 @@ from tests.test_matmul_q_op import (
 
 RUNNABLE = ort_isa.runnable()
 # (M, K, N): rows past the 8- and 4-row groups, columns past the 16-column tile, one block
-# (K = 32), a long K; M = 8 and 16 are the GEMM's smallest steps.
+# (K = 32), a long K; M = 8 and 16 are the GEMM's smallest steps; 397 and 520 go by chunks
+# of 256 rows.
 SHAPES = [(16, 32, 17), (37, 576, 49), (67, 96, 16), (131, 1024, 33), (19, 4096, 8),
-          (23, 160, 1), (8, 64, 40), (9, 32, 3)]
+          (23, 160, 1), (8, 64, 40), (9, 32, 3), (397, 64, 24), (520, 32, 17)]
 BLOCK_TAIL = 32
 
 

@@ -134,16 +134,35 @@ inline int32_t load4(const uint8_t* p) {
 
 namespace kvflow_ort {
 
-// Work item `index`: columns [16 index, 16 index + 16) of every row.
+// Steps of more rows than this go by chunks of kGemmChunkRows rows (each work item one chunk x
+// one tile, chunk-major): a chunk's activations (256 x K bytes) stay in L2 while the tiles go
+// by, instead of all M rows streaming through it once per tile.
+constexpr int64_t kGemmChunkRows = 256;
+
+struct GemmArgs {
+  const MatMulQArgs* a;
+  int64_t chunk_rows;
+  size_t tiles;
+};
+
+inline GemmArgs gemm_args(const MatMulQArgs& a) {
+  const int64_t chunk = a.m > kGemmChunkRows + kGemmChunkRows / 2 ? kGemmChunkRows : a.m;
+  return {&a, chunk, (size_t)((a.n + kColumnTile - 1) / kColumnTile)};
+}
+
+inline size_t gemm_items(const GemmArgs& g) {
+  return (size_t)((g.a->m + g.chunk_rows - 1) / g.chunk_rows) * g.tiles;
+}
+
+// Rows [r0, r1) x columns [c0, c0 + 16).
 template <int Bits>
-inline void gemm_tile(const MatMulQArgs& a, size_t index) {
+inline void gemm_tile(const MatMulQArgs& a, int64_t c0, int64_t r0, int64_t r1) {
   thread_local GemmTile t;
-  const int64_t c0 = (int64_t)index * kColumnTile;
   const int cols = (int)std::min<int64_t>(kColumnTile, a.n - c0);
   pack_tile<Bits>(a, c0, cols, t);
-  int64_t r = 0;
-  for (; r + kGemmRows <= a.m; r += kGemmRows) gemm_rows<Bits, kGemmRows>(a, t, c0, cols, r);
-  switch (a.m - r) {
+  int64_t r = r0;
+  for (; r + kGemmRows <= r1; r += kGemmRows) gemm_rows<Bits, kGemmRows>(a, t, c0, cols, r);
+  switch (r1 - r) {
     case 1: gemm_rows<Bits, 1>(a, t, c0, cols, r); break;
     case 2: gemm_rows<Bits, 2>(a, t, c0, cols, r); break;
     case 3: gemm_rows<Bits, 3>(a, t, c0, cols, r); break;
@@ -157,10 +176,15 @@ inline void gemm_tile(const MatMulQArgs& a, size_t index) {
   }
 }
 
+// Work item `index` of a GemmArgs: chunk index / tiles, tile index % tiles.
 inline void run_gemm_tile(void* data, size_t index) {
-  const MatMulQArgs& a = *static_cast<const MatMulQArgs*>(data);
-  if (a.bits == 4) gemm_tile<4>(a, index);
-  else gemm_tile<8>(a, index);
+  const GemmArgs& g = *static_cast<const GemmArgs*>(data);
+  const MatMulQArgs& a = *g.a;
+  const int64_t r0 = (int64_t)(index / g.tiles) * g.chunk_rows;
+  const int64_t r1 = std::min(a.m, r0 + g.chunk_rows);
+  const int64_t c0 = (int64_t)(index % g.tiles) * kColumnTile;
+  if (a.bits == 4) gemm_tile<4>(a, c0, r0, r1);
+  else gemm_tile<8>(a, c0, r0, r1);
 }
 
 }  // namespace kvflow_ort

@@ -88,24 +88,28 @@ inline OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   MatMulQArgs args{(int)a.bits, m, a.k, a.n, static_cast<const uint8_t*>(w), &q,
                    static_cast<float*>(y)};
   void (*run)(void*, size_t) = run_column_tile;
+  void* data = &args;
+  size_t items = (size_t)((a.n + kColumnTile - 1) / kColumnTile);
 #if defined(KVFLOW_GEMM_512) || defined(KVFLOW_GEMM_256)
+  GemmArgs gemm = gemm_args(args);
   if (m >= gemm_min_rows((int)a.bits)) {
     run = run_gemm_tile;
+    data = &gemm;
+    items = gemm_items(gemm);
     if (a.bits == 8) {
       q.u.resize(q.q.size());
       for (size_t i = 0; i < q.q.size(); ++i) q.u[i] = (uint8_t)(q.q[i] ^ 0x80);  // q + 128
     }
   }
 #endif
-  const size_t tiles = (size_t)((a.n + kColumnTile - 1) / kColumnTile);
   bool done = false;
-  if (m * a.n * (a.k / kQBlock) >= a.parallel_min_work && tiles > 1) {
-    OrtStatus* s = g_api->KernelContext_ParallelFor(ctx, run, tiles, 0, &args);
+  if (m * a.n * (a.k / kQBlock) >= a.parallel_min_work && items > 1) {
+    OrtStatus* s = g_api->KernelContext_ParallelFor(ctx, run, items, 0, data);
     done = s == nullptr;
     if (s) g_api->ReleaseStatus(s);  // no pool to run on: run here
   }
   if (!done)
-    for (size_t i = 0; i < tiles; ++i) run(&args, i);
+    for (size_t i = 0; i < items; ++i) run(data, i);
   return nullptr;
 }
 
