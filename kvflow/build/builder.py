@@ -26,6 +26,7 @@ from kvflow.build.engine_config import (
 from kvflow.build.report import PLUGIN_OP, REPORT_FILE, write_report
 
 if TYPE_CHECKING:
+    from kvflow.model.checkpoint_tensors import CheckpointTensors
     from kvflow.model.loader import Checkpoint
 
 ProgressFn = Callable[[str], None]
@@ -66,12 +67,16 @@ def build_engine(
     progress: ProgressFn = _print_progress,
     quantize: str | None = None,
     group_size: int = 32,
-    checkpoint: Checkpoint | None = None,
+    checkpoint: Checkpoint | CheckpointTensors | None = None,
 ) -> EngineConfig:
     """Build an engine folder; see ``kvflow build-engine --help`` for the arguments.
 
-    ``checkpoint``: ``model`` already loaded (:func:`~kvflow.model.loader.load_checkpoint`),
-    so that several engines of one model load and convert it once; it is not modified.
+    ``checkpoint``: ``model`` already opened (:func:`~kvflow.model.loader.open_checkpoint`) or
+    loaded (:func:`~kvflow.model.loader.load_checkpoint`), so that several engines of one model
+    convert its tokenizer once; it is not modified.
+
+    The checkpoint is streamed: the graph is exported from a model without weights, then each
+    weight is read, converted and written on its own (:mod:`kvflow.build.streamed_graph`).
 
     Weights: a GGUF's Q4_0 / Q4_1 / Q8_0 tensors stay quantized on ``--backend onnxruntime``
     unless ``dtype`` is given (``float32``: dequantized, exact to HF); ``quantize`` (``int4`` or
@@ -103,12 +108,13 @@ def build_engine(
     # Validate the cheap arguments before loading gigabytes of weights.
     BuildLimits(max_model_len or 1 << 30, max_num_tokens, max_batch_size, block_size)
 
-    from kvflow.model.loader import load_checkpoint
+    from kvflow.build.streamed_graph import quantization_name, weight_plan
+    from kvflow.model.loader import as_tensors, open_checkpoint
 
     t0 = time.perf_counter()
-    progress(f"[1/4] loading {model}")
-    ckpt = checkpoint if checkpoint is not None else load_checkpoint(model)
-    cfg = ckpt.config
+    progress(f"[1/4] opening {model} (weights are read one tensor at a time)")
+    source = as_tensors(checkpoint) if checkpoint is not None else open_checkpoint(model)
+    cfg = source.config
     limit = cfg.max_position_embeddings
     if cfg.sliding_window:
         limit = min(limit, cfg.sliding_window)  # beyond the window kvflow would not be exact
@@ -127,40 +133,46 @@ def build_engine(
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     progress("[2/4] writing tokenizer and chat template")
-    ckpt.save_tokenizer(out)
+    source.save_tokenizer(out)
 
-    weights = _quantized_weights(ckpt, quantize, group_size) if quantize else (
-        dict(ckpt.quantized) if keep_gguf_quantization else {})
-    if weights and cfg.tie_word_embeddings and "model.embed_tokens.weight" in weights:
-        # The exporter names the tied matrix lm_head.weight; its Gather keeps the fp32 copy.
-        weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
-    quantization = None
-    if weights:
-        quantization = f"{quantize}-g{group_size}" if quantize else "+".join(
-            sorted({w.scheme for w in weights.values()}))
+    plan = weight_plan(source, dtype, quantize, group_size,
+                       keep_gguf_quantization and backend != "torch")
     files: dict[str, str] = {}
-    engine = EngineConfig(cfg, backend, dtype, limits, checkpoint_source(ckpt.source), files,
-                          quantization=quantization)
+    engine = EngineConfig(cfg, backend, dtype, limits, checkpoint_source(source.source), files,
+                          quantization=quantization_name(plan, quantize, group_size))
     if backend == "torch":
-        from safetensors.torch import save_file
+        from kvflow.build.stream import write_safetensors
 
-        progress("[3/4] writing weights.safetensors")
-        state = {k: v.contiguous() for k, v in ckpt.state_dict.items()
-                 if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-        save_file(state, str(out / "weights.safetensors"))
+        progress("[3/4] writing weights.safetensors, tensor by tensor")
+        names = [k for k in source.names()
+                 if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+        write_safetensors(source, names, out / "weights.safetensors", progress)
         files["weights"] = "weights.safetensors"
         write_report(out, limits, cfg, backend, dtype)
         files["report"] = REPORT_FILE
     else:
-        from kvflow.model.llama import LlamaForCausalLM
+        from kvflow.build.streamed_graph import write_streamed_graph
 
-        progress(f"[3/4] exporting ONNX ({cfg.num_hidden_layers} PagedAttention nodes)")
-        net = LlamaForCausalLM(cfg, block_size, max_model_len)
-        net.load_hf_state_dict(ckpt.state_dict)
-        files.update(write_graph_artifacts(net, engine, out, progress, weights))
+        progress(f"[3/4] exporting ONNX ({cfg.num_hidden_layers} PagedAttention nodes), then "
+                 "its weights from the checkpoint")
+        write_streamed_graph(source, plan, block_size, max_model_len, out, progress)
+        files.update(_finish_graph(engine, out, progress))
     engine.save(out)
+    if backend == "onnxruntime":
+        _prepare_runtime_weights(out, engine, progress)
     progress(f"[4/4] engine written to {out} in {time.perf_counter() - t0:.1f}s")
     return engine
+
+
+def _prepare_runtime_weights(out: Path, engine: EngineConfig, progress: ProgressFn) -> None:
+    """The ONNX Runtime runner's prepared weights for its default options, made now so that
+    the first load is fast (kvflow.runtime.ort_weights.prepare, where that module has it)."""
+    try:
+        from kvflow.runtime.ort_weights import prepare
+    except ImportError:
+        return
+    progress("      preparing the ONNX Runtime weights for the default options")
+    prepare(out, engine, progress)
 
 
 def _quantized_weights(ckpt: Any, scheme: str, group_size: int) -> dict:
@@ -181,8 +193,9 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
     """Export ``net`` (a ``LlamaForCausalLM``) in the engine's dtype to ``out/model.onnx`` and,
     for ``--backend tensorrt``, compile ``out/model.plan``; returns the ``files`` entries.
     ``quantized``: block-quantized weights by name, put into the graph in their blocked form
-    (:mod:`kvflow.build.quantize`). ``build_engine`` calls it on a checkpoint, benchmarks on
-    random weights."""
+    (:mod:`kvflow.build.quantize`). It holds the model in memory: ``build_engine`` streams
+    instead (:mod:`kvflow.build.streamed_graph`); benchmarks and tests call this on weights
+    they made."""
     import torch
 
     from kvflow.build.export import export_onnx, save_graph
@@ -201,17 +214,15 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
         schemes = ", ".join(f"{n} {s}" for s, n in report.schemes.most_common())
         progress(f"      quantized weights: {schemes} layers, {report.fp32_bytes / 1e6:.0f} MB "
                  f"-> {report.quantized_bytes / 1e6:.0f} MB")
-    network, extra = None, {}
-    if engine.backend == "onnxruntime":
-        import onnx
+    files.update(_finish_graph(engine, out, progress))
+    return files
 
-        from kvflow.runtime.ort_graph import fuse_for_ort
 
-        # What the ONNX Runtime runner will run: the graph as written, fused at load (about a
-        # second for the default model: it needs the weights, which it concatenates).
-        _, fusion = fuse_for_ort(onnx.load(str(out / "model.onnx")))
-        progress(f"      ONNX Runtime graph fused at load: {fusion.summary()}")
-        extra["onnxruntime_fusion_at_load"] = fusion.summary()
+def _finish_graph(engine: EngineConfig, out: Path, progress: ProgressFn) -> dict[str, str]:
+    """After ``out/model.onnx`` is written: the TensorRT plan (``--backend tensorrt``) and the
+    build report; returns the ``files`` entries."""
+    files = {"onnx": "model.onnx", "onnx_data": "model.onnx.data"}
+    network = None
     if engine.backend == "tensorrt":
         from kvflow.build.tensorrt_build import build_plan
 
@@ -220,7 +231,7 @@ def write_graph_artifacts(net: Any, engine: EngineConfig, out: Path,
                              engine.model)
         files["plan"] = "model.plan"
     onnx_part = write_report(out, engine.limits, engine.model, engine.backend, engine.dtype,
-                             out / "model.onnx", network, extra)["onnx"]
+                             out / "model.onnx", network)["onnx"]
     progress(f"      {REPORT_FILE}: {onnx_part['num_layers']} ONNX nodes, "
              f"{onnx_part['num_plugins']} {PLUGIN_OP} (polygraphy inspect model)")
     files["report"] = REPORT_FILE

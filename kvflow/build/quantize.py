@@ -14,11 +14,17 @@ the float zero point ``-m/d``, which rounds, and which no fused kernel of Tensor
 instead exact in the algebra: ``sum_k x_k (d q_k + m) = sum_k x_k d q_k + m sum_k x_k``, so the
 minima cost one small ``[T, K/B] x [K/B, N]`` Gemm over the block sums of ``x`` (computed once
 per input, shared by the layers that read it), whose ``C`` is the main product.
+
+The rewrite is structure only: it needs each weight's scheme and shape (a :class:`QuantSpec`),
+not its bytes. Given a :class:`QuantSpec`, the new initializers are placeholders
+(:func:`kvflow.build.export.is_placeholder`) that the streaming build fills tensor by tensor
+with :func:`quantized_tensors`; given a :class:`QuantizedWeight`, they hold its values at once.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +46,94 @@ class QuantizeReport:
     quantized_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class QuantSpec:
+    """What the graph rewrite needs of a block-quantized weight: its form, not its values.
+
+    Attributes:
+        scheme: ``Q4_0``, ``Q4_1``, ``Q8_0``, ``int4`` or ``int8``.
+        bits: 4 or 8.
+        block_size: elements per block along ``in``.
+        shape: ``(out, in)``.
+        zero_point: whether it has integer zero points (Q4_0, int4).
+        minimum: whether it has float block minima (Q4_1).
+    """
+
+    scheme: str
+    bits: int
+    block_size: int
+    shape: tuple[int, int]
+    zero_point: bool = False
+    minimum: bool = False
+
+    @property
+    def signed(self) -> bool:
+        return self.bits == 8
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weight, as :attr:`QuantizedWeight.nbytes` counts them."""
+        out, cols = self.shape
+        blocks = out * (cols // self.block_size)
+        return (out * cols * self.bits // 8 + blocks * 4 + (blocks * self.bits // 8
+                if self.zero_point else 0) + (blocks * 4 if self.minimum else 0))
+
+    @classmethod
+    def of(cls, scheme: str, shape: tuple[int, int], block_size: int = 32) -> QuantSpec:
+        """The spec of a GGUF block type or a round-to-nearest scheme (``int4``/``int8``)."""
+        forms = {"Q4_0": (4, True, False), "Q4_1": (4, False, True), "Q8_0": (8, False, False),
+                 "int4": (4, True, False), "int8": (8, False, False)}
+        if scheme not in forms:
+            raise ValueError(f"quantization scheme must be one of {sorted(forms)}, got "
+                             f"{scheme!r}")
+        bits, zp, minimum = forms[scheme]
+        return cls(scheme, bits, 32 if scheme.startswith("Q") else block_size,
+                   (int(shape[0]), int(shape[1])), zp, minimum)
+
+    @classmethod
+    def of_weight(cls, w: QuantizedWeight) -> QuantSpec:
+        return cls(w.scheme, w.bits, w.block_size, w.shape, w.zero_point is not None,
+                   w.minimum is not None)
+
+
+def quantized_tensors(name: str, w: QuantizedWeight) -> list[TensorProto]:
+    """The initializers the rewrite reads for weight ``name``, with their values: codes
+    (``.q``, transposed to ``[in, out]``), ``.scale``, and ``.zero_point`` / ``.minimum``."""
+    out = [_packed_tensor(f"{name}.q", w.q.T, w.bits, w.q.dtype == np.int8),
+           numpy_helper.from_array(np.ascontiguousarray(w.scale.T), f"{name}.scale")]
+    if w.zero_point is not None:
+        out.append(_packed_tensor(f"{name}.zero_point", w.zero_point.T, w.bits, False))
+    if w.minimum is not None:
+        out.append(numpy_helper.from_array(np.ascontiguousarray(w.minimum.T), f"{name}.minimum"))
+    return out
+
+
+def _placeholder(name: str, data_type: int, dims: list[int]) -> TensorProto:
+    from kvflow.build.export import PLACEHOLDER
+
+    t = TensorProto(name=name, data_type=data_type, dims=dims)
+    t.data_location = TensorProto.EXTERNAL
+    t.external_data.add(key="location", value=PLACEHOLDER)
+    return t
+
+
+def _spec_tensors(name: str, s: QuantSpec) -> list[TensorProto]:
+    """:func:`quantized_tensors`'s initializers without values (placeholders)."""
+    out, cols = s.shape
+    nb = cols // s.block_size
+    code = (TensorProto.INT8 if s.signed else TensorProto.UINT8) if s.bits == 8 \
+        else TensorProto.UINT4
+    tensors = [_placeholder(f"{name}.q", code, [cols, out]),
+               _placeholder(f"{name}.scale", TensorProto.FLOAT, [nb, out])]
+    if s.zero_point:
+        tensors.append(_placeholder(f"{name}.zero_point",
+                                    TensorProto.UINT4 if s.bits == 4 else TensorProto.UINT8,
+                                    [nb, out]))
+    if s.minimum:
+        tensors.append(_placeholder(f"{name}.minimum", TensorProto.FLOAT, [nb, out]))
+    return tensors
+
+
 def _packed_tensor(name: str, codes: np.ndarray, bits: int, signed: bool) -> TensorProto:
     if bits == 8:
         return numpy_helper.from_array(np.ascontiguousarray(codes.astype(
@@ -57,9 +151,11 @@ def _attrs(node: onnx.NodeProto) -> dict:
 
 
 def quantize_graph(model: onnx.ModelProto,
-                   weights: dict[str, QuantizedWeight]) -> QuantizeReport:
-    """Rewrite ``model`` in place (weights loaded) so that every ``Gemm`` whose weight is in
-    ``weights`` reads it block-quantized; fp32 initializers nobody reads any more are dropped."""
+                   weights: Mapping[str, QuantizedWeight | QuantSpec]) -> QuantizeReport:
+    """Rewrite ``model`` in place so that every ``Gemm`` whose weight is in ``weights`` reads it
+    block-quantized; fp32 initializers nobody reads any more are dropped. A
+    :class:`QuantizedWeight` puts its values in the graph; a :class:`QuantSpec` leaves
+    placeholders for the stream (the graph's own weights may be placeholders too)."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     report = QuantizeReport()
@@ -76,36 +172,37 @@ def quantize_graph(model: onnx.ModelProto,
                 or a.get("beta", 1.0) != 1.0:
             new_nodes.append(node)
             continue
-        w = weights[name]
+        given = weights[name]
+        w = given if isinstance(given, QuantSpec) else QuantSpec.of_weight(given)
         out_features, in_features = w.shape
         if tuple(inits[name].dims) != (out_features, in_features):
             raise ValueError(f"{name}: graph weight {list(inits[name].dims)} does not match "
                              f"the quantized weight {list(w.shape)}")
         x, y = node.input[0], node.output[0]
-        signed = w.q.dtype == np.int8
+        tensors = (_spec_tensors(name, given) if isinstance(given, QuantSpec)
+                   else quantized_tensors(name, given))
+        by_name = {t.name: t for t in tensors}
         dq_inputs = [f"{name}.q", f"{name}.scale"]
-        new_inits += [_packed_tensor(dq_inputs[0], w.q.T, w.bits, signed),
-                      numpy_helper.from_array(np.ascontiguousarray(w.scale.T), dq_inputs[1])]
-        if w.zero_point is not None:
+        new_inits += [by_name[dq_inputs[0]], by_name[dq_inputs[1]]]
+        if w.zero_point:
             dq_inputs.append(f"{name}.zero_point")
-            new_inits.append(_packed_tensor(dq_inputs[2], w.zero_point.T, w.bits, False))
+            new_inits.append(by_name[dq_inputs[2]])
         new_nodes.append(helper.make_node("DequantizeLinear", dq_inputs, [f"{name}.dq"],
                                           name=f"{name}.DequantizeLinear", axis=0,
                                           block_size=w.block_size))
         has_bias = len(node.input) > 2 and bool(node.input[2])
-        product = y if w.minimum is None and not has_bias else f"{name}.matmul"
+        product = y if not w.minimum and not has_bias else f"{name}.matmul"
         new_nodes.append(helper.make_node("MatMul", [x, f"{name}.dq"], [product],
                                           name=f"{name}.MatMul"))
         if has_bias:
-            biased = y if w.minimum is None else f"{name}.biased"
+            biased = y if not w.minimum else f"{name}.biased"
             new_nodes.append(helper.make_node("Add", [product, node.input[2]], [biased]))
             product = biased
-        if w.minimum is not None:
+        if w.minimum:
             key = (x, in_features, w.block_size)
             if key not in block_sums:
                 block_sums[key] = _block_sum(x, in_features, w.block_size, new_nodes, new_inits)
-            new_inits.append(numpy_helper.from_array(np.ascontiguousarray(w.minimum.T),
-                                                     f"{name}.minimum"))
+            new_inits.append(by_name[f"{name}.minimum"])
             # y = block_sums @ minimum + product: one Gemm, its C the main product.
             new_nodes.append(helper.make_node("Gemm", [block_sums[key], f"{name}.minimum",
                                                        product], [y],

