@@ -104,3 +104,20 @@ def test_an_isa_the_cpu_lacks_or_unknown_is_refused_by_name():
         assert f"KVFLOW_ISA={isa}" in (ort_custom_ops.unavailable_reason(isa=isa) or "")
     with pytest.raises(ort_isa.IsaUnavailable, match="KVFLOW_ISA=sse9 is none of avx512vnni"):
         ort_isa.select("sse9")
+
+
+@needs_library
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("scheme", ["Q4_1", "Q8_0"])
+def test_row_kernels_equal_the_reference_on_every_isa(isa, scheme):
+    """Steps below the GEMM (a decode step: one row, AVX-512's two blocks a vector) at block
+    counts odd, below, at and past the 16- and 32-block chunks."""
+    for k in (32, 96, 608, 1056, 1536):
+        weight = make_weight(scheme, k, 9, seed=k)
+        s = session(matmul_q_model(weight), _library(isa))
+        for m in (1, 2, 3, 5):
+            x = inputs(m, k, seed=m)
+            ref = reference(x, weight)
+            np.testing.assert_allclose(s.run(None, {"x": x})[0], ref, rtol=0,
+                                       atol=SAME_ARITHMETIC_TOL * np.abs(ref).max(),
+                                       err_msg=f"{isa} {scheme} M={m} K={k}")

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "isa.h"
 #include "paged_attention_ort_simd.h"
 
 #ifdef __AVX2__
@@ -260,6 +261,12 @@ inline void column_rows(const MatMulQArgs& a, int64_t c0, int64_t r0) {
 }
 #endif
 
+}  // namespace kvflow_ort
+
+#include "matmul_q_gemv512.h"
+
+namespace kvflow_ort {
+
 // Columns [c0, c1) for every row: the tile's weights stay in cache across the row groups.
 // One row (a decode step) goes 4 Q4_1 columns at a time, more rows 1 column x 4 rows.
 template <int Bits, int C, int R>
@@ -277,6 +284,13 @@ inline void column_tile(const MatMulQArgs& a, int64_t c0, int64_t c1) {
   if (left == 3) columns<Bits, 1, 3>(a, c0, c1, r);
   else if (left == 2) columns<Bits, 2, 2>(a, c0, c1, r);
   // NOTE: Q8_0 (the 576 x 49152 head, memory-bound) one column at a time: measured faster.
+#if defined(KVFLOW_GEMM_512)
+  else if (left == 1 && Bits == 4) {  // a decode step's Q4_1: two blocks a 512-bit vector
+    int64_t c = c0;
+    for (; c + 4 <= c1; c += 4) column_row_q4_512<4>(a, c, r);
+    for (; c < c1; ++c) column_row_q4_512<1>(a, c, r);
+  }
+#endif
   else if (left == 1) columns<Bits, Bits == 4 ? 4 : 1, 1>(a, c0, c1, r);
 }
 
