@@ -217,3 +217,24 @@ def test_draft_engine_is_checked(tiny_engines):
         LLM(target, speculative="draft")
     with pytest.raises(ValueError, match="draft_engine"):
         LLM(target, draft_engine=str(target))
+
+
+def test_a_group_whose_prompt_ends_one_token_into_a_step_gets_every_first_token(tiny_engines):
+    """``n = 2`` with drafts, and a prompt whose last chunk is one token (17 = 8 + 8 + 1): the
+    leader's first token is every member's too, so that step is not speculative; every
+    sequence then runs to its length (it once hung with the member's first token missing)."""
+    engine = tiny_engines["llama-gqa4", "onnxruntime"]
+    prompt = [5, 6, 7, 8] * 4 + [5]  # repeats: the n-gram proposer drafts while it prefills
+    params = SamplingParams(max_tokens=12, temperature=0.7, seed=3, n=2, ignore_eos=True)
+    with LLM(engine, debug_checks=True, speculative="ngram", num_speculative_tokens=3,
+             speculative_draft_length="fixed", max_num_batched_tokens=8,
+             max_step_ms=0) as llm:
+        llm.engine.add_request(prompt, params, request_id="g")
+        outputs = []
+        for _ in range(200):  # bounded: a missing first token would step forever
+            outputs += [o for o in llm.engine.step() if o.finished]
+            if not llm.engine.has_unfinished_requests():
+                break
+        assert not llm.engine.has_unfinished_requests()
+    (out,) = outputs
+    assert [len(c.token_ids) for c in out.outputs] == [12, 12]

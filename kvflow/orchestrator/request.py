@@ -268,13 +268,21 @@ class SequenceGroup:
         return [s for s in self.seqs if not s.is_finished]
 
 
+def fans_out_first_token(request: Request) -> bool:
+    """Whether ``request`` is a group's leader whose next token is its first, which its parked
+    members sample too (from the leader's logits row: :func:`fan_out_first_tokens`). Such a
+    step is never speculative: verified drafts would give the members no row."""
+    group = request.group
+    return (group is not None and bool(group.parked) and request is group.leader
+            and not request.output_token_ids)
+
+
 def fan_out_first_tokens(requests: list[Request]) -> tuple[list[Request], list[int] | None]:
     """The sequences that sample this step, given those whose logits the runner computes:
     when a group's leader samples its first token, its logits row is every parked member's
     too (each samples it with its own stream; the scheduler forks them when it appends).
     Returns the sequences, and the logits row each reads (None: each its own)."""
-    first = [r for r in requests if r.group is not None and r.group.parked
-             and r is r.group.leader and not r.output_token_ids]
+    first = [r for r in requests if fans_out_first_token(r)]
     if not first:
         return requests, None
     requests, row_of = list(requests), list(range(len(requests)))

@@ -9,7 +9,7 @@ preempt running ones it outranks. The algorithm in full: :meth:`ContinuousSchedu
 
 from __future__ import annotations
 
-from kvflow.orchestrator.request import Request, RequestStatus
+from kvflow.orchestrator.request import Request, RequestStatus, fans_out_first_token
 from kvflow.orchestrator.scheduler.core import Scheduler
 from kvflow.orchestrator.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvflow.orchestrator.scheduler.preemption import pick_victim, priority_victims
@@ -107,7 +107,8 @@ class ContinuousScheduler(Scheduler):
         leave a token of the budget and a free block for each of the ``num_behind`` running
         requests still to schedule (this one included), and drafts that do not fit are
         dropped (the decode is then scheduled plainly). Whether it was scheduled."""
-        num_spec = min(len(request.spec_token_ids), budget - num_behind)
+        num_spec = 0 if fans_out_first_token(request) else min(len(request.spec_token_ids),
+                                                                 budget - num_behind)
         computed = request.num_computed_tokens
         if num_spec > 0 and self.kv.allocate_slots(request.request_id, computed + 1 + num_spec,
                                                    reserve=num_behind,
