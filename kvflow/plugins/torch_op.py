@@ -13,11 +13,8 @@ import torch
 from onnx.defs import OpSchema
 
 from kvflow.plugins import kv_registry
+from kvflow.plugins.op_names import ONNX_DOMAIN, ONNX_OP_TYPE, ONNX_OP_VERSION
 from kvflow.plugins.paged_attention_ref import paged_attention_ref
-
-ONNX_DOMAIN = "kvflow"
-ONNX_OP_TYPE = "PagedAttention"
-ONNX_OP_VERSION = 1
 
 _INPUTS = [
     ("q", "T", "[num_tokens, num_heads*head_dim] queries, RoPE applied"),

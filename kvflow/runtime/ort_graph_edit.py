@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
+from kvflow.plugins.op_names import ONNX_DOMAIN, ONNX_OP_TYPE
 from kvflow.runtime.ort_weights import (
     INLINE_MAX_BYTES,
     PreparedWeights,

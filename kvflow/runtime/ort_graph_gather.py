@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from kvflow.plugins.torch_op import ONNX_DOMAIN
+from kvflow.plugins.op_names import ONNX_DOMAIN
 from kvflow.runtime.ort_graph_edit import Graph
 from kvflow.runtime.ort_graph_linear import NATIVE_BLOCK, NativeWeight
 from kvflow.runtime.ort_weights import is_external

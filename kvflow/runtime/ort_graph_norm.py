@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
+from kvflow.plugins.op_names import ONNX_DOMAIN, ONNX_OP_TYPE
 from kvflow.runtime.ort_graph_edit import MS_DOMAIN, Graph, float_dims
 
 SLN = "SimplifiedLayerNormalization"

@@ -16,7 +16,7 @@ from collections import Counter
 import onnx
 from onnx import TensorProto, helper
 
-from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
+from kvflow.plugins.op_names import ONNX_DOMAIN, ONNX_OP_TYPE
 from kvflow.runtime.ort_graph_edit import Graph
 
 ROWS = "logits_rows_early"

@@ -44,7 +44,7 @@ from onnx import helper
 
 from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins import ort_custom_ops
-from kvflow.plugins.torch_op import ONNX_DOMAIN
+from kvflow.plugins.op_names import ONNX_DOMAIN
 from kvflow.runtime import ort_threads
 from kvflow.runtime.base import (
     QUANTIZED_MATMUL_MODES,

@@ -23,8 +23,8 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from kvflow.plugins.op_names import ONNX_DOMAIN, ONNX_OP_TYPE
 from kvflow.plugins.paged_attention_native import paged_attention_native
-from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE
 from kvflow.runtime.ort_weights import MappedWeights
 
 ARGMAX_OUTPUT = "kvflow_argmax"
