@@ -1,13 +1,15 @@
 """kvflow::MatMulQ's tiled int8 GEMM (kvflow/plugins/matmul_q_gemm.h), which runs steps of 8
-(AVX2 Q8_0: 16) rows or more, on every ISA variant of the op library this CPU runs (each its own library, loaded
-side by side): against the NumPy reference of the op's arithmetic (tests/test_matmul_q_op.py) at
-odd shapes and tails (rows not a multiple of the row group, columns not a multiple of the
-16-column tile, K = 32 and K large), bits 4 and 8, one thread and ORT's pool; and the ISA
-selection itself: KVFLOW_ISA forces a variant, one the CPU lacks is refused by name."""
+(AVX2 Q8_0: 16) rows or more, and its row kernels, on every ISA variant of the op library this
+CPU runs (each its own library, loaded side by side): against the NumPy reference of the op's
+arithmetic (tests/test_matmul_q_op.py) at odd shapes and tails (rows not a multiple of the row
+group, columns not a multiple of the 16-column tile, K = 32 and K large, chunks of rows), bits
+4 and 8, one thread and ORT's pool; and the ISA selection itself: KVFLOW_ISA forces a variant,
+one the CPU lacks is refused by name."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -121,3 +123,12 @@ def test_row_kernels_equal_the_reference_on_every_isa(isa, scheme):
             np.testing.assert_allclose(s.run(None, {"x": x})[0], ref, rtol=0,
                                        atol=SAME_ARITHMETIC_TOL * np.abs(ref).max(),
                                        err_msg=f"{isa} {scheme} M={m} K={k}")
+
+
+def test_the_library_name_hashes_every_source_it_includes():
+    """The cache key is honest: every local header the library includes is in SOURCES."""
+    folder = ort_custom_ops.SOURCE.parent
+    included = set()
+    for source in [ort_custom_ops.SOURCE, *folder.glob("*.h")]:
+        included |= set(re.findall(r'#include "([^"]+)"', source.read_text()))
+    assert included <= {s.name for s in ort_custom_ops.SOURCES}
