@@ -125,6 +125,8 @@ def plot(report: dict[str, Any], path: Path) -> str | None:
                    if isinstance(v := _get(m, *keys), (int, float))]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+        if models[-1][0] > 3 * models[0][0]:
+            ax.set_xscale("log")
         ax.set_xlabel("parameters (billions)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
