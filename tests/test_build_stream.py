@@ -69,7 +69,7 @@ def assert_same_engine(streamed: Path, reference: Path) -> None:
 
 
 def test_exporter_receives_a_model_without_weights():
-    from kvflow.build.export import export_graph, is_weightless, weightless_model
+    from kvflow.build.export import export_graph, is_placeholder, is_weightless, weightless_model
     from kvflow.model.config import ModelConfig
     from kvflow.model.llama import LlamaForCausalLM
 
@@ -80,12 +80,25 @@ def test_exporter_receives_a_model_without_weights():
     params = list(net.parameters())
     assert params and all(isinstance(p, FakeTensor) for p in params)
     assert is_weightless(net)
-    graph = export_graph(net, inputs)  # no values given: every weight a placeholder
-    names = {t.name for t in graph.graph.initializer}
-    assert "model.layers.1.mlp.down_proj.weight" in names
+    real = LlamaForCausalLM(cfg, 4, 64)
+    values = {k: v.detach().numpy() for k, v in real.state_dict().items()}
+    values.update(rope_cos=real.rope_cos.numpy(), rope_sin=real.rope_sin.numpy())
+    asked: list[str] = []
+
+    def known_value(name: str) -> np.ndarray:
+        asked.append(name)
+        return values[name]
+
+    graph = export_graph(net, inputs, known_value)
+    # Only the norms (1-D) and the computed RoPE tables are read; every matrix stays a
+    # placeholder for the stream.
+    assert asked and all(values[n].ndim == 1 or n.startswith("rope_") for n in asked)
+    placeholders = {t.name for t in graph.graph.initializer if is_placeholder(t)}
+    assert {k for k, v in values.items() if v.ndim == 2 and not k.startswith("rope_")} <= \
+        placeholders
     # The build's only way to the exporter refuses a model that holds its weights.
     with pytest.raises(ValueError, match="without weights"):
-        export_graph(LlamaForCausalLM(cfg, 4, 64), inputs)
+        export_graph(real, inputs, known_value)
 
 
 @pytest.mark.parametrize("name", ["llama-mha-tied", "qwen2-bias", "llama-gqa4"])

@@ -142,7 +142,7 @@ def is_weightless(model: torch.nn.Module) -> bool:
 
 
 def export_graph(model: LlamaForCausalLM, inputs: tuple,
-                 known_value: Callable[[str], np.ndarray] | None = None) -> onnx.ModelProto:
+                 known_value: Callable[[str], np.ndarray]) -> onnx.ModelProto:
     """The engine graph of a weightless ``model`` (:func:`weightless_model`), in memory.
 
     Every parameter and buffer is an initializer whose data is a :data:`PLACEHOLDER` (external
@@ -168,7 +168,7 @@ def export_graph(model: LlamaForCausalLM, inputs: tuple,
             continue
         assert value.dtype is not None and value.shape is not None
         size = int(np.prod(value.shape.numpy(), dtype=np.int64))
-        if known_value is not None and (size <= SMALL_ELEMENTS or name in buffers):
+        if size <= SMALL_ELEMENTS or name in buffers:
             array = np.asarray(known_value(name), dtype=value.dtype.numpy())
             if array.shape != tuple(value.shape.numpy()):
                 raise ValueError(f"{name}: checkpoint shape {list(array.shape)} does not match "
