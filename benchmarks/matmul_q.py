@@ -1,8 +1,7 @@
 """kvflow::MatMulQ against ORT's fp32 MatMul and MatMulNBits (accuracy level 4, int8
 activations) on the default model's (SmolLM2-135M) matmul shapes, one intra-op thread
 (``--threads``): the best of ``--repeat`` runs, in microseconds. The machine's load shows in
-the figures: say how busy it
-was when quoting them.
+the figures: say how busy it was when quoting them.
 
     python benchmarks/matmul_q.py [--rows 1 8 32] [--repeat 30]
     python benchmarks/matmul_q.py --engine engines/smollm2-135m   # a batch-1 decode step
