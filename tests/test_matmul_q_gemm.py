@@ -132,3 +132,26 @@ def test_the_library_name_hashes_every_source_it_includes():
     for source in [ort_custom_ops.SOURCE, *folder.glob("*.h")]:
         included |= set(re.findall(r'#include "([^"]+)"', source.read_text()))
     assert included <= {s.name for s in ort_custom_ops.SOURCES}
+
+
+@needs_library
+@pytest.mark.skipif("avx512vnni" not in RUNNABLE or "avxvnni" in RUNNABLE,
+                    reason="AVX-VNNI's code path through AVX-512 VNNI's 256-bit instruction")
+def test_the_avx_vnni_code_path_through_avx512_vl(tmp_path):
+    """This CPU lacks AVX-VNNI: its 256-bit GEMM path (matmul_q_gemm_x86.h, KVFLOW_VNNI256)
+    runs here in a build with AVX-512 VNNI on 256 bits (VL) and no AVX-512 BW (so no 512-bit
+    GEMM), the same arithmetic with the same instruction's AVX-512 encoding."""
+    library = tmp_path / "vnni256.so"
+    flags = [*ort_custom_ops.CXX_FLAGS, "-march=x86-64-v3", "-mavx512vl", "-mavx512vnni",
+             '-DKVFLOW_ISA_NAME="vnni256"']
+    subprocess.run(["g++", *flags, f"-I{ort_custom_ops.find_headers()}", "-o", str(library),
+                    str(ort_custom_ops.SOURCE)], check=True, capture_output=True)
+    for scheme in ("Q4_1", "Q8_0"):
+        for m, k, n in SHAPES[:6]:
+            weight = make_weight(scheme, k, n, seed=m)
+            x = inputs(m, k, seed=n)
+            ref = reference(x, weight)
+            y = session(matmul_q_model(weight), library).run(None, {"x": x})[0]
+            np.testing.assert_allclose(y, ref, rtol=0,
+                                       atol=SAME_ARITHMETIC_TOL * np.abs(ref).max(),
+                                       err_msg=f"{scheme} M={m} K={k} N={n}")

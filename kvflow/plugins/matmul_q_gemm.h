@@ -36,7 +36,7 @@ static_assert(kColumnTile == 16, "the GEMM's tiles are 16 columns");
 // products do. Measured (one thread, the default model's shapes): with VNNI the GEMM wins from
 // 8 rows on; AVX2's Q8_0 (three instructions a dot product, as the row kernels') from 16.
 inline int64_t gemm_min_rows(int bits) {
-#if defined(KVFLOW_GEMM_512) || defined(__AVXVNNI__)
+#if defined(KVFLOW_GEMM_512) || defined(__AVXVNNI__) || defined(__AVX512VNNI__)
   (void)bits;
   return 8;
 #else

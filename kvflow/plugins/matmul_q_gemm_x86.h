@@ -53,11 +53,26 @@ inline void gemm_rows(const MatMulQArgs& a, const GemmTile& t, int64_t c0, int c
 #define kGemmRowsMacro 4
 constexpr int kGemmRows = 4;
 
+// 256-bit VNNI: AVX-VNNI's instruction, or AVX-512 VNNI's on 256 bits (VL) in a build without
+// the rest of AVX-512 (tests/test_matmul_q_gemm.py builds one: it runs the AVX-VNNI code path
+// on a CPU that has AVX-512 VNNI but no AVX-VNNI).
+#if defined(__AVXVNNI__)
+#define KVFLOW_VNNI256 1
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+}
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVFLOW_VNNI256 1
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(acc, u, s);
+}
+#endif
+
 template <int Bits, int R>
 inline void gemm_rows(const MatMulQArgs& a, const GemmTile& t, int64_t c0, int cols,
                       int64_t r0) {
   const int64_t nb = a.k / kQBlock;
-#ifdef __AVXVNNI__
+#ifdef KVFLOW_VNNI256
   const uint8_t* xq = (Bits == 4 ? reinterpret_cast<const uint8_t*>(a.x->q.data())
                                  : a.x->u.data()) + r0 * a.k;
 #else
@@ -75,14 +90,13 @@ inline void gemm_rows(const MatMulQArgs& a, const GemmTile& t, int64_t c0, int c
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
       for (int g = 0; g < 8; ++g) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 16));
-#ifndef __AVXVNNI__
+#ifndef KVFLOW_VNNI256
         const __m256i aw = Bits == 8 ? _mm256_sign_epi8(w, w) : w;  // |q_w|, unsigned
 #endif
         for (int r = 0; r < R; ++r) {
           const __m256i xv = _mm256_set1_epi32(load4(xq + r * a.k + b * kQBlock + 4 * g));
-#ifdef __AVXVNNI__
-          acc[r] = Bits == 4 ? _mm256_dpbusd_avx_epi32(acc[r], w, xv)
-                             : _mm256_dpbusd_avx_epi32(acc[r], xv, w);
+#ifdef KVFLOW_VNNI256
+          acc[r] = Bits == 4 ? dpbusd256(acc[r], w, xv) : dpbusd256(acc[r], xv, w);
 #else
           if (Bits == 4)  // 16-bit sums: see the header comment of matmul_q_gemm.h
             acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(w, xv));
@@ -94,12 +108,12 @@ inline void gemm_rows(const MatMulQArgs& a, const GemmTile& t, int64_t c0, int c
       }
       const __m256 dw = _mm256_loadu_ps(t.d.data() + b * 16 + h * 8);
       const __m256 mw = _mm256_loadu_ps(t.m.data() + b * 16 + h * 8);
-#ifdef __AVXVNNI__
+#ifdef KVFLOW_VNNI256
       const __m256i corr = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(t.corr.data() + b * 16 + h * 8));
 #endif
       for (int r = 0; r < R; ++r) {
-#ifdef __AVXVNNI__
+#ifdef KVFLOW_VNNI256
         const __m256i dot = Bits == 8 ? _mm256_sub_epi32(acc[r], corr) : acc[r];
 #else
         const __m256i dot = Bits == 4 ? _mm256_madd_epi16(acc[r], ones) : acc[r];
