@@ -2,7 +2,7 @@
 (AVX2 Q8_0: 16) rows or more, and its row kernels, on every ISA variant of the op library this
 CPU runs (each its own library, loaded side by side): against the NumPy reference of the op's
 arithmetic (tests/test_matmul_q_op.py) at odd shapes and tails (rows not a multiple of the row
-group, columns not a multiple of the 16-column tile, K = 32 and K large, chunks of rows), bits
+group, columns not a multiple of the 16-column tile, K = 32 and K large, many rows), bits
 4 and 8, one thread and ORT's pool; and the ISA selection itself: KVFLOW_ISA forces a variant,
 one the CPU lacks is refused by name."""
 
@@ -29,8 +29,7 @@ from tests.test_matmul_q_op import (
 
 RUNNABLE = ort_isa.runnable()
 # (M, K, N): rows past the 8- and 4-row groups, columns past the 16-column tile, one block
-# (K = 32), a long K; M = 8 and 16 are the GEMM's smallest steps; 397 and 520 go by chunks
-# of 256 rows.
+# (K = 32), a long K; M = 8 and 16 are the GEMM's smallest steps; 397 and 520 many rows.
 SHAPES = [(16, 32, 17), (37, 576, 49), (67, 96, 16), (131, 1024, 33), (19, 4096, 8),
           (23, 160, 1), (8, 64, 40), (9, 32, 3), (397, 64, 24), (520, 32, 17)]
 BLOCK_TAIL = 32

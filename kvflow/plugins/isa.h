@@ -20,6 +20,13 @@
 #define KVFLOW_GEMM_256 1
 #endif
 
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+// NOTE: GCC 12's 512-bit intrinsics pass _mm512_undefined_*() (a self-initialised variable) as
+// their pass-through operand and warn about it at every use.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 namespace kvflow_ort {
 
 #if defined(KVFLOW_GEMM_512) || defined(KVFLOW_GEMM_256)

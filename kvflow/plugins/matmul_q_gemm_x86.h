@@ -7,8 +7,6 @@
 namespace kvflow_ort {
 
 #if defined(KVFLOW_GEMM_512)
-// NOTE: GCC 12's _mm512_cvtepi32_ps passes _mm512_undefined_ps() and warns about it.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #define kGemmRowsMacro 8
 constexpr int kGemmRows = 8;
 
