@@ -19,7 +19,7 @@ from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins import ort_custom_ops
 from kvflow.runtime.kv_cache import HostKVPool
 from kvflow.runtime.ort_graph import fuse_for_ort
-from kvflow.runtime.ort_runner import KV_DTYPE_CODES, OnnxRuntimeRunner
+from kvflow.runtime.ort_runner import KV_DTYPE_CODES, OnnxRuntimeRunner, prepare
 from kvflow.runtime.ort_sessions import (
     Executor,
     OneSession,
@@ -35,7 +35,6 @@ from kvflow.runtime.ort_weights import (
     external_info,
     graph_data_files,
     is_external,
-    prepare,
     resident_bytes,
 )
 from tests.test_ort_graph import BUILD, quantized_engines, steps  # noqa: F401 (a fixture)

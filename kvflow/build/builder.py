@@ -166,11 +166,9 @@ def build_engine(
 
 def _prepare_runtime_weights(out: Path, engine: EngineConfig, progress: ProgressFn) -> None:
     """The ONNX Runtime runner's prepared weights for its default options, made now so that
-    the first load is fast (kvflow.runtime.ort_weights.prepare, where that module has it)."""
-    try:
-        from kvflow.runtime.ort_weights import prepare
-    except ImportError:
-        return
+    the first load is fast (:func:`kvflow.runtime.ort_runner.prepare`)."""
+    from kvflow.runtime.ort_runner import prepare
+
     progress("      preparing the ONNX Runtime weights for the default options")
     prepare(out, engine, progress)
 

@@ -33,7 +33,7 @@ import ctypes
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -311,6 +311,17 @@ def fused_variants(engine_dir: Path, engine: EngineConfig, quantized_matmul: str
                                      progress=progress, **options)
         yield FusedVariant(max_tokens, int8, model, fusion, prepared)
     source.close()
+
+
+def prepare(engine_dir: Path, engine: EngineConfig,
+            progress: Callable[[str], None] | None = None) -> None:
+    """Make the prepared-weights file(s) (:mod:`kvflow.runtime.ort_weights`) the runner's
+    default options need (``quantized_matmul=auto``, the native op library when it loads), so
+    that the first load is fast: the build's last step. Idempotent: a file already made for
+    this data file and these options is kept."""
+    for _fused in fused_variants(Path(engine_dir), engine, "auto", ort_custom_ops.library(),
+                                 progress=progress):
+        pass
 
 
 def gather_q_available(library: Path | None) -> bool:

@@ -253,18 +253,6 @@ class PreparedWeights:
                 other.unlink(missing_ok=True)
 
 
-def prepare(engine_dir: Path, engine, progress: ProgressFn | None = None) -> None:
-    """Make the prepared-weights file(s) the runner's default options need
-    (``quantized_matmul=auto``, the native op library when it loads), so that the first load
-    is fast. Idempotent: a file already made for this data file and these options is kept."""
-    from kvflow.plugins import ort_custom_ops
-    from kvflow.runtime.ort_runner import fused_variants  # the runner's own plan
-
-    for _fused in fused_variants(Path(engine_dir), engine, "auto", ort_custom_ops.library(),
-                                 progress=progress):
-        pass
-
-
 def resident_bytes(paths: list[Path]) -> tuple[int, int]:
     """(bytes of ``paths``'s mappings in this process, bytes of them resident), from
     /proc/self/smaps; (0, 0) where it cannot be read."""
