@@ -213,6 +213,26 @@ def test_gguf_dequantized_engine_equals_the_in_memory_build(tiny_ggufs, tmp_path
     assert_same_engine(tmp_path / "s", tmp_path / "r")
 
 
+@pytest.mark.parametrize(("key", "quantize"), [("q4_1-tied", None), ("q4_0", None),
+                                               ("q8_0", "int4")])
+def test_small_chunks_write_the_same_bytes(tiny_ggufs, tmp_path, key, quantize):
+    """Weights converted a few rows (fp32) or two blocks of columns (blocked) at a time: the
+    same file contents as whole tensors."""
+    from dataclasses import replace
+
+    from kvflow.build.streamed_graph import weight_plan, write_streamed_graph
+    from kvflow.model.loader import open_checkpoint
+
+    source = open_checkpoint(str(tiny_ggufs[key]))
+    for folder, chunk in (("whole", 1 << 30), ("chunked", 1)):
+        plan = replace(weight_plan(source, "float32", quantize, 32, quantize is None),
+                       chunk_bytes=chunk)
+        (tmp_path / folder).mkdir()
+        write_streamed_graph(source, plan, LIMITS["block_size"], LIMITS["max_model_len"],
+                             tmp_path / folder, lambda _m: None)
+    assert initializer_bytes(tmp_path / "chunked") == initializer_bytes(tmp_path / "whole")
+
+
 def test_progress_reports_each_layer_with_bytes(tiny_models, tmp_path):
     folder, _ = tiny_models["llama-gqa4"]
     lines: list[str] = []

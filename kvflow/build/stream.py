@@ -23,7 +23,7 @@ from onnx import TensorProto
 
 from kvflow.build.export import is_placeholder
 from kvflow.build.quantize import QuantSpec, quantized_tensors
-from kvflow.model.checkpoint_tensors import CheckpointTensors
+from kvflow.model.checkpoint_tensors import CheckpointTensors, column_slice
 from kvflow.model.quant import QuantizedWeight, quantize_rtn
 
 ALIGN = 4096
@@ -44,12 +44,14 @@ class WeightPlan:
         rtn_group_size: block size of ``int4``/``int8`` (round to nearest).
         tied: the LM head is the embedding table (``lm_head.weight`` reads
             ``model.embed_tokens.weight``).
+        chunk_bytes: fp32 bytes converted at once (rows, or columns of blocks).
     """
 
     dtype: str
     quantized: dict[str, QuantSpec]
     rtn_group_size: int = 32
     tied: bool = False
+    chunk_bytes: int = CHUNK_BYTES
 
     def source_name(self, name: str) -> str:
         """The checkpoint tensor behind graph weight ``name``."""
@@ -104,23 +106,24 @@ def cast_array(values: np.ndarray, dtype: str) -> np.ndarray:
     return t.numpy()
 
 
-def _fp32_chunks(source: CheckpointTensors, name: str, dtype: str) -> Iterator[np.ndarray]:
+def _fp32_chunks(source: CheckpointTensors, name: str, dtype: str,
+                 chunk_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
     shape = source.shape(name)
     if len(shape) < 2:
         yield cast_array(source.fp32(name), dtype)
         return
     row_bytes = 4 * int(np.prod(shape[1:]))
-    step = max(1, CHUNK_BYTES // row_bytes)
+    step = max(1, chunk_bytes // row_bytes)
     for start in range(0, shape[0], step):
         yield cast_array(source.fp32_rows(name, start, min(shape[0], start + step)), dtype)
 
 
-def rtn_weight(source: CheckpointTensors, name: str, scheme: str,
-               group_size: int) -> QuantizedWeight:
+def rtn_weight(source: CheckpointTensors, name: str, scheme: str, group_size: int,
+               chunk_bytes: int = CHUNK_BYTES) -> QuantizedWeight:
     """:func:`~kvflow.model.quant.quantize_rtn` of a checkpoint weight, computed by row
     chunks (each row's blocks are its own), so that its fp32 form never exists whole."""
     out, cols = source.shape(name)
-    step = max(1, CHUNK_BYTES // (4 * cols))
+    step = max(1, chunk_bytes // (4 * cols))
     parts = [quantize_rtn(source.fp32_rows(name, s, min(out, s + step)), scheme, group_size)
              for s in range(0, out, step)]
     if len(parts) == 1:
@@ -133,15 +136,54 @@ def rtn_weight(source: CheckpointTensors, name: str, scheme: str,
         None if first.minimum is None else np.concatenate([p.minimum for p in parts]))
 
 
-def _quantized(source: CheckpointTensors, plan: WeightPlan, name: str) -> QuantizedWeight:
+def _quantized_parts(source: CheckpointTensors, plan: WeightPlan,
+                     name: str) -> Iterator[QuantizedWeight]:
+    """Weight ``name`` quantized, in column chunks of whole blocks (a GGUF's blocks decoded a
+    chunk at a time; round to nearest computed whole, by rows, then cut)."""
     spec = plan.quantized[name]
     src = plan.source_name(name)
+    out, cols = spec.shape
+    # An even number of blocks per chunk: 4-bit tensors pack two values a byte, so the
+    # chunks' packed bytes then concatenate to the whole tensor's.
+    step = max(1, plan.chunk_bytes // 4 // out // (2 * spec.block_size)) * 2 * spec.block_size
     if spec.scheme in ("int4", "int8"):
-        return rtn_weight(source, src, spec.scheme, plan.rtn_group_size)
-    w = source.quantized(src)
-    if w is None or w.scheme != spec.scheme:
+        w = rtn_weight(source, src, spec.scheme, plan.rtn_group_size, plan.chunk_bytes)
+        for start in range(0, cols, step):
+            yield column_slice(w, start, min(cols, start + step))
+        return
+    if source.gguf_scheme(src) != spec.scheme:
         raise ValueError(f"{src}: the checkpoint no longer holds it as {spec.scheme}")
-    return w
+    for start in range(0, cols, step):
+        yield source.quantized_columns(src, start, min(cols, start + step))
+
+
+def _write_quantized(writer: AlignedWriter, inits: dict[str, TensorProto], name: str,
+                     parts: Iterator[QuantizedWeight]) -> list[str]:
+    """Write weight ``name``'s blocked initializers (:func:`quantized_tensors`): the codes
+    chunk by chunk (rows of the transposed ``[in, out]`` codes are the weight's columns), then
+    the per-block tensors (an eighth of the codes or less) whole; returns their names."""
+    codes = inits[f"{name}.q"]
+    small: list[list[TensorProto]] = []
+
+    def code_chunks() -> Iterator[bytes]:
+        for part in parts:
+            pieces = quantized_tensors(name, part)
+            yield pieces[0].raw_data
+            small.append(pieces[1:])
+
+    writer.write(codes, code_chunks())
+    written = [codes.name]
+    for i, first in enumerate(small[0]):
+        # Per-block tensors are [blocks, out]: the chunks' rows, stacked in order.
+        raw = b"".join(chunk[i].raw_data for chunk in small)
+        target = inits[first.name]
+        dims = [sum(int(chunk[i].dims[0]) for chunk in small), int(first.dims[1])]
+        if (first.data_type, dims) != (target.data_type, list(target.dims)):
+            raise ValueError(f"{first.name}: made {dims}, the graph expects "
+                             f"{list(target.dims)}")
+        _put(writer, target, raw)
+        written.append(first.name)
+    return written
 
 
 def _layer_of(name: str) -> str:
@@ -162,7 +204,8 @@ def write_weights(graph: onnx.ModelProto, source: CheckpointTensors, plan: Weigh
     def report(name: str) -> None:
         nonlocal layer, layer_start
         current = _layer_of(name)
-        if progress is not None and current != layer and layer:
+        if (progress is not None and current != layer and layer
+                and writer.bytes_written > layer_start):
             progress(f"      wrote {layer}: {(writer.bytes_written - layer_start) / 1e6:.1f} MB "
                      f"({writer.bytes_written / 1e6:.0f} MB in all)")
         if current != layer:
@@ -177,14 +220,9 @@ def write_weights(graph: onnx.ModelProto, source: CheckpointTensors, plan: Weigh
                          if name.endswith(s) and name[:-len(s)] in plan.quantized), None)
             if base is not None and is_placeholder(tensor):
                 report(base)
-                for piece in quantized_tensors(base, _quantized(source, plan, base)):
-                    target = inits[piece.name]
-                    if (piece.data_type, list(piece.dims)) != (target.data_type,
-                                                               list(target.dims)):
-                        raise ValueError(f"{piece.name}: made {list(piece.dims)}, the graph "
-                                         f"expects {list(target.dims)}")
-                    _put(writer, target, piece.raw_data)
-                    done.add(piece.name)
+                done.update(_write_quantized(writer, inits, base,
+                                             _quantized_parts(source, plan, base)))
+                source.release(plan.source_name(base))
                 continue
             if is_placeholder(tensor):
                 report(name)
@@ -193,7 +231,8 @@ def write_weights(graph: onnx.ModelProto, source: CheckpointTensors, plan: Weigh
                 if source.shape(src) != shape:
                     raise ValueError(f"{src}: checkpoint shape {list(source.shape(src))} does "
                                      f"not match the graph's {list(shape)}")
-                writer.write(tensor, _fp32_chunks(source, src, plan.dtype))
+                writer.write(tensor, _fp32_chunks(source, src, plan.dtype, plan.chunk_bytes))
+                source.release(src)
             elif tensor.data_location != TensorProto.EXTERNAL and tensor.raw_data:
                 _put(writer, tensor, tensor.raw_data)
             done.add(name)

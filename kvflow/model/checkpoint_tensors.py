@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvflow.model.config import ModelConfig, UnsupportedModelError
-from kvflow.model.quant import GGUF_SCHEMES, QuantizedWeight, from_gguf_blocks
+from kvflow.model.quant import GGUF_BLOCK, GGUF_SCHEMES, QuantizedWeight, from_gguf_blocks
 
 SaveTokenizer = Callable[[Path], None]
 
@@ -59,6 +59,28 @@ class CheckpointTensors:
     def quantized(self, name: str) -> QuantizedWeight | None:
         """The GGUF blocks of ``name`` undecoded (:meth:`gguf_scheme` not None), else None."""
         return None
+
+    def quantized_columns(self, name: str, start: int, stop: int) -> QuantizedWeight:
+        """Columns ``start:stop`` (whole blocks) of :meth:`quantized`'s weight."""
+        w = self.quantized(name)
+        if w is None:
+            raise ValueError(f"{name} is not held in GGUF blocks")
+        return column_slice(w, start, stop)
+
+    def release(self, name: str) -> None:
+        """Done with ``name``: a memory-mapped source drops its pages from this process (they
+        stay in the page cache), so that resident memory does not grow to the whole file."""
+
+
+def column_slice(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Columns ``start:stop`` of ``w``, both multiples of its block size."""
+    b0, b1 = start // w.block_size, stop // w.block_size
+
+    def blocks(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a[:, b0:b1]
+
+    return QuantizedWeight(w.scheme, w.bits, w.block_size, w.q[:, start:stop],
+                           w.scale[:, b0:b1], blocks(w.zero_point), blocks(w.minimum))
 
 
 # --- safetensors ----------------------------------------------------------------------------
@@ -230,15 +252,36 @@ class GGUFTensors(CheckpointTensors):
         return scheme if scheme in GGUF_SCHEMES and len(self.shape(name)) == 2 else None
 
     def quantized(self, name: str) -> QuantizedWeight | None:
+        if self.gguf_scheme(name) is None:
+            return None
+        return self.quantized_columns(name, 0, self.shape(name)[1])
+
+    def quantized_columns(self, name: str, start: int, stop: int) -> QuantizedWeight:
         scheme = self.gguf_scheme(name)
         if scheme is None:
-            return None
+            raise ValueError(f"{name} is not held in GGUF blocks")
         out, cols = self.shape(name)
-        q = from_gguf_blocks(scheme, self._tensors[name].data, out, cols)
+        data = self._tensors[name].data
+        if (start, stop) != (0, cols):  # whole blocks of every row: a strided read of the map
+            nb = cols // GGUF_BLOCK
+            data = data.reshape(out, nb, -1)[:, start // GGUF_BLOCK:stop // GGUF_BLOCK]
+            data = np.ascontiguousarray(data).reshape(out, -1)
+        q = from_gguf_blocks(scheme, data, out, stop - start)
         heads = self._heads(name)
         if heads is not None:
             q = q.rows(unpermute_rope(np.arange(out)[:, None], heads)[:, 0])
         return q
+
+    def release(self, name: str) -> None:
+        import mmap
+
+        t = self._tensors[name]
+        mapped = getattr(self.reader.data, "_mmap", None)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(mapped), int(t.data_offset) + int(t.n_bytes))
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 # --- opening --------------------------------------------------------------------------------
