@@ -50,9 +50,7 @@ $(VENV)/.preload: $(VENV)/.installed kvflow/triton_backend/preload.c
 # $(VENV)/onnxruntime-headers, then the library built with this machine's g++. If that fails
 # it warns: the CPU runner then says why and runs one ORT session per layer.
 $(VENV)/.ortops: $(VENV)/.installed kvflow/plugins/paged_attention_ort.cc \
-                 kvflow/plugins/paged_attention_ort_kernel.h \
-                 kvflow/plugins/paged_attention_ort_simd.h \
-                 kvflow/plugins/matmul_q_ort.h kvflow/plugins/matmul_q_kernel.h \
+                 $(wildcard kvflow/plugins/*.h) kvflow/plugins/ort_isa.py \
                  kvflow/plugins/ort_custom_ops.py
 	-$(PY) -m kvflow.plugins.ort_custom_ops --fetch-headers
 	touch $@

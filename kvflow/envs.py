@@ -8,6 +8,8 @@
 * ``KVFLOW_CACHE_DIR``: where kvflow keeps what it builds or measures once per machine (the
   native ONNX Runtime op library, the CPU runner's thread policy); default
   ``$XDG_CACHE_HOME/kvflow``, else ``~/.cache/kvflow``.
+* ``KVFLOW_ISA`` (``portable``, ``avx2``, ``avxvnni``, ``avx512vnni``): the native op library's
+  instruction set, forced (default: the widest this CPU has; :mod:`kvflow.plugins.ort_isa`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ DEBUG_CHECKS = "KVFLOW_DEBUG_CHECKS"
 API_KEY = "KVFLOW_API_KEY"
 FAIL_AFTER_STEPS = "KVFLOW_FAIL_AFTER_STEPS"
 CACHE_DIR = "KVFLOW_CACHE_DIR"
+ISA = "KVFLOW_ISA"
 
 
 def debug_checks() -> bool:

@@ -14,7 +14,9 @@ import os
 import platform
 from pathlib import Path
 
-ENV = "KVFLOW_ISA"
+from kvflow import envs
+
+ENV = envs.ISA
 
 # x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE (every AVX2 CPU since Haswell has them).
 _V3_FLAGS = ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe")
