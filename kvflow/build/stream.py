@@ -277,6 +277,7 @@ def write_safetensors(source: CheckpointTensors, names: list[str], path: Path,
         for i, name in enumerate(names):
             for chunk in _fp32_chunks(source, name, "float32"):
                 f.write(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data)
+            source.release(name)
             last = i == len(names) - 1
             if progress is not None and (last or _layer_of(names[i + 1]) != _layer_of(name)):
                 progress(f"      wrote {_layer_of(name)}: {f.tell() / 1e6:.0f} MB in all")

@@ -84,39 +84,80 @@ def column_slice(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
 
 
 # --- safetensors ----------------------------------------------------------------------------
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def _release_pages(mapped: Any, offset: int, length: int) -> None:
+    """Drop ``length`` bytes at ``offset`` of an ``np.memmap`` from this process (MADV_DONTNEED:
+    a read-only file mapping's pages stay in the page cache)."""
+    import mmap
+
+    handle = getattr(mapped, "_mmap", None)
+    if handle is None or not hasattr(mmap, "MADV_DONTNEED") or length <= 0:
+        return
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(len(handle), offset + length)
+    handle.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 class SafetensorsTensors(CheckpointTensors):
-    """A HF folder's ``*.safetensors`` shards, opened with ``safe_open`` (memory-mapped): a
-    tensor, or a range of its rows, is read and converted to fp32 when asked for."""
+    """A HF folder's ``*.safetensors`` shards, memory-mapped: a tensor, or a range of its rows,
+    is converted to fp32 when asked for (bf16 and f16 exactly, as ``Tensor.float()``), and its
+    pages are released when the build is done with it."""
 
     def __init__(self, folder: Path, config: ModelConfig, save_tokenizer: SaveTokenizer) -> None:
-        from safetensors import safe_open
-
         self.config, self.source, self.save_tokenizer = config, str(folder), save_tokenizer
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"--model {folder}: no *.safetensors weights in the folder")
-        self._handles: dict[str, Any] = {}
-        self._file_of: dict[str, str] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._maps: dict[str, np.memmap] = {}
+        self._entries: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}
         for f in files:
-            handle = safe_open(str(f), framework="pt")
-            self._handles[str(f)] = handle
-            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                self._file_of[key] = str(f)
-                self._shapes[key] = tuple(handle.get_slice(key).get_shape())
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size))
+            self._maps[str(f)] = np.memmap(f, dtype=np.uint8, mode="r")
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                if info["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise UnsupportedModelError(
+                        f"{f.name}: tensor {key} is {info['dtype']}; kvflow reads "
+                        f"{sorted(_SAFETENSORS_DTYPES)}")
+                begin, end = info["data_offsets"]
+                self._entries[key] = (str(f), info["dtype"], tuple(info["shape"]),
+                                      8 + size + begin, end - begin)
 
     def names(self) -> list[str]:
-        return list(self._file_of)
+        return list(self._entries)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
-
-    def fp32(self, name: str) -> np.ndarray:
-        return self._handles[self._file_of[name]].get_tensor(name).float().numpy()
+        return self._entries[name][2]
 
     def fp32_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        part = self._handles[self._file_of[name]].get_slice(name)[start:stop]
-        return part.float().numpy()
+        file, dtype, shape, offset, _ = self._entries[name]
+        kind = np.dtype(_SAFETENSORS_DTYPES[dtype])
+        row = int(np.prod(shape[1:], dtype=np.int64)) * kind.itemsize
+        raw = self._maps[file][offset + start * row:offset + stop * row]
+        values = raw.view(kind).reshape(stop - start, *shape[1:])
+        if dtype == "BF16":  # bf16 is fp32's upper half: exact
+            return (values.astype(np.uint32) << 16).view(np.float32)
+        return values.astype(np.float32)  # a copy, also for F32: the map is read-only
+
+    def fp32(self, name: str) -> np.ndarray:
+        shape = self.shape(name)
+        if not shape:
+            file, dtype, _, offset, length = self._entries[name]
+            kind = np.dtype(_SAFETENSORS_DTYPES[dtype])
+            one = self._maps[file][offset:offset + length].view(kind).reshape(())
+            return ((one.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16"
+                    else one.astype(np.float32))
+        rows = self.fp32_rows(name, 0, shape[0])
+        return rows.reshape(shape)
+
+    def release(self, name: str) -> None:
+        file, _, _, offset, length = self._entries[name]
+        _release_pages(self._maps[file], offset, length)
 
 
 # --- GGUF -----------------------------------------------------------------------------------
@@ -273,15 +314,8 @@ class GGUFTensors(CheckpointTensors):
         return q
 
     def release(self, name: str) -> None:
-        import mmap
-
         t = self._tensors[name]
-        mapped = getattr(self.reader.data, "_mmap", None)
-        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
-        end = min(len(mapped), int(t.data_offset) + int(t.n_bytes))
-        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+        _release_pages(self.reader.data, int(t.data_offset), int(t.n_bytes))
 
 
 # --- opening --------------------------------------------------------------------------------
