@@ -212,7 +212,9 @@ def runtime_stages(shape: ModelShape, work: Path, gguf: Path, stages: set[str], 
 
 
 def run_model(key: str, args: argparse.Namespace, stages: set[str], build: Any,
-              limit: int | None) -> dict[str, Any]:
+              limit: int | None, save: Any) -> dict[str, Any]:
+    """Every selected stage of one model; ``save(res)`` after each, so that an interrupted run
+    keeps what it measured."""
     shape = SHAPES[key]
     work = Path(args.workdir) / key
     res: dict[str, Any] = {"shape": {k: getattr(shape, k) for k in (
@@ -226,7 +228,9 @@ def run_model(key: str, args: argparse.Namespace, stages: set[str], build: Any,
     files = res["checkpoint"]["files"]
     if "build" in stages:
         res["build"] = build_stage(work, files, args, limit)
+        save(res)
     res.update(runtime_stages(shape, work, Path(files["q4_1"]), stages, build, args, limit))
+    save(res)
     if stages & {"served", "llamacpp"}:
         engine = work / "engine-q4_1_gguf"
         try:
@@ -295,17 +299,20 @@ def main() -> int:
                             text=True).stdout.strip()
     for key in models:
         print(f"[model_sizes] {key}: {SHAPES[key].name}, stages {sorted(stages)}", flush=True)
-        res = run_model(key, args, stages, build, limit)
-        res["measured"] = {"utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                           "commit": commit, "stages": sorted(stages),
-                           "threads": args.threads, "rounds": args.rounds}
-        prev = report["models"].get(key, {})
-        for part in ("build", "served"):  # per system: a run of some stages keeps the others'
-            if isinstance(prev.get(part), dict) and isinstance(res.get(part), dict):
-                res[part] = {**prev[part], **res[part]}
-        report["models"][key] = {**prev, **res}
-        report_path.write_text(json.dumps(report, indent=1))
-        write_outputs(report, out)
+        prev = dict(report["models"].get(key, {}))
+
+        def save(res: dict[str, Any], key: str = key, prev: dict[str, Any] = prev) -> None:
+            res = {**res, "measured": {
+                "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit,
+                "stages": sorted(stages), "threads": args.threads, "rounds": args.rounds}}
+            for part in ("build", "served"):  # per system: a partial run keeps the others'
+                if isinstance(prev.get(part), dict) and isinstance(res.get(part), dict):
+                    res[part] = {**prev[part], **res[part]}
+            report["models"][key] = {**prev, **res}
+            report_path.write_text(json.dumps(report, indent=1))
+            write_outputs(report, out)
+
+        save(run_model(key, args, stages, build, limit, save))
     return 0
 
 
