@@ -253,3 +253,25 @@ def test_torch_weights_file_equals_the_checkpoint(tiny_models, tmp_path):
     assert set(got) == set(want) - {"lm_head.weight"}
     for name, value in got.items():
         assert value.dtype == want[name].dtype and bool((value == want[name]).all()), name
+
+
+def test_float16_graph_equals_the_in_memory_export(tiny_models, tmp_path):
+    """The TensorRT engine's graph (float16): weights cast as ``Module.to`` casts them."""
+    import torch
+
+    from kvflow.build.export import export_onnx
+    from kvflow.build.streamed_graph import weight_plan, write_streamed_graph
+    from kvflow.model.llama import LlamaForCausalLM
+    from kvflow.model.loader import open_checkpoint
+
+    folder, _ = tiny_models["llama-gqa4"]
+    source = open_checkpoint(str(folder))
+    (tmp_path / "s").mkdir()
+    write_streamed_graph(source, weight_plan(source, "float16", None, 32, False),
+                         LIMITS["block_size"], LIMITS["max_model_len"], tmp_path / "s",
+                         lambda _m: None)
+    net = LlamaForCausalLM(source.config, LIMITS["block_size"], LIMITS["max_model_len"])
+    net.load_hf_state_dict(load_checkpoint(str(folder)).state_dict)
+    (tmp_path / "r").mkdir()
+    export_onnx(net.to(torch.float16).eval(), LIMITS["block_size"], tmp_path / "r" / "model.onnx")
+    assert_same_engine(tmp_path / "s", tmp_path / "r")
