@@ -275,3 +275,30 @@ def test_float16_graph_equals_the_in_memory_export(tiny_models, tmp_path):
     (tmp_path / "r").mkdir()
     export_onnx(net.to(torch.float16).eval(), LIMITS["block_size"], tmp_path / "r" / "model.onnx")
     assert_same_engine(tmp_path / "s", tmp_path / "r")
+
+
+def test_safetensors_reader_converts_as_torch_does(tmp_path):
+    """The memory-mapped reader gives what ``load_file(...)[k].float()`` gives, whole or by
+    rows, for every dtype it takes; and names a dtype it does not take."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kvflow.model.checkpoint_tensors import SafetensorsTensors
+    from kvflow.model.config import ModelConfig, UnsupportedModelError
+
+    cfg = ModelConfig("llama", 320, 64, 96, 2, 4, 2, 16)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"w.{d}": (torch.randn(7, 5, generator=gen) * 3).to(getattr(torch, d))
+               for d in ("float32", "float16", "bfloat16")}
+    tensors["norm"] = torch.randn(5, generator=gen).to(torch.bfloat16)
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    source = SafetensorsTensors(tmp_path, cfg, lambda _p: None)
+    want = {k: v.float().numpy() for k, v in load_file(str(tmp_path / "a.safetensors")).items()}
+    assert sorted(source.names()) == sorted(want)
+    for name, value in want.items():
+        assert source.fp32(name).tobytes() == value.tobytes(), name
+        assert source.shape(name) == value.shape
+    assert source.fp32_rows("w.bfloat16", 2, 5).tobytes() == want["w.bfloat16"][2:5].tobytes()
+    save_file({"i": torch.zeros(3, dtype=torch.int64)}, str(tmp_path / "b.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="I64"):
+        SafetensorsTensors(tmp_path, cfg, lambda _p: None)
