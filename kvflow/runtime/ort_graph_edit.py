@@ -291,7 +291,8 @@ class Graph:
         refs = {n: self.prepared.lookup(n, list(self.inits[n].dims), self.inits[n].data_type)
                 for n in names}
         if any(r is None for r in refs.values()):
-            made = self.prepared.write([(n, self.deferred[n]) for n in names], self.progress)
+            made = self.prepared.write([(n, self.deferred[n]) for n in names], self.progress,
+                                       None if self.weights is None else self.weights.release)
             for n in names:
                 want = self.inits[n]
                 if list(made[n].dims) != list(want.dims) or made[n].data_type != want.data_type:

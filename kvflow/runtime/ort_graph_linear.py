@@ -236,6 +236,7 @@ NATIVE_MATMUL = "native_matmul"
 NATIVE_OP_TYPE = "MatMulQ"  # kvflow/plugins/matmul_q_ort.h
 NATIVE_BLOCK = 32
 _BLOCK_BYTES = {4: 20, 8: 34}
+PACK_COLUMNS = 4096  # NativeWeight.pack's chunk
 
 
 def _half_bytes(values: np.ndarray) -> np.ndarray | None:
@@ -307,11 +308,18 @@ class NativeWeight:
             (minimum is None or _half_bytes(minimum) is not None)
 
     def pack(self, g: Graph) -> np.ndarray:
+        """The blocks, made :data:`PACK_COLUMNS` output columns at a time: a large head's
+        temporaries (typed, transposed, split codes) stay a few MB beside the result."""
         codes = g.const(self.codes)
+        scale, minimum = self.scale(g), self.minimum(g)
         assert codes is not None
-        typed = codes.astype(np.int8 if self.bits == 8 else np.uint8)
-        packed = pack_blocks(typed, self.scale(g), self.minimum(g))
-        assert packed is not None  # fp16 exactness was checked by native_weight
+        packed = np.empty(self.packed_dims, np.uint8)
+        for j in range(0, self.n, PACK_COLUMNS):
+            cols = slice(j, min(j + PACK_COLUMNS, self.n))
+            part = pack_blocks(codes[:, cols].astype(np.int8 if self.bits == 8 else np.uint8),
+                               scale[:, cols], None if minimum is None else minimum[:, cols])
+            assert part is not None  # fp16 exactness was checked by native_weight
+            packed[cols] = part
         return packed
 
     @property

@@ -309,6 +309,7 @@ def fused_variants(engine_dir: Path, engine: EngineConfig, quantized_matmul: str
         prepared = PreparedWeights(path.parent, data_files, options, graph_file=path)
         model, fusion = fuse_for_ort(exported, weights=source, prepared=prepared,
                                      progress=progress, **options)
+        source.release()  # what the fusions read (scales, sampled rows) is ORT's to map now
         yield FusedVariant(max_tokens, int8, model, fusion, prepared)
     source.close()
 

@@ -39,8 +39,10 @@ weight; see the runner's log line for an engine's figures):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +72,10 @@ def external_info(tensor: TensorProto) -> dict[str, str]:
 
 def is_external(tensor: TensorProto) -> bool:
     return tensor.data_location == TensorProto.EXTERNAL
+
+
+_PLAIN_DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float16, np.uint8, np.int8, np.int32,
+                                             np.int64))
 
 
 class WeightSource:
@@ -113,6 +119,13 @@ class WeightSource:
             return numpy_helper.to_array(loaded)
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
         return raw.view(dtype).reshape(tuple(tensor.dims))
+
+    def release(self) -> None:
+        """Drop this process's resident pages of the mapped files (they stay in the page
+        cache): a tensor read to make another does not stay counted in the RSS."""
+        for data in self._files.values():
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                data._mmap.madvise(mmap.MADV_DONTNEED)  # type: ignore[attr-defined]
 
     def files(self) -> list[Path]:
         """Every data file the graph's initializers name (read so far or not)."""
@@ -204,23 +217,35 @@ class PreparedWeights:
         return t
 
     def write(self, tensors: list[tuple[str, Callable[[], np.ndarray]]],
-              progress: ProgressFn | None = None) -> dict[str, TensorProto]:
+              progress: ProgressFn | None = None,
+              release: Callable[[], None] | None = None) -> dict[str, TensorProto]:
         """Compute each tensor (one at a time) into a new file, aligned, and return them as
-        external-data references. Replaces the file atomically (index last)."""
+        external-data references. Replaces the file atomically (index last). ``release``
+        runs after each tensor (the source's :meth:`WeightSource.release`)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
         entries: dict[str, _Entry] = {}
         offset = 0
         with open(tmp, "wb") as f:
             for i, (name, make) in enumerate(tensors):
-                proto = numpy_helper.from_array(np.ascontiguousarray(make()), name)
-                data = proto.raw_data
+                array = np.ascontiguousarray(make())
                 offset = -(-offset // ALIGN) * ALIGN
                 f.seek(offset)
-                f.write(data)
-                entries[name] = _Entry(offset, len(data), list(proto.dims), proto.data_type)
-                offset += len(data)
-                del proto, data
+                if array.dtype in _PLAIN_DTYPES:  # the bytes as they are: no second copy
+                    f.write(memoryview(array).cast("B"))
+                    entry = _Entry(offset, array.nbytes, list(array.shape),
+                                   onnx.helper.np_dtype_to_tensor_dtype(array.dtype))
+                else:  # what numpy_helper packs (4-bit types)
+                    proto = numpy_helper.from_array(array, name)
+                    f.write(proto.raw_data)
+                    entry = _Entry(offset, len(proto.raw_data), list(proto.dims),
+                                   proto.data_type)
+                    del proto
+                entries[name] = entry
+                offset += entry.length
+                del array
+                if release is not None:
+                    release()
                 if progress is not None and (i + 1) % 16 == 0:
                     progress(f"prepared weights: {i + 1}/{len(tensors)} tensors, "
                              f"{offset / 1e6:.0f} MB")
