@@ -302,9 +302,11 @@ def main() -> int:
         prev = dict(report["models"].get(key, {}))
 
         def save(res: dict[str, Any], key: str = key, prev: dict[str, Any] = prev) -> None:
-            res = {**res, "measured": {
-                "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit,
-                "stages": sorted(stages), "threads": args.threads, "rounds": args.rounds}}
+            run = {"utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit,
+                   "threads": args.threads, "rounds": args.rounds}
+            # when and at which commit each stage was last measured (runs may select stages)
+            res = {**res, "measured": {**prev.get("measured", {}),
+                                       **{stage: run for stage in sorted(stages)}}}
             for part in ("build", "served"):  # per system: a partial run keeps the others'
                 if isinstance(prev.get(part), dict) and isinstance(res.get(part), dict):
                     res[part] = {**prev[part], **res[part]}

@@ -95,9 +95,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     errors = [e for name, m in models.items() for e in _errors(name, m)]
     if errors:
         lines += ["", "## Failures", "", *errors]
-    lines += ["", "Measured: " + "; ".join(
-        f"{name} at {_get(m, 'measured', 'utc')} (commit {_get(m, 'measured', 'commit')}, "
-        f"stages {','.join(_get(m, 'measured', 'stages') or [])})" for name, m in models.items())]
+    lines += ["", "Measured (stage: UTC, commit):"]
+    for name, m in models.items():
+        when = m.get("measured", {})
+        if isinstance(when, dict) and "utc" not in when:  # per stage
+            lines.append(f"- {name}: " + "; ".join(
+                f"{stage} {r.get('utc')} {r.get('commit')}" for stage, r in when.items()))
     return lines
 
 
