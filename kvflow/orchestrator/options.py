@@ -144,19 +144,13 @@ class EngineOptions:
                                                        "num_speculative_tokens)",
                                             choices=lambda: ("dynamic", "fixed"))
     draft_engine: str | None = _option(None, "speculative draft: the draft model's engine "
-                                             "folder (same tokenizer and KV layout as the "
-                                             "target's)")
+                                             "folder (the target's tokenizer and KV layout)")
     # --- KV pool and runner -------------------------------------------------------------------
-    kv_cache_bytes: int | None = _option(None, "KV pool size in bytes, capped at what "
-                                               "max_num_seqs full sequences use (default: "
-                                               "sized from memory, kv_cache_memory_fraction; "
-                                               "1 GiB on the GPU runners)")
-    kv_cache_memory_fraction: float = _option(0.5, "the host runners' KV pool: what "
-                                                   "max_num_seqs full-length sequences use, "
-                                                   "at most this fraction of the memory "
-                                                   "available after the weights and swap")
-    num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides "
-                                              "kv_cache_bytes)")
+    kv_cache_bytes: int | None = _option(None, "KV pool bytes, capped at what max_num_seqs "
+                                               "full sequences use (default: from memory)")
+    kv_cache_memory_fraction: float = _option(0.5, "KV pool at most this fraction of the host "
+                                                   "memory left after weights and swap")
+    num_kv_blocks: int | None = _option(None, "KV pool blocks (overrides kv_cache_bytes)")
     swap_space_bytes: int = _option(256 << 20, "host swap pool for preemption by swap (0: none)")
     runner: str | None = _option(None, "runner (default: the engine's backend)",
                                  choices=lambda: RUNNERS)
@@ -164,10 +158,8 @@ class EngineOptions:
                                              "on a CUDA GPU)", flag="--enforce-eager",
                                        flag_value=False, flag_help="the triton runner launches "
                                        "decode steps eagerly, without CUDA graphs")
-    # NOTE: the default follows `kvflow bench quality` (docs/benchmarks.md): int8 activations
-    # through kvflow's native MatMulQ (llama.cpp's q4_1 x q8_1 arithmetic) cost about the KL
-    # divergence llama.cpp's own do; through ORT's MatMulNBits (no native library) 4.6x that,
-    # so auto is then fp32 throughout.
+    # NOTE: the default follows `kvflow bench quality` (docs/benchmarks.md): MatMulQ's int8
+    # costs llama.cpp's own KL divergence; ORT's MatMulNBits 4.6x that (then auto is fp32).
     quantized_matmul: str = _option("auto", "quantized engines on the onnxruntime runner: "
                                     "fp32 (weights dequantized at load: exact to HF on the "
                                     "same weights, fp32 speed and memory), int8 (the "
@@ -175,9 +167,8 @@ class EngineOptions:
                                     "quantized to int8 per block as llama.cpp does: by "
                                     "kvflow's native MatMulQ, or without it by ORT's "
                                     "MatMulNBits, at 4.6x the quality cost), or auto (int8 "
-                                    "through MatMulQ for steps of at most 16 tokens, where "
-                                    "reading 4-bit weights wins; fp32 for larger steps, where "
-                                    "fp32 GEMM does; both weight copies in memory; fp32 "
+                                    "at every step size with the native library's GEMM; "
+                                    "else int8 up to 16 tokens and fp32 above; fp32 "
                                     "throughout without the native library)",
                                     choices=lambda: QUANTIZED_MATMUL_MODES)
     kv_cache_dtype: str = _option("auto", "the KV cache's element type: fp32, fp16 (half the "

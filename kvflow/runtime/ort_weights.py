@@ -232,7 +232,7 @@ class PreparedWeights:
                 offset = -(-offset // ALIGN) * ALIGN
                 f.seek(offset)
                 if array.dtype in _PLAIN_DTYPES:  # the bytes as they are: no second copy
-                    f.write(memoryview(array).cast("B"))
+                    f.write(array.data)
                     entry = _Entry(offset, array.nbytes, list(array.shape),
                                    onnx.helper.np_dtype_to_tensor_dtype(array.dtype))
                 else:  # what numpy_helper packs (4-bit types)
