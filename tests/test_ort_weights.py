@@ -245,3 +245,25 @@ def test_prepared_weights_in_the_cache_dir_give_the_same_logits(quantized_engine
     assert not list(folder.glob("prepared-*"))
     for ref, out in zip(want, got, strict=True):
         np.testing.assert_array_equal(out, ref)
+
+
+def test_auto_runs_int8_at_every_size_only_where_matmul_q_takes_every_layer(tiny_engines):
+    """With the native GEMM, ``auto`` is one int8 variant for a GGUF's blocks; an engine of
+    round-to-nearest weights (fp32 scales: ORT's MatMulNBits, 4.6x the KL) keeps fp32 above
+    16 tokens, and an unquantized one is fp32 throughout."""
+    import dataclasses
+
+    from kvflow.build.engine_config import EngineConfig
+    from kvflow.plugins import ort_custom_ops
+    from kvflow.runtime.ort_runner import AUTO_INT8_MAX_TOKENS, plan
+
+    library = ort_custom_ops.library()
+    if library is None or not ort_custom_ops.native_gemm():
+        pytest.skip("the native op library with its GEMM is unavailable here")
+    engine = EngineConfig.load(tiny_engines["llama-gqa4", "onnxruntime"])
+    gguf = dataclasses.replace(engine, quantization="Q4_1+Q8_0")
+    rtn = dataclasses.replace(engine, quantization="int4-g32")
+    assert plan(gguf, "auto", library) == [(1 << 62, True)]
+    assert plan(rtn, "auto", library) == [(AUTO_INT8_MAX_TOKENS, True), (1 << 62, False)]
+    assert plan(engine, "auto", library) == [(1 << 62, False)]
+    assert plan(rtn, "int8", library) == [(1 << 62, True)]

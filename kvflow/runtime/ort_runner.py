@@ -43,6 +43,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from kvflow.build.engine_config import EngineConfig
+from kvflow.model.quant import GGUF_SCHEMES
 from kvflow.plugins import ort_custom_ops
 from kvflow.plugins.op_names import ONNX_DOMAIN
 from kvflow.runtime import ort_threads
@@ -278,8 +279,12 @@ def plan(engine: EngineConfig, quantized_matmul: str,
     variants = [(1 << 62, quantized and quantized_matmul == "int8")]
     if quantized and quantized_matmul == "auto" and library is not None:
         variants = [(AUTO_INT8_MAX_TOKENS, True), (1 << 62, False)]
-        if getattr(ort_custom_ops, "native_gemm", lambda: False)():
-            variants = [(1 << 62, True)]  # the tiled int8 GEMM: no fp32 copy for large steps
+        # The tiled int8 GEMM: no fp32 copy for large steps, where MatMulQ takes every layer
+        # (a GGUF's blocks; round-to-nearest engines' fp32 scales stay with MatMulNBits, whose
+        # int8 would cost 4.6x the KL divergence in prefill too).
+        gguf = set(str(engine.quantization).split("+")) <= set(GGUF_SCHEMES)
+        if gguf and ort_custom_ops.native_gemm():
+            variants = [(1 << 62, True)]
     limits = engine.limits
     max_step = ort_threads.max_step_tokens(limits.max_model_len, limits.max_num_tokens,
                                            limits.max_batch_size)
