@@ -96,22 +96,8 @@ inline OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
 inline OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*,
                                              const OrtKernelInfo* info, void** kernel) {
   Attrs a{};
-  struct { const char* name; int64_t* field; int64_t min; } ints[] = {
-      {"bits", &a.bits, 4}, {"K", &a.k, kQBlock}, {"N", &a.n, 1}};
-  for (auto& f : ints) {
-    if (OrtStatus* s = g_api->KernelInfoGetAttribute_int64(info, f.name, f.field)) {
-      g_api->ReleaseStatus(s);
-      return error(std::string("the node has no integer attribute ") + f.name);
-    }
-    if (*f.field < f.min || *f.field > INT32_MAX)
-      return error(std::string("attribute ") + f.name + " = " + std::to_string(*f.field) +
-                   " is outside [" + std::to_string(f.min) + ", " + std::to_string(INT32_MAX) +
-                   "]");
-  }
-  if (a.bits != 4 && a.bits != 8)
-    return error("bits " + std::to_string(a.bits) + " is none of 4 (Q4_1 blocks), 8 (Q8_0)");
-  if (a.k % kQBlock)
-    return error("K " + std::to_string(a.k) + " is no multiple of the block size 32");
+  std::string wrong = matmul_q::read_weight_attrs(info, &a.bits, &a.k, &a.n);
+  if (!wrong.empty()) return error(wrong);
   *kernel = new Attrs(a);
   return nullptr;
 }

@@ -113,29 +113,37 @@ inline OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   return nullptr;
 }
 
-inline OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*,
-                                             const OrtKernelInfo* info, void** kernel) {
-  Attrs a{};
+// A block-quantized weight's attributes read and checked: bits, K, N and, when asked for, the
+// optional parallel_min_work. Returns what is wrong ("" if nothing). GatherQ reads the same.
+inline std::string read_weight_attrs(const OrtKernelInfo* info, int64_t* bits, int64_t* k,
+                                     int64_t* n, int64_t* parallel_min_work = nullptr) {
   struct { const char* name; int64_t* field; bool required; int64_t fallback, min; } ints[] = {
-      {"bits", &a.bits, true, 0, 4},
-      {"K", &a.k, true, 0, kQBlock},
-      {"N", &a.n, true, 0, 1},
-      {"parallel_min_work", &a.parallel_min_work, false, kInlineBlocks, 0}};
+      {"bits", bits, true, 0, 4},
+      {"K", k, true, 0, kQBlock},
+      {"N", n, true, 0, 1},
+      {"parallel_min_work", parallel_min_work, false, kInlineBlocks, 0}};
   for (auto& f : ints) {
+    if (f.field == nullptr) continue;
     if (OrtStatus* s = g_api->KernelInfoGetAttribute_int64(info, f.name, f.field)) {
       g_api->ReleaseStatus(s);
-      if (f.required) return error(std::string("the node has no integer attribute ") + f.name);
+      if (f.required) return std::string("the node has no integer attribute ") + f.name;
       *f.field = f.fallback;
     }
     if (*f.field < f.min || *f.field > INT32_MAX)
-      return error(std::string("attribute ") + f.name + " = " + std::to_string(*f.field) +
-                   " is outside [" + std::to_string(f.min) + ", " + std::to_string(INT32_MAX) +
-                   "]");
+      return std::string("attribute ") + f.name + " = " + std::to_string(*f.field) +
+             " is outside [" + std::to_string(f.min) + ", " + std::to_string(INT32_MAX) + "]";
   }
-  if (a.bits != 4 && a.bits != 8)
-    return error("bits " + std::to_string(a.bits) + " is none of 4 (Q4_1 blocks), 8 (Q8_0)");
-  if (a.k % kQBlock)
-    return error("K " + std::to_string(a.k) + " is no multiple of the block size 32");
+  if (*bits != 4 && *bits != 8)
+    return "bits " + std::to_string(*bits) + " is none of 4 (Q4_1 blocks), 8 (Q8_0)";
+  if (*k % kQBlock) return "K " + std::to_string(*k) + " is no multiple of the block size 32";
+  return "";
+}
+
+inline OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*,
+                                             const OrtKernelInfo* info, void** kernel) {
+  Attrs a{};
+  std::string wrong = read_weight_attrs(info, &a.bits, &a.k, &a.n, &a.parallel_min_work);
+  if (!wrong.empty()) return error(wrong);
   *kernel = new Attrs(a);
   return nullptr;
 }
