@@ -100,19 +100,24 @@ def run_steps(model: onnx.ModelProto, engine: EngineConfig, int8: bool,
               native: bool = False) -> list[np.ndarray]:
     """Each step's logits through the segmented runner's sessions (or, ``native``, one session
     with the ORT PagedAttention op) over a fresh KV pool."""
+    if native:
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        for node in attention_nodes(model):
+            node.attribute.extend([helper.make_attribute("kv_dtype", 0),
+                                   helper.make_attribute("num_blocks", 64)])
+        executor: Executor = OneSession(model, session_options(
+            1, False, int8, ort_custom_ops.library()))
+    else:
+        executor = Segmented(model, session_options(1, False, int8))
+    return executor_logits(executor, engine)
+
+
+def executor_logits(executor: Executor, engine: EngineConfig) -> list[np.ndarray]:
+    """Each step of :func:`steps` through ``executor``, over a fresh KV pool of 64 blocks."""
     m = engine.model
     pool = HostKVPool(m.num_hidden_layers, 64, engine.limits.block_size,
                       m.num_key_value_heads, m.head_dim)
     try:
-        if native:
-            model = onnx.ModelProto.FromString(model.SerializeToString())
-            for node in attention_nodes(model):
-                node.attribute.extend([helper.make_attribute("kv_dtype", 0),
-                                       helper.make_attribute("num_blocks", 64)])
-            executor: Executor = OneSession(model, session_options(
-                1, False, int8, ort_custom_ops.library()))
-        else:
-            executor = Segmented(model, session_options(1, False, int8))
         return [executor.run({
             "input_ids": s.input_ids, "positions": s.positions, "kv_cache_ptrs": pool.ptrs,
             "slot_mapping": s.slot_mapping, "block_tables": s.block_tables,

@@ -17,7 +17,6 @@ from onnx import TensorProto, helper
 
 from kvflow.build.engine_config import EngineConfig
 from kvflow.plugins import ort_custom_ops
-from kvflow.runtime.kv_cache import HostKVPool
 from kvflow.runtime.ort_graph import fuse_for_ort
 from kvflow.runtime.ort_runner import KV_DTYPE_CODES, OnnxRuntimeRunner, prepare
 from kvflow.runtime.ort_sessions import (
@@ -37,7 +36,8 @@ from kvflow.runtime.ort_weights import (
     is_external,
     resident_bytes,
 )
-from tests.test_ort_graph import BUILD, quantized_engines, steps  # noqa: F401 (a fixture)
+from tests.test_ort_graph import BUILD, quantized_engines  # noqa: F401 (a fixture)
+from tests.test_ort_graph import executor_logits as run
 
 pytest.importorskip("torch")
 
@@ -105,21 +105,6 @@ def in_memory_executor(folder: Path, engine: EngineConfig, int8: bool, native: b
         node.attribute.extend([helper.make_attribute("kv_dtype", KV_DTYPE_CODES[np.dtype(
             np.float32)]), helper.make_attribute("num_blocks", 64)])
     return OneSession(model, opts)
-
-
-def run(executor: Executor, engine: EngineConfig) -> list[np.ndarray]:
-    m = engine.model
-    pool = HostKVPool(m.num_hidden_layers, 64, engine.limits.block_size,
-                      m.num_key_value_heads, m.head_dim)
-    try:
-        return [executor.run({
-            "input_ids": s.input_ids, "positions": s.positions, "kv_cache_ptrs": pool.ptrs,
-            "slot_mapping": s.slot_mapping, "block_tables": s.block_tables,
-            "seq_lens": s.seq_lens, "query_start_loc": s.query_start_loc,
-            "logits_indices": s.logits_indices}, "logits")
-            for s in steps(engine.limits.block_size)]
-    finally:
-        pool.close()
 
 
 @pytest.mark.parametrize("case", ["fp32-engine", "Q4_1-fp32", "Q4_1-int8", "Q4_1-segmented"])
