@@ -25,14 +25,13 @@ from kvflow.text.tokenizer import ChatPrompt, EngineTokenizer, Prompt
 
 logger = logging.getLogger(__name__)
 
-def memory_budget(engine_dir: str | Path, engine: EngineConfig,
-                  options: EngineOptions) -> MemoryBudget:
+def memory_budget(engine_dir: str | Path, engine: EngineConfig, options: EngineOptions,
+                  kv_dtype: str) -> MemoryBudget:
     """The KV pool and swap space in blocks, sized from memory
     (:mod:`kvflow.orchestrator.memory_budget`): ``num_kv_blocks``, or what ``kv_cache_bytes``
     holds, or what ``max_num_seqs`` full-length sequences could use capped by
-    ``kv_cache_memory_fraction`` of the memory the weights leave; in the resolved
-    ``kv_cache_dtype``."""
-    kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, engine, options.runner)
+    ``kv_cache_memory_fraction`` of the memory the weights leave; in ``kv_dtype`` (the
+    resolved ``kv_cache_dtype``)."""
     per_block = kv_bytes_per_block(engine, kv_dtype)
     host = (options.runner or engine.backend) in HOST_RUNNERS
     return size_pool(weights=weights_bytes(engine_dir, engine.files),
@@ -81,8 +80,8 @@ def plan_engine(engine_dir: str | Path, **overrides: Any) -> EnginePlan:
         if getattr(options, name) > limit:
             raise ValueError(f"{name}={getattr(options, name)} exceeds the engine's build limit "
                              f"of {limit}")
-    budget = memory_budget(engine_dir, engine, options)
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, engine, options.runner)
+    budget = memory_budget(engine_dir, engine, options, kv_dtype)
     return EnginePlan(engine, options, budget.num_blocks, budget.num_host_blocks, kv_dtype,
                       budget)
 
