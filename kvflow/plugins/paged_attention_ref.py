@@ -7,7 +7,9 @@ Semantics of one call (one layer of one engine step; see docs/design.md, "Engine
 2. For each sequence ``s``, its new tokens are ``query_start_loc[s]:query_start_loc[s+1]`` of the
    packed batch and its total length after this step is ``seq_lens[s]``; new token ``i`` of a
    sequence with ``n`` new tokens sits at position ``seq_lens[s] - n + i`` and attends causally
-   to positions ``0 ..`` its own, read through ``block_tables[s]``.
+   to positions ``0 ..`` its own, read through ``block_tables[s]`` (with ``sliding_window``
+   W > 0, to the last W of them; ``logit_softcap`` caps the scores: see
+   :mod:`kvflow.plugins.torch_op`).
 
 Decode-only sequences (one new token) are computed together in one batched pass; sequences with
 several new tokens (prefill chunks) are computed one by one, since each is a large piece of work.
@@ -16,6 +18,8 @@ several new tokens (prefill chunks) are computed one by one, since each is a lar
 from __future__ import annotations
 
 import torch
+
+from kvflow.plugins.attention_options import check_attention_options, first_block
 
 
 def write_kv(
@@ -37,6 +41,13 @@ def write_kv(
     flat_v.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
+def _cap(scores: torch.Tensor, logit_softcap: float) -> torch.Tensor:
+    """Soft-capping in place: ``cap * tanh(s / cap)`` (0: none)."""
+    if logit_softcap:
+        scores.div_(logit_softcap).tanh_().mul_(logit_softcap)
+    return scores
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -48,11 +59,17 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write K/V, then attend: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` -> ``[T, H, D]``.
 
-    Scores and softmax run in fp32 whatever the input dtype.
+    Scores and softmax run in fp32 whatever the input dtype. ``sliding_window`` and
+    ``logit_softcap`` as the op's attributes (:mod:`kvflow.plugins.torch_op`); block-table
+    columns before a sequence's :func:`~kvflow.plugins.attention_options.first_block` are
+    never read.
     """
+    check_attention_options(sliding_window, logit_softcap)
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -66,15 +83,26 @@ def paged_attention_ref(
     if decode:
         idx = torch.tensor(decode)
         lens = seq_lens.long()[idx]
-        max_len = int(lens.max())
-        nb = -(-max_len // block_size)
-        tables = block_tables.long()[idx, :nb]
+        # Each sequence's columns from its window's first block on (all of them without one).
+        first = torch.tensor([first_block(seq_lens_l[i], 1, sliding_window, block_size)
+                              for i in decode])
+        nbs = (lens + block_size - 1) // block_size
+        nb = int((nbs - first).max())
+        cols = first[:, None] + torch.arange(nb)[None, :]
+        # Columns past a sequence's last block read its first window block again (masked).
+        tables = block_tables.long()[idx].gather(1, torch.where(cols < nbs[:, None], cols,
+                                                                first[:, None]))
         keys = k_cache[tables].view(len(decode), nb * block_size, kvh, head_dim)
         values = v_cache[tables].view(len(decode), nb * block_size, kvh, head_dim)
         rows = torch.tensor([qsl[i] for i in decode])
         qd = q[rows].view(len(decode), kvh, group, head_dim).float()
         scores = torch.matmul(qd, keys.float().permute(0, 2, 3, 1)) * scale  # [S, KVH, G, K]
-        mask = torch.arange(nb * block_size)[None, :] >= lens[:, None]
+        _cap(scores, logit_softcap)
+        k_pos = (cols[:, :, None] * block_size + torch.arange(block_size)).view(len(decode), -1)
+        q_pos = (lens - 1)[:, None]
+        mask = k_pos > q_pos  # also every key of a repeated column (positions past the last)
+        if sliding_window:
+            mask |= k_pos <= q_pos - sliding_window
         scores.masked_fill_(mask[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         od = torch.matmul(probs, values.float().permute(0, 2, 1, 3))  # [S, KVH, G, D]
@@ -84,14 +112,19 @@ def paged_attention_ref(
         if n <= 1:
             continue
         length = seq_lens_l[s]
+        first = first_block(length, n, sliding_window, block_size)
         nb = -(-length // block_size)
-        table = block_tables[s, :nb].long()
-        keys = k_cache[table].reshape(nb * block_size, kvh, head_dim)[:length].float()
-        values = v_cache[table].reshape(nb * block_size, kvh, head_dim)[:length].float()
+        table = block_tables[s, first:nb].long()
+        k0 = first * block_size
+        keys = k_cache[table].reshape(-1, kvh, head_dim)[: length - k0].float()
+        values = v_cache[table].reshape(-1, kvh, head_dim)[: length - k0].float()
         qs = q[qsl[s] : qsl[s + 1]].view(n, kvh, group, head_dim).float()
-        scores = torch.einsum("qhgd,khd->hgqk", qs, keys) * scale
+        scores = _cap(torch.einsum("qhgd,khd->hgqk", qs, keys) * scale, logit_softcap)
         q_pos = torch.arange(length - n, length)[:, None]
-        mask = torch.arange(length)[None, :] > q_pos  # [n, length]
+        k_pos = torch.arange(k0, length)[None, :]
+        mask = k_pos > q_pos  # [n, length - k0]
+        if sliding_window:
+            mask |= k_pos <= q_pos - sliding_window
         scores.masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         os_ = torch.einsum("hgqk,khd->qhgd", probs, values)

@@ -12,6 +12,10 @@ the host copy of the address table with :func:`bind_pool_addresses`, so that a s
 device-to-host read. The implementation alone uses torch: OpenAI Triton's CUDA driver imports
 it to launch kernels, so the kernels get torch views of the pool's memory.
 
+Every attribute of the node is a plugin field, ``sliding_window`` and ``logit_softcap`` too:
+TensorRT's Python plugins take no attribute defaults, so the ONNX export always writes both
+(0 = off), and a plan built before they existed must be rebuilt.
+
 At build time TensorRT may run plugins on inputs filled with arbitrary data; block tables and
 addresses of arbitrary data would send the kernels reading anywhere. Builds therefore run
 inside :func:`building`, during which the implementation only zeroes its output.
@@ -112,7 +116,7 @@ def paged_attention_desc(
     kv_cache_ptrs: trtp.TensorDesc, slot_mapping: trtp.TensorDesc,
     block_tables: trtp.TensorDesc, seq_lens: trtp.TensorDesc,
     query_start_loc: trtp.TensorDesc, layer_idx: int, num_heads: int, num_kv_heads: int,
-    head_dim: int, block_size: int, scale: float,
+    head_dim: int, block_size: int, scale: float, sliding_window: int, logit_softcap: float,
 ) -> trtp.TensorDesc:
     """The output has the queries' shape and type: ``[num_tokens, num_heads * head_dim]``."""
     return q.like()
@@ -123,10 +127,11 @@ def paged_attention_impl(
     q: trtp.Tensor, k: trtp.Tensor, v: trtp.Tensor, kv_cache_ptrs: trtp.Tensor,
     slot_mapping: trtp.Tensor, block_tables: trtp.Tensor, seq_lens: trtp.Tensor,
     query_start_loc: trtp.Tensor, layer_idx: int, num_heads: int, num_kv_heads: int,
-    head_dim: int, block_size: int, scale: float, outputs: tuple[trtp.Tensor],
-    stream: int,
+    head_dim: int, block_size: int, scale: float, sliding_window: int, logit_softcap: float,
+    outputs: tuple[trtp.Tensor], stream: int,
 ) -> None:
-    """Write this layer's new K/V into the pool and attend, on TensorRT's ``stream``."""
+    """Write this layer's new K/V into the pool and attend, on TensorRT's ``stream``
+    (``sliding_window``, ``logit_softcap``: as the ONNX node's, 0 = off)."""
     from kvflow.plugins.paged_attention_triton import paged_attention_triton
 
     out = as_torch(outputs[0])
@@ -145,4 +150,5 @@ def paged_attention_impl(
             as_torch(v).view(t, num_kv_heads, head_dim), k_cache, v_cache,
             as_torch(slot_mapping), as_torch(block_tables), as_torch(seq_lens),
             as_torch(query_start_loc), scale, out=out.view(t, num_heads, head_dim),
-            max_query_len=kv_registry.max_query_len_hint())
+            max_query_len=kv_registry.max_query_len_hint(), sliding_window=sliding_window,
+            logit_softcap=logit_softcap)

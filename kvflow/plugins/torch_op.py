@@ -5,11 +5,19 @@ or the OpenAI Triton kernels on a device pool (``kv_registry.register_device``).
 Under ``torch.onnx.export(dynamo=True)`` it becomes exactly one node ``PagedAttention`` in the
 custom domain ``kvflow`` (no dot: TensorRT maps the domain to a plugin namespace), with the
 attributes below. The node's inputs and attributes are the engine I/O contract of one layer.
+
+``sliding_window`` and ``logit_softcap`` are optional (0 = off, also when a node written before
+they existed lacks them): a query at position ``p`` then sees keys at ``p - sliding_window < j
+<= p`` only, and its scores ``s = (q.k) * scale`` become ``logit_softcap * tanh(s /
+logit_softcap)`` before the softmax (Gemma 2). Every implementation skips the block-table
+entries of blocks wholly before the window of a sequence's earliest query in the step: the KV
+manager may have released them (replaced by block 0, whose contents are anything).
 """
 
 from __future__ import annotations
 
 import torch
+from onnx import helper
 from onnx.defs import OpSchema
 
 from kvflow.plugins import kv_registry
@@ -34,6 +42,14 @@ _ATTRS = [
     ("block_size", OpSchema.AttrType.INT),
     ("scale", OpSchema.AttrType.FLOAT),
 ]
+# Optional attributes, with the value meaning "off" as their default (graphs exported before
+# they existed lack them).
+_OPTIONAL_ATTRS = [
+    ("sliding_window", helper.make_attribute("sliding_window", 0),
+     "keys visible to a query at position p: p - sliding_window < j <= p; 0 = all up to p"),
+    ("logit_softcap", helper.make_attribute("logit_softcap", 0.0),
+     "scores s become logit_softcap * tanh(s / logit_softcap) before the softmax; 0 = off"),
+]
 
 PAGED_ATTENTION_SCHEMA = OpSchema(
     ONNX_OP_TYPE,
@@ -45,7 +61,8 @@ PAGED_ATTENTION_SCHEMA = OpSchema(
     type_constraints=[
         ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activation dtype")
     ],
-    attributes=[OpSchema.Attribute(n, t, n) for n, t in _ATTRS],
+    attributes=[*(OpSchema.Attribute(n, t, n) for n, t in _ATTRS),
+                *(OpSchema.Attribute(n, default, doc) for n, default, doc in _OPTIONAL_ATTRS)],
 )
 
 
@@ -69,6 +86,8 @@ def paged_attention(
     head_dim: int,
     block_size: int,
     scale: float,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write K/V into the registered pool of ``layer_idx``, then attend (see module doc): a
     device pool runs the Triton kernels, a host pool the PyTorch reference."""
@@ -89,16 +108,20 @@ def paged_attention(
                            "which is no registered device pool")
         out = paged_attention_triton(*args, k_dev, v_dev,
                                      slot_mapping, block_tables, seq_lens, query_start_loc,
-                                     scale, max_query_len=kv_registry.max_query_len_hint())
+                                     scale, max_query_len=kv_registry.max_query_len_hint(),
+                                     sliding_window=sliding_window,
+                                     logit_softcap=logit_softcap)
     else:
         out = paged_attention_ref(*args, _host_cache(k_addr), _host_cache(v_addr),
-                                  slot_mapping, block_tables, seq_lens, query_start_loc, scale)
+                                  slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                                  sliding_window=sliding_window, logit_softcap=logit_softcap)
     return out.view(t, num_heads * head_dim)
 
 
 @paged_attention.register_fake
 def _(q, k, v, kv_cache_ptrs, slot_mapping, block_tables, seq_lens, query_start_loc,
-      layer_idx, num_heads, num_kv_heads, head_dim, block_size, scale):
+      layer_idx, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window=0,
+      logit_softcap=0.0):
     return torch.empty_like(q)
 
 
@@ -111,10 +134,14 @@ def onnx_translation_table() -> dict:
 
     def paged_attention_onnx(q, k, v, kv_cache_ptrs, slot_mapping, block_tables, seq_lens,
                              query_start_loc, layer_idx: int, num_heads: int,
-                             num_kv_heads: int, head_dim: int, block_size: int, scale: float):
+                             num_kv_heads: int, head_dim: int, block_size: int, scale: float,
+                             sliding_window: int = 0, logit_softcap: float = 0.0):
+        # NOTE: both optional attributes are always written: TensorRT's Python plugins take no
+        # attribute defaults, so its plugin declares them and every node must carry them.
         return node(q, k, v, kv_cache_ptrs, slot_mapping, block_tables, seq_lens,
                     query_start_loc, layer_idx=layer_idx, num_heads=num_heads,
                     num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                    scale=scale)
+                    scale=scale, sliding_window=int(sliding_window),
+                    logit_softcap=float(logit_softcap))
 
     return {torch.ops.kvflow.paged_attention.default: paged_attention_onnx}
