@@ -12,6 +12,11 @@ contract"), in two launches per layer:
    key and value is read once per group. Keys are visited ``BLOCK_N`` positions at a time,
    each position's block found through the block table, with an online softmax in fp32
    (flash attention). Inputs may be fp32, fp16 or bf16; accumulation is fp32.
+   With a sliding window the keys start at the window of the tile's first token, so that no
+   block-table entry before it is read (the KV manager may have released those blocks), and a
+   decode reads only its window's blocks; each row masks the keys before its own window.
+   Soft-capping (``SOFTCAP``, a constexpr: one compile per value) caps the scores before the
+   mask.
 3. Split KV (flash decoding), for decode steps with too few (sequence, KV head) programs to
    fill the GPU, such as one long sequence: each program's keys are cut into ``NUM_SPLITS``
    ranges, one program each, which write partial results (output, running max, sum) to a
@@ -30,6 +35,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kvflow.plugins.attention_options import check_attention_options
+
+# The window of full attention: past any position (an int32 in the kernel).
+NO_WINDOW = 1 << 30
 
 
 @triton.jit
@@ -53,10 +63,10 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 def _paged_attention_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cache_slot, stride_cache_h,
-    stride_bt, block_size, part_o_ptr, part_ml_ptr, num_tokens, num_heads,
+    stride_bt, block_size, part_o_ptr, part_ml_ptr, num_tokens, num_heads, window,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    IS_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -87,9 +97,12 @@ def _paged_attention_kernel(
     # The last key any row of this tile sees is the position of its last token.
     last_tok = tl.minimum(tile * BLOCK_M + BLOCK_M, q_len) - 1
     kv_end = context + last_tok + 1
+    # The first key any row sees: the window's start for the tile's first token (``window``
+    # is huge without one). Earlier block-table entries are never read.
+    kv_start = tl.maximum(context + tile * BLOCK_M - window + 1, 0)
     # This program's keys: all of them, or its split's range (whole BLOCK_N tiles).
-    per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    n_start = split * per_split
+    per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_start = kv_start + split * per_split
     n_stop = tl.minimum(n_start + per_split, kv_end)
     table = block_tables_ptr + s.to(tl.int64) * stride_bt
     for n0 in range(n_start, n_stop, BLOCK_N):
@@ -108,10 +121,16 @@ def _paged_attention_kernel(
             scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
         else:
             scores = tl.dot(q, tl.trans(keys)) * scale
-        visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+        if SOFTCAP != 0.0:  # cap * tanh(s / cap), tanh from exp (the interpreter has no tanh)
+            e = tl.exp(-2.0 * tl.abs(scores / SOFTCAP))
+            t = (1.0 - e) / (1.0 + e)
+            scores = SOFTCAP * tl.where(scores < 0.0, -t, t)
+        visible = ((kpos[None, :] <= q_pos[:, None]) & (kpos[None, :] > q_pos[:, None] - window)
+                   & k_ok[None, :] & row_ok[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # NOTE: padded rows see no key; keep their max finite so that no NaN appears.
+        # NOTE: padded rows see no key, nor do rows whose window starts after these keys; keep
+        # their max finite so that no NaN appears (their weights are 0 until a key is seen).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
@@ -189,6 +208,7 @@ class AttentionLaunch:
     is_fp32: bool
     num_splits: int
     num_warps: int
+    softcap: float = 0.0
 
     @property
     def group_p(self) -> int:
@@ -205,12 +225,14 @@ class AttentionLaunch:
     def constexprs(self) -> dict[str, int | bool]:
         return dict(GROUP=self.group, GROUP_P=self.group_p, HEAD_DIM=self.head_dim,
                     BLOCK_D=self.block_d, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
-                    IS_FP32=self.is_fp32, NUM_SPLITS=self.num_splits)
+                    IS_FP32=self.is_fp32, NUM_SPLITS=self.num_splits,
+                    SOFTCAP=float(self.softcap))
 
 
 def attention_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                      max_query_len: int, block_m: int = 16, block_n: int = 64,
-                     num_warps: int | None = None, num_splits: int = 1) -> AttentionLaunch:
+                     num_warps: int | None = None, num_splits: int = 1,
+                     logit_softcap: float = 0.0) -> AttentionLaunch:
     """The launch :func:`paged_attention_triton` makes for these shapes and knobs."""
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of "
@@ -237,7 +259,8 @@ def attention_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
     if num_warps is None:
         big = rows >= 64 or block_n * head_dim_tile(head_dim) * dtype.itemsize >= 16384
         num_warps = 8 if big else 4
-    return AttentionLaunch(group, head_dim, bm, block_n, is_fp32, num_splits, num_warps)
+    return AttentionLaunch(group, head_dim, bm, block_n, is_fp32, num_splits, num_warps,
+                           float(logit_softcap))
 
 
 def paged_attention_triton(
@@ -257,6 +280,8 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_splits: int | None = None,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write K/V, then attend: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` -> ``[T, H, D]``.
 
@@ -271,7 +296,9 @@ def paged_attention_triton(
     tuning knobs that ``benchmarks/gpu_check.py`` sweeps. ``num_splits`` (a power of two)
     cuts each program's keys into that many ranges (split KV); by default
     :func:`decode_splits` decides for decode steps on a GPU, and other steps are not split.
+    ``sliding_window`` and ``logit_softcap``: the op's attributes (0 = off).
     """
+    check_attention_options(sliding_window, logit_softcap)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, kvh, _ = k_cache.shape
     if k_cache.stride() != v_cache.stride() or not k_cache.is_contiguous():
@@ -289,7 +316,7 @@ def paged_attention_triton(
         num_splits = decode_splits(num_seqs * kvh, q.device) if max_query_len == 1 else 1
     # Checked before anything is written: bad arguments leave the pool untouched.
     launch = attention_launch(num_heads, kvh, head_dim, k_cache.dtype, max_query_len, block_m,
-                              block_n, num_warps, num_splits)
+                              block_n, num_warps, num_splits, logit_softcap)
     write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -305,7 +332,8 @@ def paged_attention_triton(
         q, out, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), block_size, part_o, part_ml, num_tokens,
-        num_heads, **launch.constexprs(), num_warps=launch.num_warps)
+        num_heads, min(sliding_window or NO_WINDOW, NO_WINDOW), **launch.constexprs(),
+        num_warps=launch.num_warps)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_o, part_ml, out, out.stride(0), out.stride(1), num_tokens, num_heads,
