@@ -92,7 +92,7 @@ def test_the_backend_takes_exactly_one_prompt_and_checks_every_message():
 def test_a_prompts_logprobs_are_parsed_and_encoded_once_for_its_n_choices():
     """The backend sends one prompt's logprobs once for its n choices: every choice reads the
     same parsed entries, the same converted list, and the body encodes it once."""
-    from kvflow.openai_api.responses import encode_body, final_response, new_states
+    from kvflow.openai_api.completion_bodies import encode_body, final_response, new_states
 
     parsed = parse_completion_request({"prompt": [5, 6], "n": 3, "prompt_logprobs": 1},
                                       MODEL, chat=False)

@@ -9,14 +9,14 @@ import json
 
 import pytest
 
-from kvflow.openai_api.errors import OpenAIError
-from kvflow.openai_api.protocol import parse_completion_request
-from kvflow.openai_api.responses import (
+from kvflow.openai_api.completion_bodies import (
     ChoiceState,
     choice_chunk,
     final_response,
     vllm_prompt_logprobs,
 )
+from kvflow.openai_api.errors import OpenAIError
+from kvflow.openai_api.protocol import parse_completion_request
 from kvflow.orchestrator.outputs import TokenLogprobs
 from tests.helpers import http_post, post_json, wait_for
 

@@ -40,10 +40,13 @@ class FrontendProcess(ManagedProcess):
         if self.cfg.served_model_name:
             self.cmd += ["--served-model-name", self.cfg.served_model_name]
         self.cmd += ["--tool-call-parser", self.cfg.tool_call_parser]
-        if self.cfg.reasoning_parser:
-            self.cmd += ["--reasoning-parser", self.cfg.reasoning_parser]
+        self.cmd += ["--reasoning-parser", self.cfg.reasoning_parser or "none"]
         if self.cfg.console_show_tenants:
             self.cmd += ["--console-show-tenants"]
+        if self.cfg.responses_store:
+            self.cmd += ["--responses-store", self.cfg.responses_store]
+        self.cmd += ["--responses-store-max-count", str(self.cfg.responses_store_max_count),
+                     "--responses-store-max-bytes", str(self.cfg.responses_store_max_bytes)]
         env = dict(os.environ)
         env.pop(envs.API_KEY, None)
         if self.cfg.api_key:  # NOTE: in the environment, never on a command line (ps shows it)

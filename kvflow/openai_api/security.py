@@ -10,6 +10,8 @@
 - POST bodies must be ``Content-Type: application/json``: the types a cross-site form may send
   (``text/plain`` among them) are refused before the body is read, and a cross-site script
   cannot send JSON without a CORS preflight, which this server never grants.
+- ``/v1/responses`` keeps each key's responses apart (:meth:`KeyGuard.namespace`): another
+  key's response id is unknown (404), with or without ``--api-key``.
 - ``/v1/kvflow/state`` shows every request's tenant (``user``) and id to any key holder:
   :class:`StateRedactor` replaces them with a keyed hash, stable while the process lives (the
   console still tells requests and tenants apart), unless ``--console-show-tenants``.
@@ -71,6 +73,18 @@ class KeyGuard:
                      if console_get else "Authorization: Bearer KEY or x-api-key: KEY")
             raise OpenAIError(401, f"a valid API key is required ({where})",
                               code="invalid_api_key")
+
+
+    def namespace(self, headers: Any) -> str:
+        """Whose stored responses (``/v1/responses``) a request may see: a hash of the key it
+        carries (the console's token counts as the key it derives from). Without
+        ``--api-key`` every key is accepted, and each still sees only its own responses."""
+        given = api_key_of(headers)
+        if self.console_token and hmac.compare_digest(given.encode(),
+                                                      self.console_token.encode()):
+            given = self.api_key or ""
+        return hashlib.sha256(b"kvflow responses " + given.encode("utf-8", "surrogatepass")
+                              ).hexdigest()[:32]
 
 
 def require_json(headers: Any) -> None:

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeVar
 
+from kvflow.openai_api.completion_bodies import ChoiceState, choice_chunk, chunk, encode_body, usage
 from kvflow.openai_api.errors import OpenAIError, error_from_backend
 from kvflow.openai_api.pool import BackendError
 from kvflow.openai_api.protocol import CompletionRequest
-from kvflow.openai_api.responses import ChoiceState, choice_chunk, chunk, encode_body, usage
 
+T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25
 
 
@@ -78,11 +79,21 @@ def event(body: Any) -> bytes:
     return b"data: " + encode_body(body) + b"\n\n"
 
 
-async def sse(parsed: CompletionRequest, generators: list[Any], states: list[ChoiceState],
-              firsts: list[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """The Server-Sent Events of a streamed response: every choice's deltas as they come,
-    then the usage chunk (``include_usage``), then ``[DONE]``. Cancelled when the client
-    disconnects; the ``finally`` then cancels the Triton requests."""
+def stream_error(error: BaseException, parsed: CompletionRequest | None) -> OpenAIError:
+    """The error a stream reports when one of its Triton streams fails mid-way."""
+    if isinstance(error, BackendError):
+        return backend_error(error, parsed)
+    return OpenAIError(500, f"the frontend failed: {error!r}")
+
+
+async def merged(generators: list[Any], states: list[ChoiceState],
+                 firsts: list[dict[str, Any]]
+                 ) -> AsyncGenerator[tuple[int, dict[str, Any], bool], None]:
+    """Every choice's Triton responses as ``(choice, outputs, first)``, as they come: each
+    choice's first (already read) first, then the rest in arrival order. The consumer
+    applies each to ``states[choice]`` before asking for the next (a choice whose first
+    response finished it is not read further). A failed stream raises its error. Closing
+    this (the client disconnected) cancels the Triton requests."""
     queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
 
     async def pump(k: int) -> None:
@@ -90,30 +101,14 @@ async def sse(parsed: CompletionRequest, generators: list[Any], states: list[Cho
             async for outputs in generators[k]:
                 await queue.put((k, outputs))
             await queue.put((k, None))
-        except Exception as e:  # noqa: BLE001  reported in the stream
+        except Exception as e:  # noqa: BLE001  raised to the consumer
             await queue.put((k, e))
-
-    def render(k: int, outputs: dict[str, Any], first: bool) -> bytes:
-        delta, entries = states[k].update(outputs)
-        piece = choice_chunk(parsed, parsed.choices[k], states[k], delta, entries, first)
-        if parsed.chat and piece == {"index": piece["index"], "delta": {}, "logprobs": None,
-                                     "finish_reason": None}:
-            return b""  # nothing new to say (text held back, or read into a call later)
-        body = chunk(parsed, [piece], usage(parsed, states) if parsed.continuous_usage else None)
-        return event(body)
-
-    async def render_off_loop(k: int, outputs: dict[str, Any], first: bool) -> bytes:
-        # NOTE: a response with the prompt's logprobs (megabytes of JSON) is parsed and
-        # encoded on a thread; meanwhile this stream waits and no one else touches its state.
-        if outputs.get("prompt_logprobs"):
-            return await asyncio.to_thread(render, k, outputs, first)
-        return render(k, outputs, first)
 
     tasks: list[asyncio.Task] = []
     try:
         open_choices = 0
         for k, outputs in enumerate(firsts):
-            yield await render_off_loop(k, outputs, True)  # the first (its role) always goes
+            yield k, outputs, True
             if not states[k].finish_reason:
                 open_choices += 1
                 tasks.append(asyncio.create_task(pump(k)))
@@ -122,19 +117,49 @@ async def sse(parsed: CompletionRequest, generators: list[Any], states: list[Cho
             if item is None:
                 open_choices -= 1
             elif isinstance(item, BaseException):
-                err = (backend_error(item, parsed) if isinstance(item, BackendError)
-                       else OpenAIError(500, f"the frontend failed: {item!r}"))
-                yield event(err.body())
-                break
+                raise item
             else:
-                piece = await render_off_loop(k, item, False)
-                if piece:
-                    yield piece
-        if parsed.include_usage:
-            yield event({**chunk(parsed, []), "usage": usage(parsed, states)})
-        yield b"data: [DONE]\n\n"
+                yield k, item, False
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await close_all(generators)
+
+
+async def sse(parsed: CompletionRequest, generators: list[Any], states: list[ChoiceState],
+              firsts: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """The Server-Sent Events of a streamed completion: every choice's deltas as they come,
+    then the usage chunk (``include_usage``), then ``[DONE]``."""
+
+    def render(k: int, outputs: dict[str, Any], first: bool) -> bytes:
+        delta, entries = states[k].update(outputs)
+        piece = choice_chunk(parsed, parsed.choices[k], states[k], delta, entries, first)
+        if parsed.chat and not first and piece == {"index": piece["index"], "delta": {},
+                                                   "logprobs": None, "finish_reason": None}:
+            return b""  # nothing new to say (text held back, or read into a call later)
+        body = chunk(parsed, [piece], usage(parsed, states) if parsed.continuous_usage else None)
+        return event(body)
+
+    responses = merged(generators, states, firsts)
+    try:
+        async for k, outputs, first in responses:
+            piece = await render_off_loop(render, k, outputs, first)
+            if piece:
+                yield piece
+    except Exception as e:  # noqa: BLE001  reported in the stream
+        yield event(stream_error(e, parsed).body())
+    finally:
+        await responses.aclose()
+    if parsed.include_usage:
+        yield event({**chunk(parsed, []), "usage": usage(parsed, states)})
+    yield b"data: [DONE]\n\n"
+
+
+async def render_off_loop(render: Callable[[int, dict[str, Any], bool], T], k: int,
+                          outputs: dict[str, Any], first: bool) -> T:
+    """``render(k, outputs, first)``; on a thread for a response with the prompt's logprobs
+    (megabytes of JSON, parsed and encoded meanwhile; no one else touches its state)."""
+    if outputs.get("prompt_logprobs"):
+        return await asyncio.to_thread(render, k, outputs, first)
+    return render(k, outputs, first)
