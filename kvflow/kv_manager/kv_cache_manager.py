@@ -8,7 +8,14 @@ Prefix caching: ``get_computed_blocks`` finds the longest run of cached full blo
 new request's tokens; ``allocate_slots(..., computed_blocks=...)`` shares them; after each step
 ``cache_blocks`` indexes the blocks that became full. Swap: ``swap_out`` moves a sequence's
 table to host blocks and ``swap_in`` back; the runner copies the data as the returned
-``(from, to)`` pairs say.
+``(from, to)`` pairs say (:mod:`kvflow.kv_manager.swap`).
+
+Sliding window (``sliding_window=W``, every layer's): ``allocate_slots(...,
+num_computed_tokens=c)`` first releases the sequence's blocks that hold only positions
+``< c - W + 1``, which no query from ``c`` on can see (:mod:`kvflow.kv_manager.window`); their
+table entries become the null block, so a table's null entries are always a prefix of it.
+``release_outside_window`` does the same on its own. A released block is freed like any other
+(a cached one stays findable by its hash); a prefix hit may start with null entries.
 
 Fork (parallel sampling): ``fork(parent, child, num_tokens)`` starts the child's table with the
 parent's blocks holding its first ``num_tokens`` tokens, shared by reference count. A shared
@@ -19,50 +26,22 @@ into a fresh one first (copy on write), and queues the ``(src, dst)`` copy in
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
+from kvflow.kv_manager import window as win
 from kvflow.kv_manager.block_pool import BlockHash, BlockPool, hash_block
+from kvflow.kv_manager.fragmentation import fragmentation
 from kvflow.kv_manager.prompt_logprobs_cache import PromptLogprobsCache
+from kvflow.kv_manager.spec import KVCacheSpec
+from kvflow.kv_manager.swap import SwapMixin
+
+__all__ = ["KVCacheManager", "KVCacheSpec"]
+
+NULL_BLOCK = BlockPool.NULL_BLOCK
 
 
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """The KV layout of a model: what one block costs.
-
-    One block holds ``block_size`` tokens of K and V for every layer:
-    ``2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes`` bytes.
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype_bytes: int
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-    @property
-    def bytes_per_block(self) -> int:
-        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-                * self.dtype_bytes)
-
-    def num_blocks_for_bytes(self, kv_bytes: int) -> int:
-        """Blocks (the null block included) that fit in a budget of ``kv_bytes``."""
-        n = kv_bytes // self.bytes_per_block
-        if n < 2:
-            raise ValueError(
-                f"kv_cache_bytes {kv_bytes} holds {n} blocks of {self.bytes_per_block} bytes; "
-                "at least 2 are needed"
-            )
-        return int(n)
-
-
-class KVCacheManager:
+class KVCacheManager(SwapMixin):
     """Block tables of live sequences, allocated from one :class:`BlockPool`.
 
     Args:
@@ -71,13 +50,17 @@ class KVCacheManager:
         enable_caching: index full blocks by content for reuse across requests.
         num_host_blocks: size of the host swap pool (0: no swapping).
         bytes_per_block: what one block costs to move (the scheduler's swap cost model).
+        sliding_window: every layer's attention window in tokens (None: full attention);
+            blocks wholly before the window of a sequence's next token are released.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 num_host_blocks: int = 0, bytes_per_block: int = 0) -> None:
+                 num_host_blocks: int = 0, bytes_per_block: int = 0,
+                 sliding_window: int | None = None) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
+        self.sliding_window = win.check_sliding_window(sliding_window)
         self.enable_caching = enable_caching
         self.bytes_per_block = bytes_per_block
         self.pool = BlockPool(num_blocks)
@@ -105,6 +88,31 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def first_live_block(self, num_computed_tokens: int) -> int:
+        """Index of the first block a query at ``num_computed_tokens`` or later can see (0
+        without a window): the blocks before it are released, or may be."""
+        if self.sliding_window is None:
+            return 0
+        return win.first_live_block(num_computed_tokens, self.sliding_window, self.block_size)
+
+    def max_sequence_tokens(self, max_step_tokens: int) -> int:
+        """The longest sequence the pool can ever hold resident when a step adds at most
+        ``max_step_tokens`` tokens to it: the whole pool's tokens, or without bound
+        (``sys.maxsize``) under a window whose working set fits the pool."""
+        usable = self.pool.num_usable_blocks
+        if self.sliding_window is not None and win.max_blocks_held(
+                self.sliding_window, self.block_size, max_step_tokens) <= usable:
+            return sys.maxsize
+        return usable * self.block_size
+
+    def max_blocks_per_sequence(self, max_step_tokens: int) -> int | None:
+        """Under a window, the most blocks one sequence holds in a step of at most
+        ``max_step_tokens`` tokens (:func:`~kvflow.kv_manager.window.max_blocks_held`);
+        None without a window (its whole length)."""
+        if self.sliding_window is None:
+            return None
+        return win.max_blocks_held(self.sliding_window, self.block_size, max_step_tokens)
+
     def num_new_blocks(self, request_id: Hashable, num_tokens: int) -> int:
         """Blocks that ``allocate_slots(request_id, num_tokens)`` would take from the pool."""
         have = len(self.block_tables.get(request_id, ()))
@@ -126,12 +134,18 @@ class KVCacheManager:
         """The longest cached prefix of ``token_ids``: its blocks and its token count.
 
         At least one token is always left to compute, so that the step yields logits: a prompt
-        cached whole gives back all but its last block.
+        cached whole gives back all but its last block. Under a window, the hit need only end
+        with the cached blocks its next token's window reaches; its earlier entries are null
+        (:func:`~kvflow.kv_manager.window.windowed_hit`).
         """
         if not self.enable_caching:
             return [], 0
         hashes = self.block_hashes(request_id, token_ids, salt)
         limit = (len(token_ids) - 1) // self.block_size
+        if self.sliding_window is not None:
+            hits = win.windowed_hit(self.pool.lookup, hashes, limit, self.sliding_window,
+                                    self.block_size)
+            return hits, len(hits) * self.block_size
         hits = []
         for h in hashes[:limit]:
             block = self.pool.lookup(h)
@@ -139,6 +153,11 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def trim_hit(self, hits: Sequence[int], num_blocks: int) -> list[int]:
+        """A hit of :meth:`get_computed_blocks` cut to at most ``num_blocks`` blocks that is
+        still valid (under a window, possibly none: :func:`~kvflow.kv_manager.window.trim_hit`)."""
+        return win.trim_hit(hits, num_blocks, self.sliding_window, self.block_size)
 
     def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int],
                      num_computed_tokens: int, salt: bytes = b"") -> None:
@@ -153,12 +172,14 @@ class KVCacheManager:
         table = self.block_tables[request_id]
         if self.pool.events is None:
             for i in range(done, full):
-                self.pool.cache_block(table[i], hashes[i])
+                if table[i] != NULL_BLOCK:  # released past the window: nothing to index
+                    self.pool.cache_block(table[i], hashes[i])
         else:  # the events carry each block's parent and tokens
             bs = self.block_size
             for i in range(done, full):
-                self.pool.cache_block(table[i], hashes[i], hashes[i - 1] if i else None,
-                                      token_ids[i * bs:(i + 1) * bs], bool(salt))
+                if table[i] != NULL_BLOCK:
+                    self.pool.cache_block(table[i], hashes[i], hashes[i - 1] if i else None,
+                                          token_ids[i * bs:(i + 1) * bs], bool(salt))
         self._num_cached[request_id] = full
 
     # --- allocation ---------------------------------------------------------------------------
@@ -170,9 +191,19 @@ class KVCacheManager:
         ``computed_blocks`` (cache hits, for a sequence without a table yet) start the table,
         shared. ``num_computed_tokens``: where the sequence's writes start; a block from there
         on that is shared (a fork's) is first copied to a block of its own (copy on write).
-        Returns False (and changes nothing) when the pool would keep fewer than ``reserve``
-        free blocks.
+        Returns False (and changes nothing else) when the pool would keep fewer than
+        ``reserve`` free blocks.
+
+        Under a window, the blocks no query from ``num_computed_tokens`` on can see are
+        released first, even when it then returns False (they are dead either way), and the
+        dead entries of ``computed_blocks`` start the table as null entries, untouched.
         """
+        if self.sliding_window is not None:
+            if num_computed_tokens is not None:
+                self.release_outside_window(request_id, num_computed_tokens)
+            if computed_blocks:
+                first = self.first_live_block(len(computed_blocks) * self.block_size)
+                computed_blocks = [NULL_BLOCK] * first + list(computed_blocks[first:])
         table = self.block_tables.get(request_id)
         have = len(table) if table is not None else 0
         need = -(-num_tokens // self.block_size) - have - len(computed_blocks)
@@ -180,14 +211,15 @@ class KVCacheManager:
         if need <= 0 and not computed_blocks and not shared:
             return True  # the common decode step: the block has room and is the sequence's own
         # Cache hits sitting on the free queue stop being free once shared.
-        revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        revived = sum(1 for b in computed_blocks
+                      if b != NULL_BLOCK and self.pool.ref_counts[b] == 0)
         if max(need, 0) + len(shared) + revived + reserve > self.pool.num_free_blocks:
             return False
         if table is None:
             table = self.block_tables[request_id] = []
         if computed_blocks:
             assert not table, "computed blocks can only start a table"
-            self.pool.touch(computed_blocks)
+            self.pool.touch(b for b in computed_blocks if b != NULL_BLOCK)
             table.extend(computed_blocks)
             self._num_cached[request_id] = len(computed_blocks)
         if shared:
@@ -200,6 +232,25 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need))
         return True
 
+    def release_outside_window(self, request_id: Hashable, num_computed_tokens: int) -> int:
+        """Release the sequence's blocks that hold only positions before the window of its
+        next token (``< num_computed_tokens - sliding_window + 1``): their entries become the
+        null block and each gives up the sequence's reference (a cached block stays findable
+        by its hash). Returns how many it released; 0 without a window or a table."""
+        table = self.block_tables.get(request_id)
+        if self.sliding_window is None or not table:
+            return 0
+        released = []
+        # NOTE: from the last dead block back, stopping at a null one: the ones before it went
+        # in an earlier call. Freed tail first, as free() does: the oldest is evicted last.
+        for i in range(min(self.first_live_block(num_computed_tokens), len(table)) - 1, -1, -1):
+            if table[i] == NULL_BLOCK:
+                break
+            released.append(table[i])
+            table[i] = NULL_BLOCK
+        self.pool.free(released)
+        return len(released)
+
     def _shared_from(self, table: list[int], num_computed_tokens: int | None) -> list[int]:
         """Indexes of the table's blocks at or past the write position that must not be
         written: shared ones, and ones the prefix cache indexes (a fork member can hold a
@@ -208,17 +259,21 @@ class KVCacheManager:
             return []
         first = num_computed_tokens // self.block_size
         refs, hashes = self.pool.ref_counts, self.pool.block_hashes
-        return [i for i in range(first, len(table))
-                if refs[table[i]] > 1 or hashes[table[i]] is not None]
+        return [i for i in range(first, len(table)) if table[i] != NULL_BLOCK
+                and (refs[table[i]] > 1 or hashes[table[i]] is not None)]
 
     def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> None:
         """Start ``child_id``'s table with ``parent_id``'s blocks holding its first
-        ``num_tokens`` tokens, shared (one more reference each); the child has no table yet."""
+        ``num_tokens`` tokens, shared (one more reference each); the child has no table yet.
+        The parent's null entries (released past its window) are the child's too: the child's
+        window from ``num_tokens`` on must not reach them."""
         assert child_id not in self.block_tables, f"{child_id!r} already has blocks"
         n = self.blocks_needed(num_tokens)
         blocks = self.block_tables[parent_id][:n]
         assert len(blocks) == n, f"{parent_id!r} holds fewer than {num_tokens} tokens"
-        self.pool.touch(blocks)
+        assert all(blocks[self.first_live_block(num_tokens):]), (
+            f"{parent_id!r} released blocks that {child_id!r} at {num_tokens} tokens still sees")
+        self.pool.touch(b for b in blocks if b != NULL_BLOCK)
         self.block_tables[child_id] = list(blocks)
         full = num_tokens // self.block_size
         if parent_id in self._hashes:
@@ -231,7 +286,8 @@ class KVCacheManager:
         return copies
 
     def free(self, request_id: Hashable, forget: bool = True) -> int:
-        """Release a sequence's device blocks (no-op for an unknown id); returns how many.
+        """Release a sequence's device blocks (no-op for an unknown id); returns how many
+        (its null entries are not blocks it holds).
 
         ``forget=False`` keeps its block hashes (a preempted sequence that will come back).
         """
@@ -244,88 +300,12 @@ class KVCacheManager:
         if not table:
             return 0
         # Free the tail first: it goes to the front of the eviction queue, the shared prefix last.
-        self.pool.free(reversed(table))
+        held = [b for b in reversed(table) if b != NULL_BLOCK]
+        self.pool.free(held)
         if self.pending_copies:  # a copy into a block now dropped would race its next owner's
             refs = self.pool.ref_counts
             self.pending_copies = [(s, d) for s, d in self.pending_copies if refs[d] > 0]
-        return len(table)
-
-    # --- swap ---------------------------------------------------------------------------------
-    def can_swap_out(self, request_id: Hashable, num_tokens: int) -> bool:
-        return self.can_swap_out_many([(request_id, num_tokens)])
-
-    def can_swap_out_many(self, items: Sequence[tuple[Hashable, int]]) -> bool:
-        """Whether the host pool has room for these sequences' blocks (shared ones once)."""
-        return (self.host_pool is not None
-                and len(self.distinct_blocks(items)) <= self.host_pool.num_free_blocks)
-
-    def distinct_blocks(self, items: Sequence[tuple[Hashable, int]]) -> dict[int, None]:
-        """The device blocks holding these sequences' first tokens, each once, in order."""
-        blocks: dict[int, None] = {}
-        for request_id, num_tokens in items:
-            blocks.update(dict.fromkeys(
-                self.block_tables[request_id][:self.blocks_needed(num_tokens)]))
-        return blocks
-
-    def swap_out(self, request_id: Hashable, num_tokens: int) -> list[tuple[int, int]]:
-        """Move the blocks holding the first ``num_tokens`` tokens to host blocks.
-
-        Frees the device table; returns ``(device_block, host_block)`` copies to make before the
-        freed device blocks are written again.
-        """
-        return self.swap_out_many([(request_id, num_tokens)])
-
-    def swap_out_many(self, items: Sequence[tuple[Hashable, int]]) -> list[tuple[int, int]]:
-        """:meth:`swap_out` of several sequences together (a forked group): a block they
-        share is copied once, to one host block they share."""
-        assert self.host_pool is not None
-        distinct = list(self.distinct_blocks(items))
-        to_host = dict(zip(distinct, self.host_pool.allocate(len(distinct)), strict=True))
-        taken: set[int] = set()
-        for request_id, num_tokens in items:
-            host = [to_host[b] for b in
-                    self.block_tables[request_id][:self.blocks_needed(num_tokens)]]
-            self.host_pool.touch(b for b in host if b in taken)
-            taken.update(host)
-            self.host_tables[request_id] = host
-            self.free(request_id, forget=False)
-        return list(to_host.items())
-
-    def swap_in(self, request_id: Hashable, num_tokens: int,
-                reserve: int = 0) -> list[tuple[int, int]] | None:
-        """Bring a swapped sequence back with room for ``num_tokens``; None if it cannot fit.
-
-        Returns ``(host_block, device_block)`` copies to make before the step runs.
-        """
-        return self.swap_in_many([(request_id, num_tokens)], reserve)
-
-    def swap_in_many(self, items: Sequence[tuple[Hashable, int]],
-                     reserve: int = 0) -> list[tuple[int, int]] | None:
-        """:meth:`swap_in` of several sequences together, all or none: a host block they share
-        comes back as one device block they share."""
-        assert self.host_pool is not None
-        distinct: dict[int, None] = {}
-        extra = 0
-        for request_id, num_tokens in items:
-            host = self.host_tables[request_id]
-            distinct.update(dict.fromkeys(host))
-            extra += max(0, self.blocks_needed(num_tokens) - len(host))
-        if len(distinct) + extra + reserve > self.pool.num_free_blocks:
-            return None
-        to_device = dict(zip(distinct, self.pool.allocate(len(distinct)), strict=True))
-        taken: set[int] = set()
-        for request_id, num_tokens in items:
-            host = self.host_tables.pop(request_id)
-            table = [to_device[b] for b in host]
-            self.pool.touch(b for b in table if b in taken)
-            taken.update(table)
-            table.extend(self.pool.allocate(max(0, self.blocks_needed(num_tokens) - len(host))))
-            self.block_tables[request_id] = table
-            self.host_pool.free(host)
-        return list(to_device.items())
-
-    def is_swapped(self, request_id: Hashable) -> bool:
-        return request_id in self.host_tables
+        return len(held)
 
     # --- lookups ------------------------------------------------------------------------------
     def get_block_table(self, request_id: Hashable) -> list[int]:
@@ -337,63 +317,40 @@ class KVCacheManager:
         return block * self.block_size + position % self.block_size
 
     def fragmentation(self, filled: Sequence[tuple[Hashable, int]]) -> float:
-        """Fraction of the slots in used device blocks that hold no token (0 when none is
-        used): the tail of each sequence's last block, and blocks allocated ahead of its
-        tokens. ``filled``: (sequence, tokens whose KV is in its blocks) for the sequences
-        holding blocks; a block shared by several sequences counts once, as filled as its
-        fullest holder has it. A used block no sequence listed counts as full."""
-        used = self.pool.num_used_blocks
-        if used == 0:
-            return 0.0
-        bs, tables, refs = self.block_size, self.block_tables, self.pool.ref_counts
-        unfilled = 0
-        holders: list[tuple[list[int], int]] = []  # the rare ones: shared or ahead blocks
-        for request_id, num_tokens in filled:
-            table = tables.get(request_id)
-            if not table:
-                continue
-            n = len(table)
-            if num_tokens // bs >= n - 1 and refs[table[-1]] == 1:
-                # NOTE: the common case, O(1): the last block alone is unfilled, and its own.
-                unfilled += max(n * bs - num_tokens, 0)
-            else:
-                holders.append((table, num_tokens))
-        partial: dict[int, int] = {}  # block -> filled slots, for the blocks past full ones
-        for table, num_tokens in holders:
-            for i in range(min(num_tokens // bs, len(table)), len(table)):
-                k = min(max(num_tokens - i * bs, 0), bs)
-                partial[table[i]] = max(partial.get(table[i], 0), k)
-        # NOTE: only the blocks past each holder's full ones are visited (one or two each),
-        # so a shared block (a fork's) may be full in another holder's table: look it up.
-        shared = {b for b in partial if refs[b] > 1}
-        if shared:
-            for request_id, num_tokens in filled:
-                table = tables.get(request_id) or []
-                for i in range(min(num_tokens // bs, len(table))):
-                    if table[i] in shared:
-                        partial[table[i]] = bs
-        unfilled += sum(bs - k for k in partial.values())
-        return unfilled / (used * bs)
+        """Fraction of the slots in used device blocks that hold no token
+        (:func:`~kvflow.kv_manager.fragmentation.fragmentation`)."""
+        return fragmentation(self, filled)
 
     def check_integrity(self) -> None:
-        """Pools consistent; every reference count equals the block's table occurrences."""
+        """Pools consistent; every reference count equals the block's table occurrences; a
+        table's null entries (released past the window) lead it, and only under a window."""
         self.pool.check_integrity()
         if self.prompt_logprobs is not None:
             self.prompt_logprobs.check_integrity()
-        counts = [0] * self.pool.num_blocks
-        for table in self.block_tables.values():
-            for b in table:
-                counts[b] += 1
+        counts = self._table_counts(self.block_tables, self.pool.num_blocks)
         assert counts == self.pool.ref_counts, "reference counts do not match the block tables"
         if self.host_pool is not None:
             self.host_pool.check_integrity()
-            host_counts = [0] * self.host_pool.num_blocks
-            for table in self.host_tables.values():
-                for b in table:
-                    host_counts[b] += 1
+            host_counts = self._table_counts(self.host_tables, self.host_pool.num_blocks)
             assert host_counts == self.host_pool.ref_counts, "host pool references mismatch"
             assert not self.host_pool.cached, "host blocks are never content-indexed"
         else:
             assert not self.host_tables
         assert not set(self.host_tables) & set(self.block_tables), \
             "a sequence is both swapped out and resident"
+
+    def _table_counts(self, tables: dict[Hashable, list[int]], num_blocks: int) -> list[int]:
+        """Each block's occurrences in ``tables`` (the null block's: 0), checking that null
+        entries lead each table and appear only under a window."""
+        counts = [0] * num_blocks
+        for request_id, table in tables.items():
+            num_null = 0
+            while num_null < len(table) and table[num_null] == NULL_BLOCK:
+                num_null += 1
+            assert NULL_BLOCK not in table[num_null:], \
+                f"{request_id!r}: a null entry after a real block: {table}"
+            assert num_null == 0 or self.sliding_window is not None, \
+                f"{request_id!r}: null entries without a sliding window: {table}"
+            for b in table[num_null:]:
+                counts[b] += 1
+        return counts
