@@ -3,7 +3,8 @@
 Same semantics as :mod:`kvflow.plugins.paged_attention_ref` (the PyTorch reference), same
 arguments as the ONNX node ``kvflow::PagedAttention``: the pool is reached through
 ``kv_cache_ptrs`` and :mod:`kvflow.plugins.kv_registry`, never passed as a tensor. A float16
-pool is written rounding to nearest even and its gathered blocks read in fp32.
+pool is written rounding to nearest even and its gathered blocks read in fp32. With a sliding
+window, block-table columns before a sequence's window are never read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kvflow.plugins import kv_registry
+from kvflow.plugins.attention_options import check_attention_options, first_block
 
 
 def _softmax_inplace(x: np.ndarray) -> np.ndarray:
@@ -59,21 +61,42 @@ def write_kv(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndar
     v_cache.reshape(-1, kvh, d)[slots] = v3
 
 
+def _cap(scores: np.ndarray, logit_softcap: float) -> np.ndarray:
+    """Soft-capping in place: ``cap * tanh(s / cap)`` (0: none)."""
+    if logit_softcap:
+        scores /= np.float32(logit_softcap)
+        np.tanh(scores, out=scores)
+        scores *= np.float32(logit_softcap)
+    return scores
+
+
 def _decode_attention(decode: np.ndarray, q, k_cache, v_cache, block_tables, qsl, lens, out,
-                      kvh: int, group: int, d: int, scale: float) -> None:
-    """Attention of sequences with one new token each, batched (rows ``decode``)."""
+                      kvh: int, group: int, d: int, scale: float, window: int,
+                      softcap: float) -> None:
+    """Attention of sequences with one new token each, batched (rows ``decode``). Each reads
+    the block-table columns from its window's first block on (see ``first_block``)."""
     block_size = k_cache.shape[1]
     dl = lens[decode]
-    nb = int(-(-dl.max() // block_size))
-    tables = block_tables[decode, :nb]
+    first = (np.maximum(dl - window, 0) // block_size if window
+             else np.zeros_like(dl))
+    nbs = -(-dl // block_size)
+    nb = int((nbs - first).max())
+    cols = first[:, None] + np.arange(nb)[None, :]
+    # Columns past a sequence's last block read its first window block again (masked).
+    cols = np.where(cols < nbs[:, None], cols, first[:, None])
+    tables = np.take_along_axis(block_tables[decode], cols, axis=1)
     keys = k_cache[tables].reshape(decode.size, nb * block_size, kvh, d).astype(
         np.float32, copy=False)
     values = v_cache[tables].reshape(decode.size, nb * block_size, kvh, d).astype(
         np.float32, copy=False)
     rows = qsl[decode]
     qd = q[rows].reshape(decode.size, kvh, group, d).astype(np.float32, copy=False)
-    scores = np.matmul(qd, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # [S, KVH, G, K]
-    mask = np.arange(nb * block_size)[None, :] >= dl[:, None]
+    scores = _cap(np.matmul(qd, keys.transpose(0, 2, 3, 1)) * np.float32(scale),
+                  softcap)  # [S, KVH, G, K]
+    k_pos = (first[:, None] * block_size + np.arange(nb * block_size)[None, :])
+    mask = k_pos >= dl[:, None]  # also every key of a repeated column (past the last)
+    if window:
+        mask |= k_pos <= dl[:, None] - 1 - window
     scores[np.broadcast_to(mask[:, None, None, :], scores.shape)] = -np.inf
     probs = _softmax_inplace(scores)
     od = np.matmul(probs, values.transpose(0, 2, 1, 3))  # [S, KVH, G, D]
@@ -95,8 +118,12 @@ def paged_attention_host(
     num_kv_heads: int,
     head_dim: int,
     scale: float,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> np.ndarray:
-    """One layer: ``q`` ``[T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]``."""
+    """One layer: ``q`` ``[T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]``.
+    ``sliding_window`` and ``logit_softcap``: the node's optional attributes (0 = off)."""
+    check_attention_options(sliding_window, logit_softcap)
     k_cache = kv_registry.lookup(int(kv_cache_ptrs[layer_idx, 0]))
     v_cache = kv_registry.lookup(int(kv_cache_ptrs[layer_idx, 1]))
     block_size = k_cache.shape[1]
@@ -111,7 +138,8 @@ def paged_attention_host(
 
     decode = np.nonzero(q_lens == 1)[0]
     if decode.size:
-        args = (q, k_cache, v_cache, block_tables, qsl, lens, out, kvh, group, d, scale)
+        args = (q, k_cache, v_cache, block_tables, qsl, lens, out, kvh, group, d, scale,
+                sliding_window, logit_softcap)
         parts = _split(decode, _pool_width())
         if len(parts) == 1:
             _decode_attention(parts[0], *args)
@@ -121,20 +149,24 @@ def paged_attention_host(
     for s in np.nonzero(q_lens > 1)[0]:
         n, length = int(q_lens[s]), int(lens[s])
         nb = -(-length // block_size)
-        table = block_tables[s, :nb]
-        keys = k_cache[table].reshape(nb * block_size, kvh, d)[:length].astype(
-            np.float32, copy=False)
-        values = v_cache[table].reshape(nb * block_size, kvh, d)[:length].astype(
+        first = first_block(length, n, sliding_window, block_size)
+        k0 = first * block_size
+        table = block_tables[s, first:nb]
+        keys = k_cache[table].reshape(-1, kvh, d)[: length - k0].astype(np.float32, copy=False)
+        values = v_cache[table].reshape(-1, kvh, d)[: length - k0].astype(
             np.float32, copy=False)
         start = int(qsl[s])
         qs = q[start : start + n].reshape(n, kvh, group, d)
         # [KVH, G*n, D] x [KVH, D, L]: one matmul per KV head
         qh = qs.transpose(1, 2, 0, 3).reshape(kvh, group * n, d)
-        scores = np.matmul(qh, keys.transpose(1, 2, 0)) * np.float32(scale)
-        scores = scores.reshape(kvh, group, n, length)
-        mask = np.arange(length)[None, :] > np.arange(length - n, length)[:, None]
+        scores = _cap(np.matmul(qh, keys.transpose(1, 2, 0)) * np.float32(scale), logit_softcap)
+        scores = scores.reshape(kvh, group, n, length - k0)
+        k_pos, q_pos = np.arange(k0, length)[None, :], np.arange(length - n, length)[:, None]
+        mask = k_pos > q_pos
+        if sliding_window:
+            mask |= k_pos <= q_pos - sliding_window
         scores[:, :, mask] = -np.inf
-        probs = _softmax_inplace(scores).reshape(kvh, group * n, length)
+        probs = _softmax_inplace(scores).reshape(kvh, group * n, length - k0)
         oh = np.matmul(probs, values.transpose(1, 0, 2))  # [KVH, G*n, D]
         out[start : start + n] = (
             oh.reshape(kvh, group, n, d).transpose(2, 0, 1, 3).reshape(n, num_heads * d)

@@ -13,6 +13,10 @@ the CPU): each (block, KV head) is converted to fp32 once, exactly, into a scrat
 that the group's query heads then share; the arithmetic is the fp32 kernel's. New K/V are
 written by NumPy, rounding to nearest even.
 
+With a sliding window each query starts at its window's first block (earlier blocks of the
+table are never looked up: the KV manager may have released them) and skips the keys of that
+block before its window; soft-capping applies ``cap * tanh(s / cap)`` to each score.
+
 It is compiled by numba (LLVM, bundled with the ``llvmlite`` wheel: no system compiler at run
 time) at first use and cached on disk beside this file, so a later process loads it in well
 under a second. ``docs/benchmarks.md`` compares it with the NumPy implementation.
@@ -29,6 +33,7 @@ from numba.core import types
 from numba.extending import intrinsic, overload
 
 from kvflow.plugins import kv_registry
+from kvflow.plugins.attention_options import check_attention_options
 from kvflow.plugins.paged_attention_host import write_kv
 
 
@@ -145,7 +150,7 @@ def _write_kv(k, v, slot_mapping, k_cache, v_cache):  # pragma: no cover  (compi
 
 
 def _attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-               num_heads, scale):  # pragma: no cover  (compiled)
+               num_heads, scale, window, softcap):  # pragma: no cover  (compiled)
     num_seqs = seq_lens.shape[0]
     block_size, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // kvh
@@ -163,6 +168,9 @@ def _attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
         vbuf = _scratch(v_cache, block_size, d)
         for i in range(n):
             visible = length - n + i + 1  # causal: keys up to this token's own position
+            # Its window's first key; the blocks before it are never looked up (the KV
+            # manager may have released them).
+            lo = max(0, visible - window) if window > 0 else 0
             for g in range(group):
                 base = (h * group + g) * d
                 for x in range(d):
@@ -170,19 +178,22 @@ def _attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
                     acc[g, x] = np.float32(0.0)
                 m[g] = np.float32(-np.inf)
                 denom[g] = np.float32(0.0)
-            for b in range((visible + block_size - 1) // block_size):
+            for b in range(lo // block_size, (visible + block_size - 1) // block_size):
                 blk = block_tables[s, b]
                 keys = min(block_size, visible - b * block_size)
+                o0 = max(0, lo - b * block_size)
                 _stage(k_cache, kbuf, blk, h, keys)
                 _stage(v_cache, vbuf, blk, h, keys)
                 for g in range(group):
                     qv, av, pv = qg[g], acc[g], p[g]
                     block_max = np.float32(-np.inf)
-                    for o in range(keys):
+                    for o in range(o0, keys):
                         kv = _row(k_cache, kbuf, blk, o, h)
                         dot = np.float32(0.0)
                         for x in range(d):
                             dot += qv[x] * kv[x]
+                        if softcap > 0:
+                            dot = softcap * np.float32(math.tanh(dot / softcap))
                         pv[o] = dot
                         block_max = max(block_max, dot)
                     # online softmax: rescale what was accumulated to the new running max
@@ -192,7 +203,7 @@ def _attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
                     total = denom[g] * correction
                     for x in range(d):
                         av[x] *= correction
-                    for o in range(keys):
+                    for o in range(o0, keys):
                         w = np.float32(math.exp(pv[o] - new_max))
                         total += w
                         vv = _row(v_cache, vbuf, blk, o, h)
@@ -231,12 +242,16 @@ def paged_attention_native(
     num_kv_heads: int,
     head_dim: int,
     scale: float,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> np.ndarray:
     """One layer: ``q`` ``[T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]`` (fp32).
 
     The arguments are those of the ONNX node ``kvflow::PagedAttention``; the pool (float32 or
     float16) is reached through ``kv_cache_ptrs`` and :mod:`kvflow.plugins.kv_registry`.
+    ``sliding_window`` and ``logit_softcap``: the node's optional attributes (0 = off).
     """
+    check_attention_options(sliding_window, logit_softcap)
     k_cache = kv_registry.lookup(int(kv_cache_ptrs[layer_idx, 0]))
     v_cache = kv_registry.lookup(int(kv_cache_ptrs[layer_idx, 1]))
     if k_cache.shape[2:] != (num_kv_heads, head_dim):
@@ -255,8 +270,13 @@ def paged_attention_native(
     out = np.empty_like(q)
     lens = seq_lens.astype(np.int32, copy=False)
     qsl = query_start_loc.astype(np.int32, copy=False)
-    key_reads = int(np.dot(lens.astype(np.int64), np.diff(qsl))) * num_kv_heads
+    new = np.diff(qsl).astype(np.int64)
+    keys_seen = lens.astype(np.int64)
+    if sliding_window:
+        keys_seen = np.minimum(keys_seen, sliding_window + new)
+    key_reads = int(np.dot(keys_seen, new)) * num_kv_heads
     kernel = _attention_parallel if key_reads >= PARALLEL_MIN_KEY_READS else _attention_serial
     kernel(q, k_cache, v_cache, block_tables.astype(np.int32, copy=False),
-           lens, qsl, out, num_heads, np.float32(scale))
+           lens, qsl, out, num_heads, np.float32(scale), np.int64(sliding_window),
+           np.float32(logit_softcap))
     return out
