@@ -84,7 +84,8 @@ class LLMEngine:
         self.kv = KVCacheManager(runner.num_blocks, runner.block_size,
                                  enable_caching=options.enable_prefix_caching,
                                  num_host_blocks=runner.num_host_blocks,
-                                 bytes_per_block=runner.kv_bytes_per_block)
+                                 bytes_per_block=runner.kv_bytes_per_block,
+                                 sliding_window=runner.sliding_window)
         self.scheduler = make_scheduler(options, self.kv, clock)
         self.sampler = Sampler(runner.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()  # written by this engine (and its output processor)

@@ -161,6 +161,13 @@ class ModelRunner(ABC):
         return self.engine.model.vocab_size
 
     @property
+    def sliding_window(self) -> int | None:
+        """Every layer's attention window in tokens, when all layers share one (Mistral's):
+        the KV manager then releases blocks no query can see again. None: full attention,
+        or windows that differ by layer (Gemma 3's), where no block is released."""
+        return self.engine.model.uniform_sliding_window
+
+    @property
     def kv_bytes_per_block(self) -> int:
         """Device bytes of one KV block, every layer's K and V, in :attr:`kv_cache_dtype`."""
         return kv_bytes_per_block(self.engine, self.kv_cache_dtype)

@@ -92,6 +92,9 @@ def never_fits(request: Request, config: EngineOptions, kv: KVCacheManager,
         bs, usable = kv.block_size, kv.pool.num_usable_blocks
         longest = n + (params.max_tokens or max_seq_len - n)
         need = n // bs + params.n * (-(-longest // bs) - n // bs)
+        window_held = kv.max_blocks_per_sequence(cfg.max_num_batched_tokens)
+        if window_held is not None:  # released past a sliding window, none holds more
+            need = min(need, params.n * window_held)
         if need > usable:
             return Rejection.bad_request(
                 f"n is {params.n}: {params.n} sequences of up to {longest} tokens (prompt + "

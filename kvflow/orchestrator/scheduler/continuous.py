@@ -9,10 +9,13 @@ preempt running ones it outranks. The algorithm in full: :meth:`ContinuousSchedu
 
 from __future__ import annotations
 
+from kvflow.kv_manager.block_pool import BlockPool
 from kvflow.orchestrator.request import Request, RequestStatus, fans_out_first_token
 from kvflow.orchestrator.scheduler.core import Scheduler
 from kvflow.orchestrator.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvflow.orchestrator.scheduler.preemption import pick_victim, priority_victims
+
+NULL_BLOCK = BlockPool.NULL_BLOCK
 
 
 class ContinuousScheduler(Scheduler):
@@ -203,13 +206,15 @@ class ContinuousScheduler(Scheduler):
             for b in kv.block_tables.get(v.request_id, ()):
                 held[b] = held.get(b, 0) + 1
         refs = kv.pool.ref_counts
-        freed = {b for b, k in held.items() if refs[b] == k}
+        # The null block (entries released past a sliding window) is never freed nor taken.
+        freed = {b for b, k in held.items() if refs[b] == k and b != NULL_BLOCK}
         num_new, hits, cached = self._admission_chunk(request, budget)
         if kv.is_swapped(request.request_id):
-            need = kv.blocks_needed(request.num_computed_tokens + num_new)
+            need = (kv.blocks_needed(request.num_computed_tokens + num_new)
+                    - kv.host_tables[request.request_id].count(NULL_BLOCK))
         else:
             need = (kv.blocks_needed(cached + num_new) - len(hits)
-                    + sum(1 for b in hits if refs[b] == 0 or b in freed))
+                    + sum(1 for b in hits if b != NULL_BLOCK and (refs[b] == 0 or b in freed)))
         reserve = self.watermark_blocks if any(r not in gone for r in self.running) else 0
         return num_new > 0 and kv.num_free_blocks + len(freed) >= need + reserve
 
@@ -235,7 +240,9 @@ class ContinuousScheduler(Scheduler):
         hits, num_cached = self.kv.get_computed_blocks(request.request_id, request.token_ids,
                                                        request.cache_salt)
         if hits and _needs_prompt_logits(request):
-            hits = hits[:self._num_with_prompt_logprobs(request, len(hits))]
+            # Cut where the kept prompt logprobs end (under a window, a cut must still hold
+            # the blocks its next token's window reaches).
+            hits = self.kv.trim_hit(hits, self._num_with_prompt_logprobs(request, len(hits)))
             num_cached = len(hits) * self.kv.block_size
         num_new = self._chunk(request.num_tokens - num_cached, budget, prefill=True,
                               recompute=request.num_output_tokens > 0)

@@ -59,9 +59,10 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which found cached
         # Prompt tokens found cached but recomputed: their request asked for prompt logprobs.
         self.prompt_logprobs_recomputed_tokens = 0
-        # The longest sequence that can ever be resident: the context limit or the whole pool.
+        # The longest sequence that can ever be resident: the context limit or the whole pool
+        # (under a sliding window, the pool need only hold the window and a step's tokens).
         self.max_seq_len = min(config.max_model_len,
-                               kv.pool.num_usable_blocks * kv.block_size)
+                               kv.max_sequence_tokens(config.max_num_batched_tokens))
         self.watermark_blocks = int(config.kv_watermark * kv.pool.num_usable_blocks)
         self.policy = QUEUE_POLICIES.get(config.policy, QueuePolicy)(config, kv, clock)
         self.deadlines = Deadlines()
