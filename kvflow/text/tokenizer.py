@@ -6,8 +6,7 @@ import json
 import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ if TYPE_CHECKING:
 from kvflow.orchestrator.sampling.params import check_text, list_unknown
 from kvflow.text.chat_tools import (
     FunctionTool,
+    check_template_kwargs,
     check_tool_calls,
     fallback_messages,
     has_tool_turns,
@@ -26,6 +26,7 @@ from kvflow.text.chat_tools import (
     template_messages,
     template_supports_tools,
 )
+from kvflow.text.jinja_env import compile_chat_template
 
 
 class ChatTemplateError(ValueError):
@@ -33,6 +34,9 @@ class ChatTemplateError(ValueError):
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# The named special tokens HF passes to a chat template (SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
 MAX_CHAT_MESSAGES = 1024
 
 
@@ -47,13 +51,17 @@ class ChatPrompt:
     joined; any other part, an image, is refused: the model reads text), or null for an
     assistant turn (taken as ""); an assistant turn may carry ``tool_calls``, a tool turn
     carries the ``tool_call_id`` it answers; text must be valid Unicode (no lone surrogate); an
-    optional ``name`` is kept for the template. Raises ValueError otherwise.
+    optional ``name`` is kept for the template. ``template_kwargs`` (a request's
+    ``chat_template_kwargs``, e.g. Qwen3's ``{"enable_thinking": false}``) are more variables
+    for the template (:func:`.chat_tools.check_template_kwargs`). Raises ValueError otherwise.
     """
 
     messages: tuple[dict[str, Any], ...]
     tools: tuple[FunctionTool, ...] = ()
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def __init__(self, messages: Sequence[dict[str, Any]], tools: Any = None) -> None:
+    def __init__(self, messages: Sequence[dict[str, Any]], tools: Any = None,
+                 template_kwargs: Any = None) -> None:
         if not isinstance(messages, list | tuple) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
         if len(messages) > MAX_CHAT_MESSAGES:
@@ -62,6 +70,7 @@ class ChatPrompt:
         object.__setattr__(self, "messages", tuple(_chat_message(i, m)
                                                    for i, m in enumerate(messages)))
         object.__setattr__(self, "tools", parse_tools(tools))
+        object.__setattr__(self, "template_kwargs", check_template_kwargs(template_kwargs))
         for t in self.tools:
             check_text(t.description, f"tools ({t.name}).function.description")
 
@@ -136,7 +145,8 @@ def tokenize_prompt(tokenizer: EngineTokenizer | None, prompt: Prompt) -> list[i
             raise ValueError("this engine has no tokenizer: pass prompt token ids")
         if isinstance(prompt, str):
             return tokenizer.encode(check_text(prompt, "prompt"))
-        return tokenizer.encode_chat(list(prompt.messages), tools=prompt.tools)
+        return tokenizer.encode_chat(list(prompt.messages), tools=prompt.tools,
+                                     template_kwargs=prompt.template_kwargs)
     return [int(t) for t in prompt]
 
 
@@ -154,6 +164,7 @@ class EngineTokenizer:
             template = jinja_path.read_text()
         self.chat_template: str | None = template if isinstance(template, str) else None
         self._compiled: Template | None = None  # compiled at the first chat
+        self._accepts_system: bool | None = None  # known at the first fallback
         # The same tokenizer, but special-token text is plain text: for message content.
         self._text_only = Tokenizer.from_str(self.tokenizer.to_str())
         self._text_only.encode_special_tokens = True
@@ -170,17 +181,26 @@ class EngineTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def _special(self, name: str) -> str:
-        value = self.config.get(name)
-        if isinstance(value, dict):
-            value = value.get("content")
-        return value or ""
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens of ``tokenizer_config.json`` (``bos_token``,
+        ``eos_token``, ...) that are set: what HF gives a chat template besides the messages."""
+        out = {}
+        for name in SPECIAL_TOKEN_NAMES:
+            value = self.config.get(name)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                out[name] = value
+        return out
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: tuple[FunctionTool, ...] = ()) -> list[int]:
+                    tools: tuple[FunctionTool, ...] = (),
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template, where only the template's
         own markup becomes control tokens: special-token text inside a message's content (a
         user's ``<|im_end|>``) is encoded as plain text, so no message can forge a turn.
+        ``template_kwargs``: more template variables (Qwen3's ``enable_thinking``); they are
+        written outside any content, so special-token text in them is refused.
 
         Content without special-token text is encoded exactly as HF's ``apply_chat_template``
         + ``encode`` would. Otherwise the template is rendered with a random marker in place
@@ -189,18 +209,21 @@ class EngineTokenizer:
         rewrites content) cannot be split so, and such a request is refused.
         """
         messages, tool_specs = self._with_tools(messages, tools)
+        kwargs = dict(template_kwargs or {})
+        self._refuse_special("chat_template_kwargs", json.dumps(kwargs, ensure_ascii=False))
         contents = [m.get("content") for m in messages]
         hostile = [i for i, c in enumerate(contents)
                    if isinstance(c, str) and any(t in c for t in self._special_texts)]
         if not hostile:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt,
-                                                        tool_specs),
+                                                        tool_specs, kwargs),
                                add_special_tokens=False)
         nonce = uuid.uuid4().hex
         masked = [{**m, "content": f"\x00{nonce}{i}\x00"} if isinstance(c, str) else m
                   for i, (m, c) in enumerate(zip(messages, contents, strict=True))]
         pieces = re.split(f"\x00{nonce}(\\d+)\x00",
-                          self.apply_chat_template(masked, add_generation_prompt, tool_specs))
+                          self.apply_chat_template(masked, add_generation_prompt, tool_specs,
+                                                   kwargs))
         if not set(hostile) <= {int(i) for i in pieces[1::2]}:
             raise ChatTemplateError(f"messages[{hostile[0]}].content holds special-token text, "
                                     "and this chat template rewrites content, so it cannot be "
@@ -221,40 +244,47 @@ class EngineTokenizer:
         if not tools and not has_tool_turns(messages):
             return messages, None
         if not template_supports_tools(self.chat_template):
-            return fallback_messages(messages, tools), None
-        specs = [t.to_openai() for t in tools] or None
+            return fallback_messages(messages, tools, self._system_turns()), None
         # The template writes these outside any content, where the content protection cannot
         # reach: special-token text there is refused.
         for where, text in [*((f"tools ({t.name})", json.dumps(t.to_openai())) for t in tools),
                             *((f"messages[{i}].tool_calls", json.dumps(m["tool_calls"]))
                               for i, m in enumerate(messages) if m.get("tool_calls"))]:
-            special = next((t for t in self._special_texts if t in text), None)
-            if special is not None:
-                raise ChatTemplateError(f"{where} holds the special-token text {special!r}, "
-                                        "which this chat template would not keep plain text")
-        return template_messages(messages), specs
+            self._refuse_special(where, text)
+        return template_messages(messages, tools, self.chat_template or "")
+
+    def _system_turns(self) -> bool:
+        """Whether the template renders a system turn (Gemma 2's raises on one)."""
+        if self._accepts_system is None:
+            try:
+                self.apply_chat_template([{"role": "system", "content": "s"},
+                                          {"role": "user", "content": "u"}])
+                self._accepts_system = True
+            except ChatTemplateError:
+                self._accepts_system = False
+        return self._accepts_system
+
+    def _refuse_special(self, where: str, text: str) -> None:
+        special = next((t for t in self._special_texts if t in text), None)
+        if special is not None:
+            raise ChatTemplateError(f"{where} holds the special-token text {special!r}, "
+                                    "which this chat template would not keep plain text")
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
-        """Render ``messages`` with the model's own template (sandboxed Jinja, as HF does);
-        ``tools``: OpenAI function tools, for a template that renders them."""
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
+        """Render ``messages`` with the model's own template, as HF's ``apply_chat_template``
+        does (:mod:`.jinja_env`: its sandboxed environment; the named special tokens, then
+        ``template_kwargs``, as variables); ``tools``: OpenAI function tools, for a template
+        that renders them."""
         if not self.chat_template:
             raise ChatTemplateError("this engine's tokenizer has no chat template")
-        if self._compiled is None:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message: str) -> None:
-                raise TemplateError(message)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._compiled = env.from_string(self.chat_template)
         try:
+            if self._compiled is None:
+                self._compiled = compile_chat_template(self.chat_template)
             return self._compiled.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
+                **{**self.special_tokens(), **(template_kwargs or {})}, messages=messages,
+                tools=tools, documents=None, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors of every kind
             raise ChatTemplateError(f"chat template failed: {e}") from e
