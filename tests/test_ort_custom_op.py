@@ -40,7 +40,7 @@ def make_session(heads: int, kv_heads: int, head_dim: int, block_size: int,
 
 def run_op(case: dict, heads: int, kv_heads: int, head_dim: int, block_size: int,
            k_pool: np.ndarray, v_pool: np.ndarray, kv_dtype: int = 0, threads: int = 1,
-           attrs: dict[str, int] | None = None, **overrides: np.ndarray) -> np.ndarray:
+           attrs: dict[str, int | float] | None = None, **overrides: np.ndarray) -> np.ndarray:
     """Run the node on ``case`` (a :func:`random_step` dict) with the given pools, in place."""
     sess = make_session(heads, kv_heads, head_dim, block_size, k_pool.shape[0], kv_dtype,
                         threads=threads, **(attrs or {}))
@@ -74,7 +74,8 @@ def spread_blocks(case: dict, block_size: int, stride: int = 3) -> None:
 def check_against_ref(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int = 64,
                       block_size: int = 16, kv_dtype: int = 0, threads: int = 1,
                       pad_slots: tuple[int, ...] = (), holes: bool = False,
-                      parallel_min_work: int | None = None) -> np.ndarray:
+                      parallel_min_work: int | None = None, sliding_window: int | None = None,
+                      logit_softcap: float | None = None) -> np.ndarray:
     """The kernel's output and written pool equal the reference's on the same step."""
     case = random_step(seqs, heads, kv_heads, head_dim, block_size, torch.float32,
                        torch.Generator().manual_seed(len(seqs) * 31 + heads))
@@ -86,12 +87,16 @@ def check_against_ref(seqs: list[tuple[int, int]], heads: int, kv_heads: int, he
     k_pool = np.ascontiguousarray(case["k_cache"].numpy().astype(dtype))
     v_pool = np.ascontiguousarray(case["v_cache"].numpy().astype(dtype))
     k_ref, v_ref = torch.from_numpy(k_pool.copy()), torch.from_numpy(v_pool.copy())
-    attrs = {} if parallel_min_work is None else {"parallel_min_work": parallel_min_work}
+    given = dict(parallel_min_work=parallel_min_work, sliding_window=sliding_window,
+                 logit_softcap=logit_softcap)
+    attrs = {k: v for k, v in given.items() if v is not None}  # None: the attribute is absent
     out = run_op(case, heads, kv_heads, head_dim, block_size, k_pool, v_pool, kv_dtype, threads,
                  attrs)
     want = paged_attention_ref(case["q"], case["k"], case["v"], k_ref, v_ref,
                                case["slot_mapping"], case["block_tables"], case["seq_lens"],
-                               case["query_start_loc"], case["scale"])
+                               case["query_start_loc"], case["scale"],
+                               sliding_window=sliding_window or 0,
+                               logit_softcap=logit_softcap or 0.0)
     np.testing.assert_allclose(out, want.reshape(out.shape).numpy(), atol=2e-5, rtol=1e-4)
     np.testing.assert_array_equal(k_pool, k_ref.numpy())
     np.testing.assert_array_equal(v_pool, v_ref.numpy())

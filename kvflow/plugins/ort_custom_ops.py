@@ -230,10 +230,12 @@ def native_gemm(isa: str | None = None) -> bool:
 
 
 def paged_attention_model(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                          num_blocks: int | None, kv_dtype: int = 0, **attrs: int) -> bytes:
+                          num_blocks: int | None, kv_dtype: int = 0,
+                          **attrs: int | float) -> bytes:
     """A serialized ONNX model of one ``kvflow::PagedAttention`` node (layer 0) whose inputs
     and output are the graph's, with the attributes the runner sets (``num_blocks`` None leaves
-    it out): the library alone, for tests and benchmarks."""
+    it out) and any others given (``sliding_window``, ``logit_softcap``, ``parallel_min_work``):
+    the library alone, for tests and benchmarks."""
     from onnx import TensorProto, helper
 
     from kvflow.plugins.torch_op import ONNX_DOMAIN, ONNX_OP_TYPE, ONNX_OP_VERSION

@@ -2,7 +2,9 @@
 //
 // The node's contract is kvflow/plugins/torch_op.py's (inputs q, k, v, kv_cache_ptrs,
 // slot_mapping, block_tables, seq_lens, query_start_loc; attributes layer_idx, num_heads,
-// num_kv_heads, head_dim, block_size, scale), plus what the runner adds at load time:
+// num_kv_heads, head_dim, block_size, scale, and the optional sliding_window and logit_softcap,
+// 0 = off when absent, as in graphs exported before they existed), plus what the runner adds
+// at load time:
 // num_blocks (the pool's size, for bounds checks; required), kv_dtype (0 = float32, the
 // default, 1 = float16 pool) and parallel_min_work (optional, see kInlineWork).
 // Built against the C API headers only (kvflow/plugins/ort_custom_ops.py): the API table comes
@@ -19,7 +21,10 @@
 //    queries are stored transposed (head_dim x rows): scores come from a GEMM micro-kernel,
 //    and the causal mask and the online softmax (fp32) are vector operations over rows; P x V
 //    is a second micro-kernel. A decode group (kDirectRows rows at most) scores by dot
-//    products along head_dim instead, its softmax row by row.
+//    products along head_dim instead, its softmax row by row. With a sliding window a tile's
+//    keys start at the window of its first token (no block-table entry before it is read or
+//    checked: the KV manager may have released those blocks), and each row also masks the
+//    keys before its own window; soft-capping maps each score s to cap * tanh(s / cap).
 // 3. Small steps (a single-stream decode) run on the calling thread; larger ones go to ORT's
 //    intra-op pool (KernelContext_ParallelFor), costliest items first.
 #include <onnxruntime_c_api.h>
@@ -92,15 +97,15 @@ void split_decodes(const Attrs& a, const int32_t* ql, const int32_t* sl, std::ve
   std::vector<Item> out;
   int32_t next_part = 0;
   for (const Item& it : items) {
-    const int32_t len = sl[it.seq];
-    const int64_t parts = std::min<int64_t>(want, len / kSplitKeys);
+    const int32_t len = sl[it.seq], keys = len - it.key0;  // the window's keys
+    const int64_t parts = std::min<int64_t>(want, keys / kSplitKeys);
     if (ql[it.seq + 1] - ql[it.seq] != 1 || parts < 2) {
       out.push_back(it);
       continue;
     }
-    const int32_t step = (int32_t)((len + parts - 1) / parts + kChunk - 1) / kChunk * kChunk;
+    const int32_t step = (int32_t)((keys + parts - 1) / parts + kChunk - 1) / kChunk * kChunk;
     const int32_t first = next_part;
-    for (int32_t k0 = 0; k0 < len; k0 += step, ++next_part)
+    for (int32_t k0 = it.key0; k0 < len; k0 += step, ++next_part)
       out.push_back({it.seq, it.head, it.tok0, it.tok1, k0, k0 + step, next_part,
                      (int64_t)std::min(step, len - k0) * (it.tok1 - it.tok0) *
                          (a.num_heads / a.num_kv_heads)});
@@ -166,7 +171,7 @@ OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
       return error("seq_lens[" + std::to_string(s) + "] = " + std::to_string(len) + " needs " +
                    std::to_string(nb) + " blocks; block_tables has " +
                    std::to_string(max_blocks) + " columns");
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = first_key(a, len - n) / a.block_size; b < nb; ++b) {
       const int32_t id = bt[s * max_blocks + b];
       if (id < 0 || id >= a.num_blocks)
         return error("block_tables[" + std::to_string(s) + ", " + std::to_string(b) + "] = " +
@@ -174,10 +179,11 @@ OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
                      std::to_string(a.num_blocks) + " blocks (num_blocks)");
     }
     for (int64_t t0 = 0; t0 < n; t0 += tile) {
-      const int64_t t1 = std::min(n, t0 + tile), cost = (t1 - t0) * g * (len - n + t1);
+      const int64_t t1 = std::min(n, t0 + tile), key0 = first_key(a, len - n + t0);
+      const int64_t cost = (t1 - t0) * g * (len - n + t1 - key0);
       for (int64_t h = 0; h < a.num_kv_heads; ++h)
-        items.push_back({(int32_t)s, (int32_t)h, (int32_t)t0, (int32_t)t1, 0, INT32_MAX, -1,
-                         cost});
+        items.push_back({(int32_t)s, (int32_t)h, (int32_t)t0, (int32_t)t1, (int32_t)key0,
+                         INT32_MAX, -1, cost});
       work += cost * a.num_kv_heads;
     }
   }
@@ -260,6 +266,7 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
       {"block_size", &a.block_size, true, 0, 1},
       {"num_blocks", &a.num_blocks, true, 0, 1},
       {"kv_dtype", &a.kv_dtype, false, 0, 0},
+      {"sliding_window", &a.sliding_window, false, 0, 0},
       {"parallel_min_work", &a.parallel_min_work, false, kInlineWork, 0}};
   for (auto& f : ints) {
     if (OrtStatus* s = get_int(info, f.name, f.field, f.required, f.fallback)) return s;
@@ -272,6 +279,14 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     g_api->ReleaseStatus(s);
     return error("the node has no float attribute scale");
   }
+  if (OrtStatus* s = g_api->KernelInfoGetAttribute_float(info, "logit_softcap",
+                                                         &a.logit_softcap)) {
+    g_api->ReleaseStatus(s);  // absent (a graph exported before it existed): no capping
+    a.logit_softcap = 0.0f;
+  }
+  if (!(a.logit_softcap >= 0.0f) || a.logit_softcap > 3.0e38f)
+    return error("attribute logit_softcap = " + std::to_string(a.logit_softcap) +
+                 " is not a finite number >= 0 (0 = none)");
   if (a.num_heads % a.num_kv_heads != 0)
     return error("num_heads " + std::to_string(a.num_heads) + " is no multiple of num_kv_heads " +
                  std::to_string(a.num_kv_heads));

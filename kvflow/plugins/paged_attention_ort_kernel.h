@@ -29,8 +29,35 @@ constexpr int kSplitKeys = 256;
 struct Attrs {
   int64_t layer_idx, num_heads, num_kv_heads, head_dim, block_size, kv_dtype, num_blocks;
   int64_t parallel_min_work;
+  int64_t sliding_window;  // 0: full causal attention
   float scale;
+  float logit_softcap;  // 0: none
 };
+
+// The first key a query at ``position`` sees (0 without a window).
+inline int64_t first_key(const Attrs& a, int64_t position) {
+  return a.sliding_window > 0 ? std::max<int64_t>(0, position - a.sliding_window + 1) : 0;
+}
+
+// Soft-capping of n contiguous scores in place: s -> cap * tanh(s / cap), tanh from vexp
+// (exp(-2|x|) never overflows).
+inline void cap_scores(float* s, int n, float cap) {
+  const v8f inv = splat(1.0f / cap), c = splat(cap), one = splat(1.0f);
+  auto capped = [&](v8f x) {
+    x = x * inv;
+    const v8f ax = x < splat(0.0f) ? -x : x, e = vexp(ax * splat(-2.0f));
+    const v8f t = (one - e) / (one + e);
+    return c * (x < splat(0.0f) ? -t : t);
+  };
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes) store8(s + i, capped(load8(s + i)));
+  if (i < n) {
+    float tail[kLanes] = {};
+    std::memcpy(tail, s + i, sizeof(float) * (n - i));
+    store8(tail, capped(load8(tail)));
+    std::memcpy(s + i, tail, sizeof(float) * (n - i));
+  }
+}
 
 // One call's inputs, checked; what every work item reads.
 struct Step {
@@ -132,12 +159,13 @@ void scores_by_dots(const T* const* krow, int kc, int d, const float* qr, int m_
 }
 
 // The online softmax of row-major scores (scores_by_dots): probabilities in place, running
-// max and sum updated, each row's rescaling factor in corr.
-void softmax_by_dots(float* sc, int m_rows, const int32_t* lim, int c0, int kc, float* m_run,
-                     float* l_run, float* corr) {
+// max and sum updated, each row's rescaling factor in corr. Row m sees keys lo[m] .. lim[m].
+void softmax_by_dots(float* sc, int m_rows, const int32_t* lim, const int32_t* lo, int c0,
+                     int kc, float* m_run, float* l_run, float* corr) {
   for (int m = 0; m < m_rows; ++m) {
     float* row = sc + (size_t)m * kChunk;
     for (int j = std::max(0, lim[m] + 1 - c0); j < kc; ++j) row[j] = kMasked;  // causal
+    for (int j = 0; j < std::min(kc, lo[m] - c0); ++j) row[j] = kMasked;  // before the window
     constexpr int nv = kChunk / kLanes;
     v8f p[nv], mx = load8(row);
     for (int v = 0; v < nv; ++v) mx = vmax(mx, p[v] = load8(row + v * kLanes));
@@ -155,18 +183,24 @@ void softmax_by_dots(float* sc, int m_rows, const int32_t* lim, int c0, int kc, 
   }
 }
 
-// The online softmax of scores by rows (scores_by_rows), 8 rows at a time.
-void softmax_by_rows(float* sc, int mp, const int32_t* lim, int c0, int kc, int min_lim,
-                     float* m_run, float* l_run, float* corr) {
+// The online softmax of scores by rows (scores_by_rows), 8 rows at a time. Row m sees keys
+// lo[m] .. lim[m]; min_lim and max_lo are the tile's smallest lim and largest lo.
+// NOTE: a row whose window starts past a whole chunk keeps the masked value as its running
+// max and gives that chunk's (real, finite) values weight 1; the first key it sees rescales
+// them by vexp(kMasked - max) = exactly 0, so they never reach the output.
+void softmax_by_rows(float* sc, int mp, const int32_t* lim, const int32_t* lo, int c0, int kc,
+                     int min_lim, int max_lo, float* m_run, float* l_run, float* corr) {
   const int nv = mp / kLanes;
-  if (c0 + kc - 1 > min_lim) {  // causal mask: some row of the tile ends inside this chunk
+  // Masks: some row of the tile ends inside this chunk (causal), or starts after its first key.
+  if (c0 + kc - 1 > min_lim || c0 < max_lo) {
     for (int j = 0; j < kc; ++j) {
       const v8i pos = v8i{0, 0, 0, 0, 0, 0, 0, 0} + (c0 + j);
       for (int v = 0; v < nv; ++v) {
-        v8i lv;
+        v8i lv, fv;
         std::memcpy(&lv, lim + v * kLanes, sizeof lv);
+        std::memcpy(&fv, lo + v * kLanes, sizeof fv);
         float* p = sc + (size_t)j * mp + v * kLanes;
-        store8(p, pos > lv ? splat(kMasked) : load8(p));
+        store8(p, (pos > lv) | (pos < fv) ? splat(kMasked) : load8(p));
       }
     }
   }
@@ -258,9 +292,11 @@ void attend(const Step& st, const Item& it, std::vector<float>& scratch) {
   float* kconv = corr + mp;  // [kChunk][d] fp16 rows converted
   float* vconv = kconv + (size_t)kChunk * d;
   int32_t lim[kMaxRows];  // the last key position each row sees
+  int32_t lo[kMaxRows];   // the first (its window's; 0 without one)
 
   for (int m = 0; m < mp; ++m) {
     lim[m] = m < m_rows ? len - n + it.tok0 + m / g : -1;
+    lo[m] = m < m_rows ? (int32_t)first_key(a, lim[m]) : 0;
     m_run[m] = kMasked;
     l_run[m] = 0.0f;
   }
@@ -277,7 +313,10 @@ void attend(const Step& st, const Item& it, std::vector<float>& scratch) {
   }
   std::memset(acc, 0, sizeof(float) * (size_t)m_rows * d);
 
+  // Keys [it.key0, key_end): it.key0 is the window's start for the tile's first token (or a
+  // split part's start), so no block-table entry before the window is read.
   const int key_end = std::min(len - n + it.tok1, it.key1), min_lim = len - n + it.tok0;
+  const int max_lo = lo[m_rows - 1];
   const int32_t* table = st.block_tables + (size_t)it.seq * st.max_blocks;
   const size_t row_stride = (size_t)kvh * d, head_off = (size_t)it.head * d;
   const float* krow[kChunk];
@@ -330,14 +369,17 @@ void attend(const Step& st, const Item& it, std::vector<float>& scratch) {
         scores_by_dots(krow, kc, d, qt, m_rows, sc);
       else
         scores_by_dots(khalf, kc, d, qt, m_rows, sc);
-      softmax_by_dots(sc, m_rows, lim, c0, kc, m_run, l_run, corr);
+      if (a.logit_softcap > 0.0f)  // the chunk's keys only: the padding stays masked
+        for (int m = 0; m < m_rows; ++m) cap_scores(sc + (size_t)m * kChunk, kc, a.logit_softcap);
+      softmax_by_dots(sc, m_rows, lim, lo, c0, kc, m_run, l_run, corr);
       if (a.kv_dtype == 0)
         pv(acc, d, corr, sc, 1, kChunk, m_rows, vrow, kc);
       else
         pv(acc, d, corr, sc, 1, kChunk, m_rows, vhalf, kc);
     } else {
       scores_by_rows(krow, kc, d, qt, mp, sc);
-      softmax_by_rows(sc, mp, lim, c0, kc, min_lim, m_run, l_run, corr);
+      if (a.logit_softcap > 0.0f) cap_scores(sc, kc * mp, a.logit_softcap);
+      softmax_by_rows(sc, mp, lim, lo, c0, kc, min_lim, max_lo, m_run, l_run, corr);
       pv(acc, d, corr, sc, mp, 1, m_rows, vrow, kc);
     }
   }
