@@ -1,6 +1,8 @@
 """A checkpoint read one tensor at a time: a memory-mapped GGUF, or safetensors shards.
 
-:class:`CheckpointTensors` gives the model's config, its tensors' HF names and shapes, and each
+:class:`CheckpointTensors` gives the model's config, its tensors' kvflow names
+(:mod:`kvflow.model.weight_names`: HF's, with Phi-3's fused linears split and Gemma's norms
+``1 + w``; a GGUF's names mapped by :mod:`kvflow.model.gguf_config`) and shapes, and each
 tensor on request: fp32 (whole, or a range of rows), or, for a GGUF's Q4_0 / Q4_1 / Q8_0 2-D
 weights, its blocks undecoded (:class:`~kvflow.model.quant.QuantizedWeight`). Nothing is read
 before it is asked for, and nothing is kept: the build streams a checkpoint larger than memory
@@ -18,13 +20,15 @@ from typing import Any
 import numpy as np
 
 from kvflow.model.config import ModelConfig, UnsupportedModelError
+from kvflow.model.gguf_config import PERMUTED_ARCHITECTURES, gguf_config, kvflow_parts
 from kvflow.model.quant import GGUF_BLOCK, GGUF_SCHEMES, QuantizedWeight, from_gguf_blocks
+from kvflow.model.weight_names import WeightPart, weight_parts
 
 SaveTokenizer = Callable[[Path], None]
 
 
 class CheckpointTensors:
-    """A checkpoint's config and tensors, HF-named, each read when asked for.
+    """A checkpoint's config and tensors, kvflow-named, each read when asked for.
 
     Attributes:
         config: the model's shape.
@@ -37,11 +41,11 @@ class CheckpointTensors:
     save_tokenizer: SaveTokenizer
 
     def names(self) -> list[str]:
-        """Every tensor's HF name, in the checkpoint's order."""
+        """Every tensor's kvflow name, in the checkpoint's order."""
         raise NotImplementedError
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's HF shape (``[out, in]`` for a linear weight)."""
+        """A tensor's shape (``[out, in]`` for a linear weight)."""
         raise NotImplementedError
 
     def fp32(self, name: str) -> np.ndarray:
@@ -127,15 +131,23 @@ class SafetensorsTensors(CheckpointTensors):
                 begin, end = info["data_offsets"]
                 self._entries[key] = (str(f), info["dtype"], tuple(info["shape"]),
                                       8 + size + begin, end - begin)
+        # kvflow name -> the HF tensor it is made from, and how (kvflow/model/weight_names.py)
+        self._parts: dict[str, tuple[str, WeightPart]] = {}
+        for key, entry in self._entries.items():
+            rows = entry[2][0] if entry[2] else 0
+            for part in weight_parts(config, key, rows):
+                self._parts[part.name] = (key, part)
 
     def names(self) -> list[str]:
-        return list(self._entries)
+        return list(self._parts)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._entries[name][2]
+        key, part = self._parts[name]
+        shape = self._entries[key][2]
+        return shape if part.rows is None else (part.rows[1] - part.rows[0], *shape[1:])
 
-    def fp32_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        file, dtype, shape, offset, _ = self._entries[name]
+    def _read_rows(self, key: str, start: int, stop: int) -> np.ndarray:
+        file, dtype, shape, offset, _ = self._entries[key]
         kind = np.dtype(_SAFETENSORS_DTYPES[dtype])
         row = int(np.prod(shape[1:], dtype=np.int64)) * kind.itemsize
         raw = self._maps[file][offset + start * row:offset + stop * row]
@@ -144,32 +156,31 @@ class SafetensorsTensors(CheckpointTensors):
             return (values.astype(np.uint32) << 16).view(np.float32)
         return values.astype(np.float32)  # a copy, also for F32: the map is read-only
 
+    def fp32_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        key, part = self._parts[name]
+        first = 0 if part.rows is None else part.rows[0]
+        values = self._read_rows(key, first + start, first + stop)
+        return values + np.float32(1) if part.plus_one else values
+
     def fp32(self, name: str) -> np.ndarray:
         shape = self.shape(name)
         if not shape:
-            file, dtype, _, offset, length = self._entries[name]
+            key, part = self._parts[name]
+            file, dtype, _, offset, length = self._entries[key]
             kind = np.dtype(_SAFETENSORS_DTYPES[dtype])
             one = self._maps[file][offset:offset + length].view(kind).reshape(())
-            return ((one.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16"
-                    else one.astype(np.float32))
+            value = ((one.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16"
+                     else one.astype(np.float32))
+            return value + np.float32(1) if part.plus_one else value
         rows = self.fp32_rows(name, 0, shape[0])
         return rows.reshape(shape)
 
     def release(self, name: str) -> None:
-        file, _, _, offset, length = self._entries[name]
+        file, _, _, offset, length = self._entries[self._parts[name][0]]
         _release_pages(self._maps[file], offset, length)
 
 
 # --- GGUF -----------------------------------------------------------------------------------
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE) to get HF's half-split layout."""
     rows = w.shape[0]
@@ -177,66 +188,10 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    """A GGUF metadata value, or ``default`` when the key is absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-             "output_norm.weight": "model.norm.weight"}
-    if gguf_name in fixed:
-        return fixed[gguf_name]
-    if gguf_name.startswith("blk."):
-        _, layer, kind, suffix = gguf_name.split(".", 3)
-        if kind in _GGUF_LAYER_NAMES:
-            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-    return None
-
-
-def gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, str]:
-    """The model's config from a GGUF's metadata, and its architecture name."""
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise UnsupportedModelError(
-            f"--model {path}: unknown architecture {arch!r} (kvflow runs {sorted(_GGUF_ARCHS)})"
-        )
-
-    def meta(key: str, default: Any = None) -> Any:
-        return gguf_field(reader, f"{arch}.{key}", default)
-
-    heads = int(meta("attention.head_count"))
-    hidden = int(meta("embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = meta("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    hf_config = {
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM"}[arch]],
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
-        "head_dim": int(meta("rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": None if eos is None else int(eos),
-    }
-    if meta("rope.scaling.type") == "linear":
-        hf_config["rope_scaling"] = {"rope_type": "linear",
-                                     "factor": float(meta("rope.scaling.factor"))}
-    return ModelConfig.from_hf_config(hf_config), arch
-
-
 class GGUFTensors(CheckpointTensors):
-    """A GGUF file through gguf-py's ``GGUFReader`` (a memory map): a tensor's bytes are read
-    from the page cache when asked for, decoded, and dropped."""
+    """A GGUF file through gguf-py's ``GGUFReader`` (a memory map), kvflow-named: a tensor's
+    bytes (or the rows of a fused tensor that one kvflow tensor is) are read from the page
+    cache when asked for, decoded, and dropped."""
 
     def __init__(self, path: Path, save_tokenizer: SaveTokenizer) -> None:
         from gguf import GGUFReader
@@ -244,18 +199,27 @@ class GGUFTensors(CheckpointTensors):
         self.reader = GGUFReader(str(path))
         self.config, arch = gguf_config(self.reader, path)
         self.source, self.save_tokenizer = str(path), save_tokenizer
-        self._permute = arch in ("llama", "mistral")
-        self._tensors = {}
+        self._permute = arch in PERMUTED_ARCHITECTURES
+        names = {t.name for t in self.reader.tensors}
+        # kvflow name -> (the file's tensor, the rows it is, or None for all of them)
+        self._tensors: dict[str, tuple[Any, tuple[int, int] | None]] = {}
         for t in self.reader.tensors:
-            key = _hf_name(t.name)
-            if key is not None:
-                self._tensors[key] = t
+            rows = int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0])
+            for part in kvflow_parts(arch, self.config, t.name, rows, names):
+                self._tensors[part.name] = (t, part.rows)
 
     def names(self) -> list[str]:
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+        t, rows = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape))
+        return shape if rows is None else (rows[1] - rows[0], *shape[1:])
+
+    def _data(self, name: str) -> np.ndarray:
+        """The file's rows (raw: blocks or values) behind ``name``."""
+        t, rows = self._tensors[name]
+        return t.data if rows is None else t.data[rows[0]:rows[1]]
 
     def _heads(self, name: str) -> int | None:
         """Heads of a Q or K weight whose rows llama.cpp permuted, else None."""
@@ -267,15 +231,14 @@ class GGUFTensors(CheckpointTensors):
             return self.config.num_key_value_heads
         return None
 
-    def _decode(self, t: Any, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    def _decode(self, name: str, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         from gguf.quants import dequantize
 
-        w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32)
+        w = np.asarray(dequantize(data, self._tensors[name][0].tensor_type), dtype=np.float32)
         return w.reshape(shape) if w.ndim > 1 or len(shape) > 1 else w
 
     def fp32(self, name: str) -> np.ndarray:
-        t = self._tensors[name]
-        w = self._decode(t, t.data, self.shape(name))
+        w = self._decode(name, self._data(name), self.shape(name))
         heads = self._heads(name)
         if heads is not None:
             w = unpermute_rope(w, heads)
@@ -284,12 +247,12 @@ class GGUFTensors(CheckpointTensors):
     def fp32_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         if self._heads(name) is not None:  # the permutation spans heads: decode it whole
             return self.fp32(name)[start:stop]
-        t = self._tensors[name]
-        rows = self._decode(t, t.data[start:stop], (stop - start, *self.shape(name)[1:]))
+        rows = self._decode(name, self._data(name)[start:stop],
+                            (stop - start, *self.shape(name)[1:]))
         return np.array(rows, dtype=np.float32, order="C")
 
     def gguf_scheme(self, name: str) -> str | None:
-        scheme = self._tensors[name].tensor_type.name
+        scheme = self._tensors[name][0].tensor_type.name
         return scheme if scheme in GGUF_SCHEMES and len(self.shape(name)) == 2 else None
 
     def quantized(self, name: str) -> QuantizedWeight | None:
@@ -302,11 +265,11 @@ class GGUFTensors(CheckpointTensors):
         if scheme is None:
             raise ValueError(f"{name} is not held in GGUF blocks")
         out, cols = self.shape(name)
-        data = self._tensors[name].data
+        data = self._data(name)
         if (start, stop) != (0, cols):  # whole blocks of every row: a strided read of the map
             nb = cols // GGUF_BLOCK
             data = data.reshape(out, nb, -1)[:, start // GGUF_BLOCK:stop // GGUF_BLOCK]
-            data = np.ascontiguousarray(data).reshape(out, -1)
+        data = np.ascontiguousarray(data).reshape(out, -1)
         q = from_gguf_blocks(scheme, data, out, stop - start)
         heads = self._heads(name)
         if heads is not None:
@@ -314,19 +277,15 @@ class GGUFTensors(CheckpointTensors):
         return q
 
     def release(self, name: str) -> None:
-        t = self._tensors[name]
+        t = self._tensors[name][0]
         _release_pages(self.reader.data, int(t.data_offset), int(t.n_bytes))
 
 
 # --- opening --------------------------------------------------------------------------------
 def hf_folder_config(folder: Path) -> ModelConfig:
-    """A HF folder's config.json, with generation_config.json's extra EOS ids."""
-    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    """A HF folder's config.json, with generation_config.json's EOS ids (HF's ``generate`` stops
+    on those)."""
     gen_path = folder / "generation_config.json"
-    if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        if eos is not None:
-            extra = eos if isinstance(eos, list) else [eos]
-            ids = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
-            config = ModelConfig.from_dict({**config.to_dict(), "eos_token_ids": ids})
-    return config
+    generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    return ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()),
+                                      generation)
