@@ -61,6 +61,7 @@ def create_app(cfg: FrontendConfig) -> Any:
         console,
         health,
         models,
+        responses,
         tokenize,
     )
 
@@ -74,7 +75,7 @@ def create_app(cfg: FrontendConfig) -> Any:
 
     app = FastAPI(title="kvflow OpenAI-compatible API", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
-    for family in (console, health, models, completions, chat, tokenize):
+    for family in (console, health, models, completions, chat, responses, tokenize):
         app.include_router(family.router(fe))
     return app
 

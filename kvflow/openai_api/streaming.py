@@ -74,9 +74,11 @@ async def close_all(generators: list[Any]) -> None:
             await g.aclose()
 
 
-def event(body: Any) -> bytes:
-    """One Server-Sent Event of a JSON body."""
-    return b"data: " + encode_body(body) + b"\n\n"
+def event(body: Any, name: str | None = None) -> bytes:
+    """One Server-Sent Event of a JSON body (``name``: its ``event:`` line, as the Responses
+    API names each event)."""
+    head = b"event: " + name.encode() + b"\n" if name else b""
+    return head + b"data: " + encode_body(body) + b"\n\n"
 
 
 def stream_error(error: BaseException, parsed: CompletionRequest | None) -> OpenAIError:
