@@ -10,7 +10,8 @@ Python; the streams' machinery (and the cost, the never-raising) is
   text after the calls is left out;
 * ``pythonic``: ``[f(a=1, b="x"), g()]``, Python call syntax with literal arguments (Llama 4,
   Llama 3.2); its arguments are emitted once the list is complete; text after it is left out;
-* ``json_list`` (not a ``--tool-call-parser``): ``[{"name": ..., "parameters": {...}}, ...]``.
+* ``json_list`` (not a ``--tool-call-parser``): ``[{"name": ..., "parameters": {...}}, ...]``;
+* ``mistral``, ``phi4_mini_json``: :mod:`kvflow.openai_api.tool_parsers_families`.
 
 Each format's stream is a small state machine over the text (``_state``); an object call's JSON
 is scanned by :class:`kvflow.openai_api.json_scan.ObjectScanner`.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import ast
 import json
 
+from kvflow.openai_api.tool_parsers_families import MistralParser, Phi4MiniJsonParser
 from kvflow.openai_api.tool_stream import (  # noqa: F401  (re-exported)
     ParsedOutput,
     ToolCall,
@@ -392,5 +394,5 @@ class PythonicParser(ToolParser):
         return PythonicStream()
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser)}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
+    HermesParser, Llama3JsonParser, PythonicParser, MistralParser, Phi4MiniJsonParser)}

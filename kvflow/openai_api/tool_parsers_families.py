@@ -1,0 +1,196 @@
+"""Tool calls out of generated text in two families' own formats, whole and streamed: a JSON
+list of call objects after a marker. Registered in :data:`kvflow.openai_api.tool_parsers.
+TOOL_PARSERS` (vLLM's parser names). Pure Python, never raising on model output.
+
+* ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B v0.3,
+  Mistral Nemo, Ministral: what their templates write for an assistant's calls);
+* ``phi4_mini_json``: ``<|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>``
+  (Phi-4-mini's tool tokens; vLLM's ``functools[...]`` spelling is read too).
+
+Both markers are special tokens, which the detokenizer leaves out unless
+``skip_special_tokens`` is false: a list of call objects that opens the output is read as the
+calls too. Text before a marker is content, as is an output that only looks like a list (its
+first object has no ``"name"``); a list's objects take ``"parameters"`` for ``"arguments"``.
+Text after a closed list is content again (another marker opens another list); a list cut off
+keeps the calls it has, the last cut as :class:`~kvflow.openai_api.tool_stream.ToolStream`
+says.
+"""
+
+from __future__ import annotations
+
+from kvflow.openai_api.tool_stream import ToolParser, ToolStream, held_back
+
+_SPACE = " \n\t\r"
+
+
+class MarkedListStream(ToolStream):
+    """Content, then a marker (one of ``MARKERS``) and a JSON list of call objects, optionally
+    closed by ``CLOSE``; a list that opens the output needs no marker."""
+
+    MARKERS: tuple[str, ...] = ()
+    CLOSE = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "lead"
+        self._held: list[str] = []  # text that is content unless a call follows
+
+    def _release(self) -> None:
+        """The held text was not a call after all: content."""
+        self._content("".join(self._held))
+        self._held.clear()
+
+    def _step(self, text: str, i: int) -> int:
+        state = self._state
+        if state in ("lead", "items"):
+            return self._between(text, i)
+        if state == "text":
+            return self._text(text, i)
+        if state == "open":  # after a marker: the list's bracket
+            k = i
+            while k < len(text) and text[k] in _SPACE:
+                k += 1
+            self.chars_scanned += k - i
+            self._held.append(text[i:k])
+            if k == len(text):
+                return k
+            if text[k] == "[":
+                self._held.append("[")
+                self._state = "items"
+                return k + 1
+            self._release()  # a marker not followed by a list: it was text
+            self._state = "text"
+            return k
+        if state == "call":
+            return self._call(text, i)
+        if state == "hold":
+            self._held.append(text[i:])
+            return len(text)
+        if state == "close":  # after the list: its closing marker, if any
+            if not self.CLOSE:
+                self._state = "text"
+                return i
+            k = i
+            while k < len(text) and text[k] in _SPACE:
+                k += 1
+            self.chars_scanned += k - i
+            rest = text[k:k + len(self.CLOSE)]
+            if k == len(text) or (len(rest) < len(self.CLOSE) and self.CLOSE.startswith(rest)
+                                   and not self._final):
+                return self._hold(text, i)
+            self._state = "text"
+            return k + len(self.CLOSE) if rest == self.CLOSE else k
+        return len(text)  # dead: the rest is left out
+
+    def _between(self, text: str, i: int) -> int:
+        """Before the first call (``lead``: the output's start) or between a list's items."""
+        lead = self._state == "lead"
+        k = i
+        while k < len(text) and (text[k] in _SPACE or not lead and text[k] == ","):
+            k += 1
+        self.chars_scanned += k - i
+        if lead and not self._final and any(
+                m.startswith(text[k:]) and len(text) - k < len(m) for m in self.MARKERS):
+            return self._hold(text, i)  # may be a marker ("[" of "[TOOL_CALLS]")
+        if lead or not self.calls:
+            self._held.append(text[i:k])
+        if k == len(text):
+            return k
+        ch = text[k]
+        if lead:
+            if ch == "[" and not any(text.startswith(m, k) for m in self.MARKERS):
+                self._held.append("[")
+                self._state = "items"
+                return k + 1
+            self._release()
+            self._state = "text"
+            return k
+        if ch == "{":
+            self._new_call()
+            self._state = "call"
+            return k
+        if ch == "]" and self.calls:
+            self._state = "close"
+            return k + 1
+        if not self.calls:  # "[" then no object: text
+            self._release()
+            self._state = "text"
+            return k
+        self._state = "dead"
+        return k
+
+    def _text(self, text: str, i: int) -> int:
+        found = [(j, m) for m in self.MARKERS if (j := text.find(m, i)) >= 0]
+        if not found:
+            self.chars_scanned += len(text) - i
+            keep = 0 if self._final else min(max(held_back(text, m) for m in self.MARKERS),
+                                             len(text) - i)
+            self._content(text[i:len(text) - keep])
+            return self._hold(text, len(text) - keep)
+        j, marker = min(found)
+        self.chars_scanned += j + len(marker) - i
+        self._content(text[i:j])
+        self._held = [marker]
+        self._state = "open"
+        return j + len(marker)
+
+    def _call(self, text: str, i: int) -> int:
+        scanner = self._scanner
+        assert scanner is not None
+        end = scanner.feed(text, i)
+        if scanner.name is None:
+            self._held.append(text[i:end])
+        else:
+            self._held.clear()
+        self._call_progress()
+        if scanner.done:
+            if scanner.valid:
+                self._state = "items"
+            elif scanner.name is None and not self.calls:
+                self._held.append(text[end:])  # not a call list: all of it is content
+                self._state = "hold"
+                return len(text)
+            else:
+                self._call_cut()
+                self._state = "dead"
+        return end
+
+    def _end(self) -> None:
+        scanner = self._scanner
+        named = scanner is not None and scanner.name is not None
+        if self._state == "call" and named:
+            self._call_cut()
+        elif self._state == "open" or not self.calls and self._state in (
+                "lead", "items", "call", "hold"):
+            self._release()
+
+
+class MistralStream(MarkedListStream):
+    """``[TOOL_CALLS][{...}, ...]``."""
+
+    MARKERS = ("[TOOL_CALLS]",)
+
+
+class Phi4MiniStream(MarkedListStream):
+    """``<|tool_call|>[{...}]<|/tool_call|>`` (or ``functools[{...}]``)."""
+
+    MARKERS = ("<|tool_call|>", "functools")
+    CLOSE = "<|/tool_call|>"
+
+
+class MistralParser(ToolParser):
+    """Mistral's ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``."""
+
+    name = "mistral"
+
+    def stream(self) -> ToolStream:
+        return MistralStream()
+
+
+class Phi4MiniJsonParser(ToolParser):
+    """Phi-4-mini's ``<|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>``."""
+
+    name = "phi4_mini_json"
+
+    def stream(self) -> ToolStream:
+        return Phi4MiniStream()
