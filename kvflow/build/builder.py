@@ -116,8 +116,6 @@ def build_engine(
     source = as_tensors(checkpoint) if checkpoint is not None else open_checkpoint(model)
     cfg = source.config
     limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)  # beyond the window kvflow would not be exact
     max_model_len = max_model_len or min(limit, 4096)
     if max_model_len > limit:
         raise EngineConfigError(

@@ -73,18 +73,17 @@ def write_streamed_graph(source: CheckpointTensors, plan: WeightPlan, block_size
     """``out/model.onnx`` and ``out/model.onnx.data`` of ``source``, streamed (module doc);
     returns what the quantization rewrite did (None when nothing is quantized)."""
     from kvflow.build.export import export_graph, weightless_model
-    from kvflow.model.llama import rope_cache
+    from kvflow.model.llama import computed_buffers
 
     cfg = source.config
     net, inputs = weightless_model(cfg, block_size, max_positions, plan.dtype)
-    rope: dict[str, np.ndarray] = {}
+    buffers: dict[str, np.ndarray] = {}
 
     def known_value(name: str) -> np.ndarray:
-        if name in ("rope_cos", "rope_sin"):
-            if not rope:
-                cos, sin = rope_cache(cfg, max_positions)
-                rope.update(rope_cos=cos.numpy(), rope_sin=sin.numpy())
-            return cast_array(rope[name], plan.dtype)
+        if not buffers:
+            buffers.update({k: v.numpy() for k, v in computed_buffers(cfg, max_positions).items()})
+        if name in buffers:  # RoPE tables, Gemma's embedding multiplier: from the config
+            return cast_array(buffers[name], plan.dtype)
         return cast_array(source.fp32(plan.source_name(name)), plan.dtype)
 
     progress(f"      graph exported from a model without weights ({len(list(net.parameters()))} "

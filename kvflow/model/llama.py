@@ -1,55 +1,51 @@
-"""The Llama-family decoder over a packed batch and a paged KV cache.
+"""The decoder over a packed batch and a paged KV cache, for every family kvflow runs.
 
 One ``forward`` is one engine step: the new tokens of every scheduled sequence packed together
 (no padding), with their positions and KV slots; attention goes through one
-``kvflow::paged_attention`` op per layer. Parameter names equal HF transformers' so that HF
-state dicts load as they are. The same module is run eagerly by the PyTorch runner and exported
-to ONNX by ``kvflow build-engine``.
+``kvflow::paged_attention`` op per layer. Parameter names are kvflow's
+(:mod:`kvflow.model.weight_names`: HF's, with Phi-3's fused linears split and Gemma's norms
+stored ``1 + w``). The same module is run eagerly by the PyTorch runner and exported to ONNX by
+``kvflow build-engine``.
+
+The Llama layer, and what each family adds to it (all from :class:`ModelConfig`'s fields):
+
+- Qwen3 / Gemma 3 (``qk_norm``): an RMSNorm over each head of q and k, before RoPE;
+- Gemma 2/3 (``sandwich_norm``): norms on the attention output and around the MLP, the
+  embedding times ``sqrt(hidden)``, GeGLU (``gelu_pytorch_tanh``), the attention scale from
+  ``query_pre_attn_scalar``, Gemma 2's attention soft-cap (in the op) and final logit soft-cap;
+- per-layer sliding windows (Mistral, Gemma 2/3), passed to the op; Gemma 3's sliding layers
+  rotate with their own RoPE table (:mod:`kvflow.model.rope`);
+- Phi-3 / Phi-4-mini: longrope tables and a partial rotary factor.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from kvflow.model.config import ModelConfig
+from kvflow.model.rope import apply_rope, local_rope_cache, rope_cache, uses_local_rope
 from kvflow.plugins import torch_op  # noqa: F401  (registers torch.ops.kvflow.paged_attention)
 
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies (fp32), with linear or llama3 scaling, computed as HF does."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling or {}
-    if cfg.rope_type == "linear":
-        return inv / float(scaling["factor"])
-    if cfg.rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv
-        inv_llama = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
-        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, inv_llama)
-    return inv
+__all__ = ["LlamaForCausalLM", "RMSNorm", "StepMetadata", "computed_buffers", "rope_cache"]
 
 
-def rope_cache(cfg: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables ``[max_positions, head_dim]`` (HF's non-interleaved layout)."""
-    inv = rope_inv_freq(cfg)
-    pos = torch.arange(max_positions, dtype=torch.int64).float()
-    freqs = pos[:, None] * inv[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+def computed_buffers(cfg: ModelConfig, max_positions: int) -> dict[str, torch.Tensor]:
+    """The step model's buffers, by name, in fp32: computed from the config, never read from a
+    checkpoint (the RoPE tables; Gemma's embedding multiplier)."""
+    cos, sin = rope_cache(cfg, max_positions)
+    out = {"rope_cos": cos, "rope_sin": sin}
+    if any(uses_local_rope(cfg)):
+        out["rope_local_cos"], out["rope_local_sin"] = local_rope_cache(cfg, max_positions)
+    if cfg.embedding_multiplier != 1.0:
+        # HF multiplies by a tensor of the multiplier in the activations' dtype.
+        out["embed_scale"] = torch.tensor(cfg.embedding_multiplier, dtype=torch.float32)
+    return out
 
 
 class RMSNorm(nn.Module):
+    """HF's Llama RMSNorm (Gemma's ``1 + w`` is folded into the stored weight)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -60,11 +56,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class StepMetadata:
@@ -81,6 +72,8 @@ class StepMetadata:
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v projections, optional per-head q/k norms, RoPE, the paged attention op, o_proj."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, block_size: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -88,13 +81,20 @@ class LlamaAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        self.sliding_window = cfg.layer_sliding_windows()[layer_idx]
+        self.logit_softcap = float(cfg.attn_logit_softcapping or 0.0)
         h = cfg.hidden_size
         qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(h, qd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, kvd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, kvd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(qd, h, bias=False)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: StepMetadata) -> torch.Tensor:
@@ -102,39 +102,62 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = torch.ops.kvflow.paged_attention(
             q.reshape(t, -1), k.reshape(t, -1), v, meta.kv_cache_ptrs, meta.slot_mapping,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, self.layer_idx,
             self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.scale,
+            self.sliding_window, self.logit_softcap,
         )
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU, or GeGLU (tanh GELU) for Gemma: ``down(act(gate(x)) * up(x))``."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        act = (nn.functional.gelu(gate, approximate="tanh") if self.gelu
+               else nn.functional.silu(gate))
+        return self.down_proj(act * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP with residuals; Gemma's sandwich norms when configured.
+
+    Without ``sandwich_norm``, ``post_attention_layernorm`` is the MLP's input norm (HF's Llama
+    name); with it, the attention output's norm, and ``pre_feedforward_layernorm`` /
+    ``post_feedforward_layernorm`` wrap the MLP (HF's Gemma names)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, block_size: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, block_size)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if cfg.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: StepMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -148,7 +171,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family decoder whose ``forward`` is one packed engine step.
+    """A decoder whose ``forward`` is one packed engine step (any family of
+    :class:`ModelConfig`; the name is the Llama layer they all extend).
 
     Args:
         cfg: the model's shape.
@@ -159,6 +183,9 @@ class LlamaForCausalLM(nn.Module):
     # Buffers registered in __init__: declared so that indexing them type-checks as a Tensor.
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    rope_local_cos: torch.Tensor
+    rope_local_sin: torch.Tensor
+    embed_scale: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, block_size: int, max_positions: int) -> None:
         super().__init__()
@@ -167,9 +194,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rope_cache(cfg, max_positions)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for name, value in computed_buffers(cfg, max_positions).items():
+            self.register_buffer(name, value, persistent=False)
+        self.local_rope = uses_local_rope(cfg)
+        self.scales_embedding = cfg.embedding_multiplier != 1.0
+        self.final_logit_softcap = cfg.final_logit_softcapping
 
     def forward(
         self,
@@ -185,15 +214,26 @@ class LlamaForCausalLM(nn.Module):
         """One step; returns fp32 logits ``[len(logits_indices), vocab_size]``."""
         meta = StepMetadata(kv_cache_ptrs, slot_mapping, block_tables, seq_lens, query_start_loc)
         x = self.model.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
-        for layer in self.model.layers:
+        if self.scales_embedding:
+            x = x * self.embed_scale.to(x.dtype)
+        rope = [(self.rope_cos[positions].to(x.dtype).unsqueeze(1),
+                 self.rope_sin[positions].to(x.dtype).unsqueeze(1))]
+        if any(self.local_rope):
+            rope.append((self.rope_local_cos[positions].to(x.dtype).unsqueeze(1),
+                         self.rope_local_sin[positions].to(x.dtype).unsqueeze(1)))
+        for layer, local in zip(self.model.layers, self.local_rope, strict=True):
+            cos, sin = rope[int(local)]
             x = layer(x, cos, sin, meta)
         x = self.model.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        if self.final_logit_softcap:
+            cap = self.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights; refuses missing or unexpected tensors by name."""
+        """Load kvflow-named weights (:func:`kvflow.model.weight_names.to_kvflow_names` of HF's);
+        refuses missing or unexpected tensors by name."""
         expected = set(self.state_dict())
         if self.config.tie_word_embeddings:
             expected.discard("lm_head.weight")
