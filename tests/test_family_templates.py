@@ -5,6 +5,7 @@ tool-result turns, Qwen3's ``enable_thinking``; and the parsers each template im
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -178,3 +179,18 @@ def test_each_template_implies_its_parsers(tokenizers, family, tool_format, reas
     template = tokenizers[family][0].chat_template
     assert tool_call_format(template) == tool_format
     assert reasoning_format(template) == reasoning
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_end_of_turn_tokens_are_the_generation_configs_stops(tokenizers, family):
+    """By text, as llama.cpp marks them (what a GGUF, without generation_config.json, needs):
+    the token the template closes an assistant turn with is found, and is a stop of the
+    family's generation config (which the HF loader reads)."""
+    kv, hf = tokenizers[family]
+    folder_eos = json.loads((Path(hf.name_or_path) / "generation_config.json")
+                            .read_text())["eos_token_id"]
+    turn = kv.apply_chat_template([USER, {"role": "assistant", "content": "Sunny."}], False)
+    closing = turn.split("Sunny.")[1]
+    closers = [i for i in kv.end_of_turn_ids()
+               if kv.decode([i], skip_special_tokens=False) in closing]
+    assert closers and set(closers) <= set(folder_eos)

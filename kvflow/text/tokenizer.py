@@ -27,6 +27,7 @@ from kvflow.text.chat_tools import (
     template_supports_tools,
 )
 from kvflow.text.jinja_env import compile_chat_template
+from kvflow.text.stop_tokens import end_of_turn_ids
 
 
 class ChatTemplateError(ValueError):
@@ -170,6 +171,12 @@ class EngineTokenizer:
         self._text_only.encode_special_tokens = True
         self._special_texts = [t.content for t in
                                self.tokenizer.get_added_tokens_decoder().values() if t.special]
+
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The special tokens that end a turn, by their text (:mod:`.stop_tokens`): for a
+        checkpoint without generation_config.json's list."""
+        return end_of_turn_ids((i, t.content) for i, t in
+                               self.tokenizer.get_added_tokens_decoder().items() if t.special)
 
     @property
     def vocab_size(self) -> int:
