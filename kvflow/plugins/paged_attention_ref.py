@@ -112,10 +112,10 @@ def paged_attention_ref(
         if n <= 1:
             continue
         length = seq_lens_l[s]
-        first = first_block(length, n, sliding_window, block_size)
+        fb = first_block(length, n, sliding_window, block_size)
         nb = -(-length // block_size)
-        table = block_tables[s, first:nb].long()
-        k0 = first * block_size
+        table = block_tables[s, fb:nb].long()
+        k0 = fb * block_size
         keys = k_cache[table].reshape(-1, kvh, head_dim)[: length - k0].float()
         values = v_cache[table].reshape(-1, kvh, head_dim)[: length - k0].float()
         qs = q[qsl[s] : qsl[s + 1]].view(n, kvh, group, head_dim).float()

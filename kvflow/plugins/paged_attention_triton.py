@@ -222,7 +222,7 @@ class AttentionLaunch:
     def rows(self) -> int:
         return self.block_m * self.group_p
 
-    def constexprs(self) -> dict[str, int | bool]:
+    def constexprs(self) -> dict[str, int | bool | float]:
         return dict(GROUP=self.group, GROUP_P=self.group_p, HEAD_DIM=self.head_dim,
                     BLOCK_D=self.block_d, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
                     IS_FP32=self.is_fp32, NUM_SPLITS=self.num_splits,
