@@ -241,13 +241,17 @@ def fallback_messages(messages: list[dict[str, Any]], tools: tuple[FunctionTool,
 
 def template_messages(messages: list[dict[str, Any]], tools: tuple[FunctionTool, ...] = (),
                       chat_template: str = "") -> tuple[list[dict[str, Any]],
-                                                      list[dict[str, Any]] | None]:
+                                                      list[dict[str, Any]] | None, list[str]]:
     """``messages`` and ``tools`` for a template with tools: each call's arguments as an object
     where they are JSON (templates write them with ``tojson``), as vLLM passes them, and the
-    family rules of the module doc (Mistral's ids, Phi-4-mini's system tools)."""
+    family rules of the module doc (Mistral's ids, Phi-4-mini's system tools). Third, per
+    message, the markup kvflow appended to its content (Phi-4-mini's calls; else ""): the
+    model's own control tokens, not the client's text."""
     mistral, phi = _mistral_ids(chat_template), _system_tools(chat_template)
     out = []
+    markup = []
     for m in messages:
+        markup.append("")
         if m.get("tool_calls"):
             calls = [{**c, "function": {**c["function"], "arguments": _arguments(c)}}
                      for c in m["tool_calls"]]
@@ -258,7 +262,8 @@ def template_messages(messages: list[dict[str, Any]], tools: tuple[FunctionTool,
                 listed = json.dumps([{"name": c["function"]["name"],
                                       "arguments": c["function"]["arguments"]} for c in calls],
                                     ensure_ascii=False)
-                m["content"] = f"{m['content']}<|tool_call|>{listed}<|/tool_call|>"
+                markup[-1] = f"<|tool_call|>{listed}<|/tool_call|>"
+                m["content"] = f"{m['content']}{markup[-1]}"
         if mistral and m["role"] == "tool":
             m = {**m, "tool_call_id": mistral_call_id(m["tool_call_id"])}
         out.append(m)
@@ -267,8 +272,9 @@ def template_messages(messages: list[dict[str, Any]], tools: tuple[FunctionTool,
                               "parameters": t.parameters} for t in tools], ensure_ascii=False)
         if not out or out[0]["role"] != "system":
             out.insert(0, {"role": "system", "content": ""})
+            markup.insert(0, "")
         out[0] = {**out[0], "tools": listed}
-    return out, [t.to_openai() for t in tools] or None
+    return out, [t.to_openai() for t in tools] or None, markup
 
 
 def mistral_call_id(call_id: str) -> str:

@@ -215,10 +215,12 @@ class EngineTokenizer:
         each content without. A template that does not pass the markers through intact (it
         rewrites content) cannot be split so, and such a request is refused.
         """
-        messages, tool_specs = self._with_tools(messages, tools)
+        messages, tool_specs, markup = self._with_tools(messages, tools)
         kwargs = dict(template_kwargs or {})
         self._refuse_special("chat_template_kwargs", json.dumps(kwargs, ensure_ascii=False))
-        contents = [m.get("content") for m in messages]
+        # The client's text of each content, without the markup kvflow appended to it.
+        contents = [c[:len(c) - len(s)] if isinstance(c := m.get("content"), str) else c
+                    for m, s in zip(messages, markup, strict=True)]
         hostile = [i for i, c in enumerate(contents)
                    if isinstance(c, str) and any(t in c for t in self._special_texts)]
         if not hostile:
@@ -226,8 +228,8 @@ class EngineTokenizer:
                                                         tool_specs, kwargs),
                                add_special_tokens=False)
         nonce = uuid.uuid4().hex
-        masked = [{**m, "content": f"\x00{nonce}{i}\x00"} if isinstance(c, str) else m
-                  for i, (m, c) in enumerate(zip(messages, contents, strict=True))]
+        masked = [{**m, "content": f"\x00{nonce}{i}\x00{s}"} if isinstance(c, str) else m
+                  for i, (m, c, s) in enumerate(zip(messages, contents, markup, strict=True))]
         pieces = re.split(f"\x00{nonce}(\\d+)\x00",
                           self.apply_chat_template(masked, add_generation_prompt, tool_specs,
                                                    kwargs))
@@ -245,13 +247,15 @@ class EngineTokenizer:
         return ids
 
     def _with_tools(self, messages: list[dict[str, Any]], tools: tuple[FunctionTool, ...]
-                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[str]]:
         """The messages and tools the template is given (:mod:`.chat_tools`): as they are for
-        a template with tools, else the fallback, all in message content."""
+        a template with tools, else the fallback, all in message content; and per message the
+        markup kvflow appended to its content (encoded as the template's own)."""
         if not tools and not has_tool_turns(messages):
-            return messages, None
+            return messages, None, [""] * len(messages)
         if not template_supports_tools(self.chat_template):
-            return fallback_messages(messages, tools, self._system_turns()), None
+            out = fallback_messages(messages, tools, self._system_turns())
+            return out, None, [""] * len(out)
         # The template writes these outside any content, where the content protection cannot
         # reach: special-token text there is refused.
         for where, text in [*((f"tools ({t.name})", json.dumps(t.to_openai())) for t in tools),
