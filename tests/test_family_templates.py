@@ -137,6 +137,8 @@ def test_qwen3_enable_thinking_reaches_the_template(tokenizers, thinking):
     ({"bos_token": "x"}, "chat_template_kwargs.bos_token is set by the server"),
     ([1], "chat_template_kwargs must be an object"),
     ({"a b": 1}, "must be a name"),
+    ({"x": "\ud800"}, "valid Unicode"),
+    ({"x": "y" * 70_000}, "the limit is 65536"),
 ])
 def test_template_kwargs_are_checked_naming_the_field(kwargs, words):
     with pytest.raises(ValueError, match=words):

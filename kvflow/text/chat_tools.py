@@ -46,6 +46,7 @@ PREAMBLE = (
 )
 MAX_TOOLS = 128
 MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024  # their JSON: flags and short strings, not documents
 # Variables a request's chat_template_kwargs may not set: the renderer's own.
 RESERVED_TEMPLATE_VARIABLES = frozenset((
     "messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
@@ -133,8 +134,8 @@ def check_tool_calls(where: str, value: Any) -> list[dict[str, Any]]:
 
 def check_template_kwargs(value: Any) -> dict[str, Any]:
     """A request's ``chat_template_kwargs``: None or a JSON object of at most
-    MAX_TEMPLATE_KWARGS variables, none of them the renderer's own (messages, tools, the special
-    tokens); a ValueError names the field."""
+    MAX_TEMPLATE_KWARGS variables (MAX_TEMPLATE_KWARGS_BYTES of UTF-8 JSON), none of them the
+    renderer's own (messages, tools, the special tokens); a ValueError names the field."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -149,6 +150,14 @@ def check_template_kwargs(value: Any) -> dict[str, Any]:
                              "(letters, digits, _)")
         if key in RESERVED_TEMPLATE_VARIABLES or key.startswith("_"):
             raise ValueError(f"chat_template_kwargs.{key} is set by the server, not the request")
+    try:
+        size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+    except (TypeError, ValueError, RecursionError):
+        raise ValueError("chat_template_kwargs must hold JSON values of valid Unicode text "
+                         "(no lone surrogate)") from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ValueError(f"chat_template_kwargs is {size} bytes of JSON; the limit is "
+                         f"{MAX_TEMPLATE_KWARGS_BYTES}")
     return dict(value)
 
 
