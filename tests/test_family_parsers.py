@@ -31,6 +31,11 @@ CASES = {
         ('[{"a": 1}] has no name', '[{"a": 1}] has no name', []),
         ("[TOOL_CALLS] then prose", "[TOOL_CALLS] then prose", []),
         ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1', "", [("f", '{"a": 1')]),
+        # Mistral Small 3.2, Devstral, Ministral 3: name[ARGS]{...}, a marker per call
+        ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "P}a\\"ris"}[TOOL_CALLS]now[ARGS] {}',
+         "Sure.", [("get_weather", {"city": 'P}a"ris'}), ("now", {})]),
+        ("[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
+        ('[TOOL_CALLS]f[ARGS]{"a": [1, 2', "", [("f", '{"a": [1, 2')]),
     ],
     "phi4_mini_json": [
         ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
@@ -64,9 +69,9 @@ def _json_or_text(text: str):
         return text
 
 
-SYNTAX = ["[TOOL_CALLS]", "<|tool_call|>", "<|/tool_call|>", "functools", "[TOOL_", "<|tool",
-          "[", "]", "{", "}", '"', "\\", ":", ",", " ", "\n", '"name"', '"arguments"',
-          '"parameters"', '"f"', "1", "x"]
+SYNTAX = ["[TOOL_CALLS]", "[ARGS]", "[AR", "f", "<|tool_call|>", "<|/tool_call|>", "functools",
+          "[TOOL_", "<|tool", "[", "]", "{", "}", '"', "\\", ":", ",", " ", "\n", '"name"',
+          '"arguments"', '"parameters"', '"f"', "1", "x"]
 texts = st.one_of(st.text(max_size=60), st.lists(st.sampled_from(SYNTAX), max_size=30).map(
     "".join))
 
@@ -85,15 +90,17 @@ def written(fmt: str, lead: str, cs: list[tuple[str, dict]], marked: bool) -> st
         return listed
     if fmt == "mistral":
         return f"{lead}[TOOL_CALLS]{listed}"
+    if fmt == "mistral_args":
+        return lead + "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in cs)
     return f"{lead}<|tool_call|>{listed}<|/tool_call|>"
 
 
 @settings(max_examples=200)
-@given(fmt=st.sampled_from(FORMATS), cs=calls, lead=prose, marked=st.booleans(),
-       cuts=st.lists(st.integers(0, 10_000), max_size=20))
+@given(fmt=st.sampled_from((*FORMATS, "mistral_args")), cs=calls, lead=prose,
+       marked=st.booleans(), cuts=st.lists(st.integers(0, 10_000), max_size=20))
 def test_real_calls_split_anywhere_come_back_as_written(fmt, cs, lead, marked, cuts):
     text = written(fmt, lead, cs, marked)
-    parser = TOOL_PARSERS[fmt]()
+    parser = TOOL_PARSERS[fmt.removesuffix("_args")]()
     content, got, complete = whole(parser, text)
     assert complete
     assert [(n, json.loads(a)) for n, a in got] == [
@@ -102,13 +109,13 @@ def test_real_calls_split_anywhere_come_back_as_written(fmt, cs, lead, marked, c
     assert streamed(parser, split(text, cuts)) == (content, got, complete)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", (*FORMATS, "mistral_args"))
 def test_a_stream_looks_at_each_character_a_bounded_number_of_times(fmt):
     text = "Looking. " + written(fmt, "", [(f"f{i}", {"q": "z" * 300, "n": [1, {"k": None}]})
                                           for i in range(20)], True)
     scanned = {}
     for size in (1, 3, 16, len(text)):
-        stream = TOOL_PARSERS[fmt]().stream()
+        stream = TOOL_PARSERS[fmt.removesuffix("_args")]().stream()
         for i in range(0, len(text), size):
             stream.feed(text[i:i + size])
         stream.finish()

@@ -3,7 +3,9 @@ list of call objects after a marker. Registered in :data:`kvflow.openai_api.tool
 TOOL_PARSERS` (vLLM's parser names). Pure Python, never raising on model output.
 
 * ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B v0.3,
-  Mistral Nemo, Ministral: what their templates write for an assistant's calls);
+  Mistral Nemo, Ministral 8B: what their templates write for an assistant's calls), and the
+  newer ``[TOOL_CALLS]name[ARGS]{...}``, one call per marker (Mistral Small 3.2, Devstral,
+  Ministral 3), whose arguments stream as they come;
 * ``phi4_mini_json``: ``<|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>``
   (Phi-4-mini's tool tokens; vLLM's ``functools[...]`` spelling is read too).
 
@@ -58,6 +60,9 @@ class MarkedListStream(ToolStream):
                 self._held.append("[")
                 self._state = "items"
                 return k + 1
+            if self._named_call(text[k]):
+                self._state = "fname"
+                return k
             self._release()  # a marker not followed by a list: it was text
             self._state = "text"
             return k
@@ -66,6 +71,8 @@ class MarkedListStream(ToolStream):
         if state == "hold":
             self._held.append(text[i:])
             return len(text)
+        if state in ("fname", "args", "raw"):
+            return self._named_step(text, i)
         if state == "close":  # after the list: its closing marker, if any
             if not self.CLOSE:
                 self._state = "text"
@@ -155,20 +162,104 @@ class MarkedListStream(ToolStream):
                 self._state = "dead"
         return end
 
+    def _named_call(self, ch: str) -> bool:
+        """Whether the format has ``name[ARGS]{...}`` calls after its marker and ``ch`` may
+        begin a name."""
+        return False
+
+    def _named_step(self, text: str, i: int) -> int:
+        raise AssertionError("a format without name[ARGS] calls never enters their states")
+
     def _end(self) -> None:
         scanner = self._scanner
         named = scanner is not None and scanner.name is not None
-        if self._state == "call" and named:
-            self._call_cut()
-        elif self._state == "open" or not self.calls and self._state in (
+        if self._state == "call" and named or self._state == "raw":
+            self.complete = False  # cut inside a call's arguments
+        elif self._state in ("open", "fname") or not self.calls and self._state in (
                 "lead", "items", "call", "hold"):
             self._release()
+        elif self._state == "args":
+            self.complete = False
 
 
 class MistralStream(MarkedListStream):
-    """``[TOOL_CALLS][{...}, ...]``."""
+    """``[TOOL_CALLS][{...}, ...]``, or ``[TOOL_CALLS]name[ARGS]{...}``."""
 
     MARKERS = ("[TOOL_CALLS]",)
+    ARGS = "[ARGS]"
+    MAX_NAME = 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._name: list[str] = []
+        self._depth = 0
+        self._quote = self._escaped = False
+
+    def _named_call(self, ch: str) -> bool:
+        return ch.isalnum() or ch in "_-"
+
+    def _named_step(self, text: str, i: int) -> int:
+        if self._state == "fname":  # the name, then [ARGS]
+            k = i
+            while k < len(text) and (text[k].isalnum() or text[k] in "_-"):
+                k += 1
+            self.chars_scanned += k - i
+            self._name.append(text[i:k])
+            self._held.append(text[i:k])
+            size = sum(map(len, self._name))
+            if k == len(text) and size <= self.MAX_NAME:
+                return k
+            rest = text[k:k + len(self.ARGS)]
+            if rest == self.ARGS and 0 < size <= self.MAX_NAME:
+                self._held.clear()
+                self._begin_call("".join(self._name))
+                self._name.clear()
+                self._state = "args"
+                return k + len(self.ARGS)
+            if self.ARGS.startswith(rest) and size <= self.MAX_NAME and not self._final:
+                self._held.pop()  # rescanned with the next piece
+                self._name.pop()
+                return self._hold(text, i)
+            self._name.clear()
+            self._release()
+            self._state = "text"
+            return k
+        if self._state == "args":  # the arguments' object
+            k = i
+            while k < len(text) and text[k] in _SPACE:
+                k += 1
+            self.chars_scanned += k - i
+            if k < len(text):
+                self._state = "raw" if text[k] == "{" else "dead"
+                self.complete = self._state == "raw"  # a name without arguments: cut
+            return k
+        return self._raw(text, i)
+
+    def _raw(self, text: str, i: int) -> int:
+        """The arguments' JSON object, sent as it comes, up to its closing brace."""
+        k = i
+        while k < len(text):
+            ch = text[k]
+            k += 1
+            if self._quote:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._quote = False
+            elif ch == '"':
+                self._quote = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._state = "text"
+                    break
+        self.chars_scanned += k - i
+        self._add_arguments(len(self.calls) - 1, text[i:k])
+        return k
 
 
 class Phi4MiniStream(MarkedListStream):
