@@ -296,7 +296,8 @@ class KVCacheManager(SwapMixin):
         if forget:
             self._hashes.pop(request_id, None)
             if request_id in self.host_tables and self.host_pool is not None:
-                self.host_pool.free(self.host_tables.pop(request_id))
+                self.host_pool.free(b for b in self.host_tables.pop(request_id)
+                                    if b != NULL_BLOCK)
         if not table:
             return 0
         # Free the tail first: it goes to the front of the eviction queue, the shared prefix last.
