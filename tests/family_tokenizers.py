@@ -67,6 +67,13 @@ FAMILIES = {
                             "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
                             "[TOOL_CALLS]"),
                            generation_eos=("</s>",)),
+    "mistral-small-3.2": Family("mistralai-Mistral-Small-3.2-24B-Instruct-2506.jinja", "<s>",
+                                "</s>",
+                                ("<unk>", "<s>", "</s>", "[INST]", "[/INST]",
+                                 "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                                 "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "[SYSTEM_PROMPT]",
+                                 "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]", "[ARGS]", "[CALL_ID]"),
+                                generation_eos=("</s>",)),
 }
 
 

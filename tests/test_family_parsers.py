@@ -35,6 +35,7 @@ CASES = {
         ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "P}a\\"ris"}[TOOL_CALLS]now[ARGS] {}',
          "Sure.", [("get_weather", {"city": 'P}a"ris'}), ("now", {})]),
         ("[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
+        ('[TOOL_CALLS]f[CALL_ID]a1B2c3D4e[ARGS]{"q": 1}', "", [("f", {"q": 1})]),
         ('[TOOL_CALLS]f[ARGS]{"a": [1, 2', "", [("f", '{"a": [1, 2')]),
     ],
     "phi4_mini_json": [

@@ -171,7 +171,7 @@ def test_the_template_rendering_is_hfs_own_environment(tokenizers):
     ("llama3.1", "llama3_json", None), ("llama3.2", "llama3_json", None),
     ("phi4-mini", "phi4_mini_json", None), ("phi3.5", "hermes", None),
     ("gemma2", "hermes", None), ("gemma3", "hermes", None),
-    ("mistral-nemo", "mistral", None),
+    ("mistral-nemo", "mistral", None), ("mistral-small-3.2", "mistral", None),
 ])
 def test_each_template_implies_its_parsers(tokenizers, family, tool_format, reasoning):
     template = tokenizers[family][0].chat_template

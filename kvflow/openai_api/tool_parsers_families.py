@@ -4,8 +4,8 @@ TOOL_PARSERS` (vLLM's parser names). Pure Python, never raising on model output.
 
 * ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B v0.3,
   Mistral Nemo, Ministral 8B: what their templates write for an assistant's calls), and the
-  newer ``[TOOL_CALLS]name[ARGS]{...}``, one call per marker (Mistral Small 3.2, Devstral,
-  Ministral 3), whose arguments stream as they come;
+  newer ``[TOOL_CALLS]name[ARGS]{...}`` (or ``name[CALL_ID]id[ARGS]{...}``), one call per
+  marker (Mistral Small 3.2, Devstral, Ministral 3), whose arguments stream as they come;
 * ``phi4_mini_json``: ``<|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>``
   (Phi-4-mini's tool tokens; vLLM's ``functools[...]`` spelling is read too).
 
@@ -71,7 +71,7 @@ class MarkedListStream(ToolStream):
         if state == "hold":
             self._held.append(text[i:])
             return len(text)
-        if state in ("fname", "args", "raw"):
+        if state in ("fname", "fid", "args", "raw"):
             return self._named_step(text, i)
         if state == "close":  # after the list: its closing marker, if any
             if not self.CLOSE:
@@ -175,7 +175,7 @@ class MarkedListStream(ToolStream):
         named = scanner is not None and scanner.name is not None
         if self._state == "call" and named or self._state == "raw":
             self.complete = False  # cut inside a call's arguments
-        elif self._state in ("open", "fname") or not self.calls and self._state in (
+        elif self._state in ("open", "fname", "fid") or not self.calls and self._state in (
                 "lead", "items", "call", "hold"):
             self._release()
         elif self._state == "args":
@@ -186,12 +186,13 @@ class MistralStream(MarkedListStream):
     """``[TOOL_CALLS][{...}, ...]``, or ``[TOOL_CALLS]name[ARGS]{...}``."""
 
     MARKERS = ("[TOOL_CALLS]",)
-    ARGS = "[ARGS]"
+    ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"
     MAX_NAME = 64
 
     def __init__(self) -> None:
         super().__init__()
         self._name: list[str] = []
+        self._id: list[str] = []  # a [CALL_ID]'s id: read past (kvflow gives its own ids)
         self._depth = 0
         self._quote = self._escaped = False
 
@@ -199,28 +200,38 @@ class MistralStream(MarkedListStream):
         return ch.isalnum() or ch in "_-"
 
     def _named_step(self, text: str, i: int) -> int:
-        if self._state == "fname":  # the name, then [ARGS]
+        if self._state in ("fname", "fid"):  # the name (then [CALL_ID] and an id), [ARGS]
             k = i
             while k < len(text) and (text[k].isalnum() or text[k] in "_-"):
                 k += 1
             self.chars_scanned += k - i
-            self._name.append(text[i:k])
+            part = self._name if self._state == "fname" else self._id
+            part.append(text[i:k])
             self._held.append(text[i:k])
-            size = sum(map(len, self._name))
+            size = sum(map(len, part))
             if k == len(text) and size <= self.MAX_NAME:
                 return k
-            rest = text[k:k + len(self.ARGS)]
-            if rest == self.ARGS and 0 < size <= self.MAX_NAME:
+            rest = text[k:k + len(self.CALL_ID)]
+            seps = (self.ARGS, self.CALL_ID) if self._state == "fname" else (self.ARGS,)
+            sep = next((m for m in seps if rest.startswith(m)), None)
+            if sep is not None and 0 < size <= self.MAX_NAME:
+                if sep == self.CALL_ID:
+                    self._held.append(sep)
+                    self._state = "fid"
+                    return k + len(sep)
                 self._held.clear()
                 self._begin_call("".join(self._name))
                 self._name.clear()
+                self._id.clear()
                 self._state = "args"
-                return k + len(self.ARGS)
-            if self.ARGS.startswith(rest) and size <= self.MAX_NAME and not self._final:
+                return k + len(sep)
+            if any(m.startswith(rest) for m in seps) and size <= self.MAX_NAME and \
+                    not self._final:
                 self._held.pop()  # rescanned with the next piece
-                self._name.pop()
+                part.pop()
                 return self._hold(text, i)
             self._name.clear()
+            self._id.clear()
             self._release()
             self._state = "text"
             return k
