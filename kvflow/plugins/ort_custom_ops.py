@@ -45,7 +45,8 @@ from kvflow.plugins import ort_isa
 SOURCE = Path(__file__).with_name("paged_attention_ort.cc")
 # SOURCE and the headers it includes: what the library's name hashes.
 SOURCES = (SOURCE, SOURCE.with_name("paged_attention_ort_kernel.h"),
-           SOURCE.with_name("paged_attention_ort_simd.h"), SOURCE.with_name("matmul_q_ort.h"),
+           SOURCE.with_name("paged_attention_ort_simd.h"),
+           SOURCE.with_name("paged_attention_ort_scores.h"), SOURCE.with_name("matmul_q_ort.h"),
            SOURCE.with_name("matmul_q_kernel.h"), SOURCE.with_name("matmul_q_gemm.h"),
            SOURCE.with_name("matmul_q_gemm_x86.h"), SOURCE.with_name("gather_q_ort.h"),
            SOURCE.with_name("matmul_q_gemv512.h"), SOURCE.with_name("isa.h"))

@@ -90,30 +90,6 @@ OrtStatus* expect_shape(const char* name, const Tensor& t, std::vector<int64_t> 
                " (-1: any)");
 }
 
-// Replaces the items of long decodes by parts of their keys (see kSplitBelowItems).
-void split_decodes(const Attrs& a, const int32_t* ql, const int32_t* sl, std::vector<Item>& items,
-                   std::vector<Split>& splits) {
-  const int64_t want = (kSplitBelowItems + (int64_t)items.size() - 1) / (int64_t)items.size();
-  std::vector<Item> out;
-  int32_t next_part = 0;
-  for (const Item& it : items) {
-    const int32_t len = sl[it.seq], keys = len - it.key0;  // the window's keys
-    const int64_t parts = std::min<int64_t>(want, keys / kSplitKeys);
-    if (ql[it.seq + 1] - ql[it.seq] != 1 || parts < 2) {
-      out.push_back(it);
-      continue;
-    }
-    const int32_t step = (int32_t)((keys + parts - 1) / parts + kChunk - 1) / kChunk * kChunk;
-    const int32_t first = next_part;
-    for (int32_t k0 = it.key0; k0 < len; k0 += step, ++next_part)
-      out.push_back({it.seq, it.head, it.tok0, it.tok1, k0, k0 + step, next_part,
-                     (int64_t)std::min(step, len - k0) * (it.tok1 - it.tok0) *
-                         (a.num_heads / a.num_kv_heads)});
-    splits.push_back({it.seq, it.head, first, next_part - first});
-  }
-  items.swap(out);
-}
-
 OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   Tensor q, k, v, ptrs, slots, tables, lens, qsl;
   Tensor* in[] = {&q, &k, &v, &ptrs, &slots, &tables, &lens, &qsl};

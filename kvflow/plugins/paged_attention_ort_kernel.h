@@ -7,15 +7,13 @@
 #include <cstring>
 #include <vector>
 
+#include "paged_attention_ort_scores.h"
 #include "paged_attention_ort_simd.h"
 
 namespace kvflow_ort {
 
-constexpr int kChunk = 16;    // keys per online-softmax step
 constexpr int kMaxRows = 64;  // query rows (token x group head) per tile: 8 vectors of scores
 constexpr int kDirectRows = 4;  // tiles of at most this many rows score by dot products
-// NOTE: a masked score is a large finite number, not -inf: nothing relies on IEEE infinities.
-constexpr float kMasked = -1e30f;
 // Row-key pairs (query rows x keys each reads) of a step below which it runs on the calling
 // thread, where waking the pool costs more than the work; the attribute parallel_min_work
 // overrides it.
@@ -39,26 +37,6 @@ inline int64_t first_key(const Attrs& a, int64_t position) {
   return a.sliding_window > 0 ? std::max<int64_t>(0, position - a.sliding_window + 1) : 0;
 }
 
-// Soft-capping of n contiguous scores in place: s -> cap * tanh(s / cap), tanh from vexp
-// (exp(-2|x|) never overflows).
-inline void cap_scores(float* s, int n, float cap) {
-  const v8f inv = splat(1.0f / cap), c = splat(cap), one = splat(1.0f);
-  auto capped = [&](v8f x) {
-    x = x * inv;
-    const v8f ax = x < splat(0.0f) ? -x : x, e = vexp(ax * splat(-2.0f));
-    const v8f t = (one - e) / (one + e);
-    return c * (x < splat(0.0f) ? -t : t);
-  };
-  int i = 0;
-  for (; i + kLanes <= n; i += kLanes) store8(s + i, capped(load8(s + i)));
-  if (i < n) {
-    float tail[kLanes] = {};
-    std::memcpy(tail, s + i, sizeof(float) * (n - i));
-    store8(tail, capped(load8(tail)));
-    std::memcpy(s + i, tail, sizeof(float) * (n - i));
-  }
-}
-
 // One call's inputs, checked; what every work item reads.
 struct Step {
   const Attrs* a;
@@ -75,7 +53,8 @@ struct Step {
 
 struct Item {
   int32_t seq, head, tok0, tok1;  // tokens [tok0, tok1) of the sequence's new ones
-  int32_t key0, key1;  // the keys it reads: all (0, INT32_MAX) or a part of a split decode's
+  int32_t key0, key1;  // the keys it reads: from the window's start (0 without one) to the
+                       // last token's (key1 INT32_MAX), or a part of a split decode's
   int32_t part;        // -1: it writes the output; else its slot in Step::partials
   int64_t cost;        // rows x keys
 };
@@ -89,74 +68,6 @@ struct Job {
   const Step* step;
   const std::vector<Item>* items;
 };
-
-// Scores of one chunk from the transposed queries, st[j][m] = sum_x key_j[x] * qt[x][m], for
-// KJ keys x 8 NV rows from key j and row vector v: a GEMM micro-kernel, KJ * NV sums in
-// registers, each query vector loaded once for KJ keys and each key element for NV vectors.
-template <int KJ, int NV>
-inline void scores_tile(const float* const* krow, int j, int d, const float* qt, int mp, int v,
-                        float* st) {
-  v8f acc[KJ][NV] = {};
-  for (int x = 0; x < d; ++x) {
-    const float* qx = qt + (size_t)x * mp + v * kLanes;
-    v8f q[NV];
-    for (int w = 0; w < NV; ++w) q[w] = load8(qx + w * kLanes);
-    for (int u = 0; u < KJ; ++u) {
-      const v8f b = splat(krow[j + u][x]);
-      for (int w = 0; w < NV; ++w) acc[u][w] += b * q[w];
-    }
-  }
-  for (int u = 0; u < KJ; ++u)
-    for (int w = 0; w < NV; ++w) store8(st + (size_t)(j + u) * mp + (v + w) * kLanes, acc[u][w]);
-}
-
-template <int NV>
-void scores_vectors(const float* const* krow, int kc, int d, const float* qt, int mp, int v,
-                    float* st) {
-  int j = 0;
-  for (; j + 6 <= kc; j += 6) scores_tile<6, NV>(krow, j, d, qt, mp, v, st);
-  for (; j + 4 <= kc; j += 4) scores_tile<4, NV>(krow, j, d, qt, mp, v, st);
-  for (; j + 2 <= kc; j += 2) scores_tile<2, NV>(krow, j, d, qt, mp, v, st);
-  for (; j < kc; ++j) scores_tile<1, NV>(krow, j, d, qt, mp, v, st);
-}
-
-void scores_by_rows(const float* const* krow, int kc, int d, const float* qt, int mp, float* st) {
-  const int nv = mp / kLanes;
-  int v = 0;
-  for (; v + 2 <= nv; v += 2) scores_vectors<2>(krow, kc, d, qt, mp, v, st);
-  if (v < nv) scores_vectors<1>(krow, kc, d, qt, mp, v, st);
-}
-
-
-// Scores of a few rows (a decode step's group, kDirectRows at most) as dot products along
-// head_dim, row-major: sc[m][j] (kChunk a row). Eight keys at a time share each query load.
-template <typename T>
-void scores_by_dots(const T* const* krow, int kc, int d, const float* qr, int m_rows,
-                    float* sc) {
-  for (int m = 0; m < m_rows; ++m) {
-    const float* q = qr + (size_t)m * d;
-    float* out = sc + (size_t)m * kChunk;
-    int j = 0;
-    for (; j + kLanes <= kc && d % kLanes == 0; j += kLanes) {
-      v8f acc[kLanes] = {};
-      for (int x = 0; x < d; x += kLanes) {
-        const v8f qv = load8(q + x);
-        for (int u = 0; u < kLanes; ++u) acc[u] += qv * load8(krow[j + u] + x);
-      }
-      store8(out + j, hsum8(acc));
-    }
-    for (; j < kc; ++j) {
-      const T* kr = krow[j];
-      v8f a0 = splat(0.0f);
-      int x = 0;
-      for (; x + kLanes <= d; x += kLanes) a0 += load8(q + x) * load8(kr + x);
-      float sum = hsum(a0);
-      for (; x < d; ++x) sum += q[x] * to_float(kr[x]);
-      out[j] = sum;
-    }
-    for (; j < kChunk; ++j) out[j] = kMasked;
-  }
-}
 
 // The online softmax of row-major scores (scores_by_dots): probabilities in place, running
 // max and sum updated, each row's rescaling factor in corr. Row m sees keys lo[m] .. lim[m].
@@ -270,6 +181,30 @@ void pv(float* acc, int d, const float* corr, const float* sc, int pj, int pm, i
       for (int j = 0; j < kc; ++j) s += sc[(size_t)j * pj + (size_t)m * pm] * to_float(vrow[j][x]);
       acc[(size_t)m * d + x] = s;
     }
+}
+
+// Replaces the items of long decodes by parts of their keys (see kSplitBelowItems).
+void split_decodes(const Attrs& a, const int32_t* ql, const int32_t* sl, std::vector<Item>& items,
+                   std::vector<Split>& splits) {
+  const int64_t want = (kSplitBelowItems + (int64_t)items.size() - 1) / (int64_t)items.size();
+  std::vector<Item> out;
+  int32_t next_part = 0;
+  for (const Item& it : items) {
+    const int32_t len = sl[it.seq], keys = len - it.key0;  // the window's keys
+    const int64_t parts = std::min<int64_t>(want, keys / kSplitKeys);
+    if (ql[it.seq + 1] - ql[it.seq] != 1 || parts < 2) {
+      out.push_back(it);
+      continue;
+    }
+    const int32_t step = (int32_t)((keys + parts - 1) / parts + kChunk - 1) / kChunk * kChunk;
+    const int32_t first = next_part;
+    for (int32_t k0 = it.key0; k0 < len; k0 += step, ++next_part)
+      out.push_back({it.seq, it.head, it.tok0, it.tok1, k0, k0 + step, next_part,
+                     (int64_t)std::min(step, len - k0) * (it.tok1 - it.tok0) *
+                         (a.num_heads / a.num_kv_heads)});
+    splits.push_back({it.seq, it.head, first, next_part - first});
+  }
+  items.swap(out);
 }
 
 void attend(const Step& st, const Item& it, std::vector<float>& scratch) {
