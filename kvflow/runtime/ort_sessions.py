@@ -154,7 +154,9 @@ class Segmented:
                 values[a.output[0]] = paged_attention_native(
                     *(values[x] for x in a.input), layer_idx=attrs["layer_idx"],
                     num_heads=attrs["num_heads"], num_kv_heads=attrs["num_kv_heads"],
-                    head_dim=attrs["head_dim"], scale=attrs["scale"])
+                    head_dim=attrs["head_dim"], scale=attrs["scale"],
+                    sliding_window=attrs.get("sliding_window", 0),
+                    logit_softcap=attrs.get("logit_softcap", 0.0))
         return values[want]
 
 
