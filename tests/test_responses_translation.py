@@ -204,3 +204,16 @@ def test_store_keeps_keys_apart_and_survives_in_its_file(tmp_path):
     again = ResponseStore(path, 10, 1 << 20)
     assert again.get("key-a", "r1") == {"x": 1}
     assert again.delete("key-a", "r1") and again.get("key-a", "r1") is None
+
+
+def test_a_backend_error_names_the_responses_field():
+    from kvflow.openai_api.errors import error_from_backend
+    from kvflow.openai_api.responses_request import client_error
+
+    request = parse({"input": "x", "max_output_tokens": 10**9})
+    error = client_error(error_from_backend("max_tokens (1000000000) exceeds max_model_len",
+                                            request.chat))
+    assert error.param == "max_output_tokens"
+    assert error.message.startswith("max_output_tokens (1000000000)")
+    prompt = client_error(error_from_backend("messages[0].content is too long", request.chat))
+    assert prompt.param == "input" and prompt.message.startswith("input[0]")

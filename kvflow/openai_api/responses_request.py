@@ -108,8 +108,12 @@ def client_error(error: OpenAIError) -> OpenAIError:
     """``error`` (the chat path's, or the backend's) naming the Responses field the client
     sent."""
     param = error.param
-    if param is None or param.split(".")[0].split("[")[0] not in (*RENAMED, "tools",
-                                                                  "prompt"):
+    if param is None:  # the backend's, renamed already: its message begins with the field
+        named = [f for f in set(RENAMED.values()) if error.message.startswith(f + " ")]
+        if not named:
+            return error
+        return OpenAIError(error.status, error.message, named[0], error.type, error.code)
+    if param.split(".")[0].split("[")[0] not in (*RENAMED, "tools", "prompt"):
         return error
     head = param.split(".")[0].split("[")[0]
     new_head = "input" if head == "prompt" else RENAMED.get(head, head)
