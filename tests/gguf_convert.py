@@ -145,6 +145,7 @@ def _tokenizer_keys(w: Any, folder: Path, hp: dict[str, Any]) -> None:
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_types(types)
+    w.add_token_scores([0.0] * hp["vocab_size"])  # no merges: transformers derives none
     w.add_token_merges([])
     w.add_bos_token_id(hp["bos_token_id"])
     w.add_eos_token_id(hp["eos_token_id"])

@@ -44,7 +44,7 @@ FAMILIES = {
     # Phi-4-mini's shape: partial rotary (12 of 16 dims), longrope from position 32.
     "phi3": ("Phi3ForCausalLM", "Phi3Config",
              {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 32,
-              "max_position_embeddings": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+              "max_position_embeddings": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                                   "partial_rotary_factor": 0.75,
                                   "original_max_position_embeddings": 32,
@@ -161,3 +161,51 @@ def test_q8_0_gguf_keeps_each_parts_blocks(families, name):
                                       gguf.fp32(n)[:, 32:64], err_msg=n)
         if n != "lm_head.weight" or not ref.config.tie_word_embeddings:
             np.testing.assert_allclose(gguf.fp32(n), ref.fp32(n), atol=2e-3, rtol=0, err_msg=n)
+
+
+# --- engines built from the GGUFs ---------------------------------------------------------
+LIMITS = {"max_model_len": 128, "max_num_tokens": 64, "max_batch_size": 4, "block_size": 4}
+# Windows of 6 < the prompt. Phi-3's sequence stays below its original length (32): past it,
+# HF's generate drops its cache and re-rotates every key with the long factors, where kvflow
+# keeps each key as rotated at its position (kvflow/model/rope.py).
+PROMPT_LEN, NEW_TOKENS = 21, 11
+
+
+@pytest.mark.parametrize(("name", "backend"), [
+    *[(n, "torch") for n in sorted(FAMILIES)], ("phi3", "onnxruntime"),
+    ("gemma2", "onnxruntime")])
+def test_gguf_engine_generates_hf_greedy_tokens(families, tmp_path, name, backend):
+    """The streamed build of the F32 GGUF (its tokenizer converted by transformers): greedy
+    tokens and logits equal HF's ``generate`` on the folder's model."""
+    from kvflow.build.builder import build_engine
+    from kvflow.runtime import create_runner
+    from tests.helpers import greedy_generate
+    from tests.test_model_families import hf_greedy
+
+    _, model, f32, _ = families[name]
+    build_engine(str(f32), tmp_path / "e", backend=backend, progress=lambda _m: None, **LIMITS)
+    prompt = np.random.default_rng(len(name)).integers(3, VOCAB, PROMPT_LEN).tolist()
+    want, want_logits = hf_greedy(model, prompt, NEW_TOKENS)
+    runner = create_runner(backend, tmp_path / "e", 32, kv_cache_dtype="fp32")
+    try:
+        got, logits = greedy_generate(runner, prompt, NEW_TOKENS)
+    finally:
+        runner.close()
+    assert got == want
+    np.testing.assert_allclose(np.stack(logits), want_logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma2"])
+def test_q8_0_gguf_streamed_engine_equals_the_in_memory_build(families, tmp_path, name):
+    """Blocks cut from Phi-3's fused tensors and Gemma's +1 norms, streamed into the ONNX
+    engine: the bytes the in-memory build writes."""
+    from kvflow.build.builder import build_engine
+    from tests.test_build_stream import LIMITS as STREAM_LIMITS
+    from tests.test_build_stream import assert_same_engine, reference_engine
+
+    q8 = families[name][3]
+    build_engine(str(q8), tmp_path / "s", progress=lambda _m: None, **STREAM_LIMITS)
+    reference_engine(str(q8), tmp_path / "r")
+    assert_same_engine(tmp_path / "s", tmp_path / "r")
+    config = json.loads((tmp_path / "s" / "engine_config.json").read_text())
+    assert "Q8_0" in config["quantization"]
