@@ -83,3 +83,23 @@ def test_phi3_fused_rows_must_match_the_config():
         weight_parts(cfg, "model.layers.0.self_attn.qkv_proj.weight", 40)
     with pytest.raises(ValueError, match="gate_up_proj.weight: 48 rows.*96"):
         weight_parts(cfg, "model.layers.0.mlp.gate_up_proj.weight", 48)
+
+
+def test_gemma3_multimodal_checkpoint_is_its_text_decoder():
+    """transformers 4 and 5 names of Gemma3ForConditionalGeneration's text decoder become
+    Gemma3ForCausalLM's (norms 1 + w); the vision tower and projector are dropped."""
+    cfg = ModelConfig.from_hf_config({"architectures": ["Gemma3ForConditionalGeneration"],
+                                      "text_config": {**SHAPE, "head_dim": 8,
+                                                      "model_type": "gemma3_text"}})
+    w = np.full((2,), 0.25, np.float32)
+    items = [("language_model.model.layers.0.input_layernorm.weight", w),
+             ("model.language_model.norm.weight", w),
+             ("language_model.lm_head.weight", w),
+             ("model.language_model.embed_tokens.weight", w),
+             ("vision_tower.vision_model.post_layernorm.weight", w),
+             ("model.multi_modal_projector.mm_soft_emb_norm.weight", w)]
+    got = dict(to_kvflow_names(cfg, items))
+    assert sorted(got) == ["lm_head.weight", "model.embed_tokens.weight",
+                           "model.layers.0.input_layernorm.weight", "model.norm.weight"]
+    assert got["model.norm.weight"].tolist() == [1.25, 1.25]
+    assert got["model.embed_tokens.weight"] is w

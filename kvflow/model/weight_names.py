@@ -8,7 +8,8 @@ kvflow's state dict is the HF state dict with three differences (contract of iss
 - Gemma 2/3: every RMSNorm weight is stored as ``1 + w`` (HF's Gemma norm multiplies by
   ``1 + w``), so the graph has plain RMSNorms. llama.cpp's converter writes them +1 already.
 - Everything else keeps its HF name and value (Qwen3 / Gemma 3 q/k norms are
-  ``model.layers.N.self_attn.q_norm.weight`` and ``...k_norm.weight``).
+  ``model.layers.N.self_attn.q_norm.weight`` and ``...k_norm.weight``); a Gemma 3 multimodal
+  checkpoint's text decoder is named as Gemma3ForCausalLM's, its other towers dropped.
 
 :func:`weight_parts` says, for one HF tensor, which kvflow tensors it becomes (a row range and
 whether 1 is added), so that the streaming build can read a range of rows without the whole
@@ -48,8 +49,33 @@ def is_gemma_norm(cfg: ModelConfig, name: str) -> bool:
     return cfg.architecture in GEMMA_ARCHITECTURES and name.endswith("norm.weight")
 
 
+# A Gemma 3 multimodal checkpoint's text decoder, as saved by transformers 4 and 5: kvflow runs
+# it alone, named as Gemma3ForCausalLM's (its config is the text_config).
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.multi_modal_projector.")
+
+
+def text_decoder_name(name: str) -> str | None:
+    """A multimodal (Gemma 3) checkpoint's tensor as its text decoder's, or None for a tensor
+    of another tower; any other name unchanged."""
+    if name.startswith(_OTHER_TOWERS):
+        return None
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def weight_parts(cfg: ModelConfig, name: str, rows: int) -> list[WeightPart]:
-    """The kvflow tensors HF tensor ``name`` (with ``rows`` rows) becomes."""
+    """The kvflow tensors HF tensor ``name`` (with ``rows`` rows) becomes ([] for a vision
+    tower's tensor of a Gemma 3 multimodal checkpoint)."""
+    if cfg.architecture == "gemma3":
+        text = text_decoder_name(name)
+        if text is None:
+            return []
+        name = text
     if cfg.architecture == "phi3":
         prefix, _, tail = name.rpartition(".self_attn.qkv_proj.")
         if prefix:
