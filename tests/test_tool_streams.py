@@ -95,6 +95,11 @@ def written(fmt: str, lead: str, cs: list[tuple[str, dict]]) -> str:
                                             for n, a in cs)
     if fmt == "json_list":
         return json.dumps([{"name": n, "parameters": a} for n, a in cs])
+    if fmt == "mistral":
+        return lead + "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in cs])
+    if fmt == "phi4_mini_json":
+        return (lead + "<|tool_call|>" + json.dumps([{"name": n, "arguments": a} for n, a in cs])
+                + "<|/tool_call|>")
     return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})"
                            for n, a in cs) + "]"
 
@@ -109,7 +114,8 @@ def test_real_calls_split_anywhere_come_back_as_written(fmt, cs, lead, cuts):
     assert complete
     assert [(n, json.loads(a)) for n, a in got] == [
         (n, json.loads(json.dumps(a))) for n, a in cs]
-    assert content == (lead.strip() and lead.rstrip() if fmt == "hermes" else "")
+    led = fmt in ("hermes", "mistral", "phi4_mini_json")
+    assert content == (lead.strip() and lead.rstrip() if led else "")
     assert streamed(parser, split(text, cuts)) == (content, got, complete)
 
 
