@@ -171,3 +171,15 @@ def test_release_preemption_swaps_and_forks_never_change_what_a_sequence_reads(
     for rid, got in tight.items():
         if got != "rejected":
             assert got == roomy[rid], rid
+
+
+def test_a_group_is_refused_only_when_its_windows_cannot_fit_the_pool_together():
+    # n = 3 sequences of 20 + 40 tokens: 45 blocks at full length, but in a window of 8 each
+    # holds at most ceil((7 + 12) / 4) + 1 = 6 blocks, so 18 blocks hold the group.
+    prompt = [1 + (k * 2) % 5 for k in range(20)]
+    group = [("g", prompt, SamplingParams(n=3, max_tokens=40, ignore_eos=True, seed=5), 0)]
+    tight, _ = run(group, window=8, num_blocks=19)
+    roomy, _ = run(group, window=8, num_blocks=400, release=False)
+    assert tight == roomy and len(tight["g"]) == 3
+    refused, _ = run(group, window=8, num_blocks=18)  # 17 usable blocks
+    assert refused == {"g": "rejected"}
