@@ -187,10 +187,13 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]],
              sampling_params: SamplingParams | None = None,
-             tools: list[dict[str, Any]] | None = None) -> RequestOutput:
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> RequestOutput:
         """One chat turn, rendered with the model's chat template; ``tools``: OpenAI function
-        tools offered to the model (:mod:`kvflow.text.chat_tools`)."""
-        return self.generate([ChatPrompt(messages, tools)], sampling_params)[0]
+        tools offered to the model (:mod:`kvflow.text.chat_tools`); ``chat_template_kwargs``:
+        more template variables (Qwen3's ``{"enable_thinking": False}``)."""
+        return self.generate([ChatPrompt(messages, tools, chat_template_kwargs)],
+                             sampling_params)[0]
 
     def close(self) -> None:
         self.engine.close()

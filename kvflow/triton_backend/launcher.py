@@ -35,6 +35,7 @@ from kvflow.triton_backend.protocol import (
     API_KEY_HEADER,
     ENGINE_FAILED_FILE,
     MODEL_NAME,
+    REASONING_PARSER_PARAMETER,
     REASONING_STARTS_OPEN_PARAMETER,
     SERVE_FILE,
     SERVED_MODEL_NAME_PARAMETER,
@@ -212,7 +213,7 @@ def served_model_name(engine_dir: Path) -> str:
 def chat_format_parameters(engine_dir: Path) -> dict[str, str]:
     """How the engine's chat template writes tool calls and whether it opens the reasoning
     in the prompt, for the OpenAI frontend (none for an engine without a template)."""
-    from kvflow.text.chat_tools import tool_call_format
+    from kvflow.text.chat_tools import reasoning_format, tool_call_format
     from kvflow.text.tokenizer import ChatTemplateError, EngineTokenizer
 
     try:
@@ -221,7 +222,8 @@ def chat_format_parameters(engine_dir: Path) -> dict[str, str]:
     except (OSError, ChatTemplateError):
         return {}
     return {TOOL_CALL_PARSER_PARAMETER: tool_call_format(tokenizer.chat_template),
-            REASONING_STARTS_OPEN_PARAMETER: str(prompt.rstrip().endswith("<think>")).lower()}
+            REASONING_STARTS_OPEN_PARAMETER: str(prompt.rstrip().endswith("<think>")).lower(),
+            REASONING_PARSER_PARAMETER: reasoning_format(tokenizer.chat_template) or ""}
 
 
 def _pbtxt_escape(text: str) -> str:

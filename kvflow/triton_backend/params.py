@@ -71,9 +71,10 @@ REQUEST_PARAMETERS = (*TRITON_REQUEST_PARAMETERS, ERROR_OUTPUT_PARAMETER)
 
 
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")
-INPUT_NAMES = (*PROMPT_INPUTS, "tools", "user", "stream", "exclude_input_in_output",
-               "sampling_parameters", "max_tokens", "temperature", "top_p", "top_k", "seed",
-               "stop", "priority", "apply_chat_template", "cache_salt", "min_length",
+INPUT_NAMES = (*PROMPT_INPUTS, "tools", "chat_template_kwargs", "user", "stream",
+               "exclude_input_in_output", "sampling_parameters", "max_tokens", "temperature",
+               "top_p", "top_k", "seed", "stop", "priority", "apply_chat_template", "cache_salt",
+               "min_length",
                *IGNORED_INPUTS)
 
 
@@ -310,12 +311,20 @@ def _prompt(inputs: Mapping[str, np.ndarray], apply_chat_template: bool) -> tupl
             raise BadRequestError("tools are offered in a chat: give them with messages")
         tools = _bounded_json("tools", _text("tools", _scalar("tools", inputs["tools"])),
                               MAX_MESSAGES_JSON_BYTES, MAX_SAMPLING_JSON_DEPTH)
+    kwargs = None
+    if "chat_template_kwargs" in inputs:
+        if given != ["messages"]:
+            raise BadRequestError("chat_template_kwargs apply to a chat: give them with messages")
+        kwargs = _bounded_json("chat_template_kwargs",
+                               _text("chat_template_kwargs", _scalar(
+                                   "chat_template_kwargs", inputs["chat_template_kwargs"])),
+                               MAX_MESSAGES_JSON_BYTES, MAX_SAMPLING_JSON_DEPTH)
     if given == ["messages"]:
         raw = _bounded_json("messages", _text("messages", _scalar("messages",
                                                                   inputs["messages"])),
                             MAX_MESSAGES_JSON_BYTES, MAX_MESSAGES_JSON_DEPTH)
         try:
-            return ChatPrompt(raw, tools), ""
+            return ChatPrompt(raw, tools, kwargs), ""
         except ValueError as e:
             raise BadRequestError(str(e)) from None
     text = _text("text_input", _scalar("text_input", inputs["text_input"]))

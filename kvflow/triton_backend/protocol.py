@@ -37,7 +37,10 @@ SERVED_MODEL_NAME_PARAMETER = "served_model_name"
 # calls (a --tool-call-parser name) and whether it opens the reasoning in the prompt ("true").
 TOOL_CALL_PARSER_PARAMETER = "tool_call_parser"
 REASONING_STARTS_OPEN_PARAMETER = "reasoning_starts_open"
-CHAT_FORMAT_PARAMETERS = (TOOL_CALL_PARSER_PARAMETER, REASONING_STARTS_OPEN_PARAMETER)
+# The --reasoning-parser name the chat template implies ("" for none): `auto` resolves to it.
+REASONING_PARSER_PARAMETER = "reasoning_parser"
+CHAT_FORMAT_PARAMETERS = (TOOL_CALL_PARSER_PARAMETER, REASONING_STARTS_OPEN_PARAMETER,
+                          REASONING_PARSER_PARAMETER)
 
 # Files beside the model's config.pbtxt in the launcher's workspace.
 # The engine folder and this environment's paths, written by the launcher, out of clients'

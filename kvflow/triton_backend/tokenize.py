@@ -70,7 +70,7 @@ def tokenize_outputs(processor: InputProcessor, inputs: Mapping[str, np.ndarray]
     try:
         if isinstance(prompt, ChatPrompt):
             ids = tokenizer.encode_chat(list(prompt.messages), options["add_generation_prompt"],
-                                        prompt.tools)
+                                        prompt.tools, prompt.template_kwargs)
         else:
             ids = tokenizer.encode(prompt, add_special_tokens=options["add_special_tokens"])
     except ValueError as e:  # the chat template's errors
