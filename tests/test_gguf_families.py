@@ -6,6 +6,7 @@ HF's greedy tokens (fp32)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ BASE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hi
         "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
         "tie_word_embeddings": False}
 # name -> (HF model class, its config class, config overrides)
-FAMILIES = {
+FAMILIES: dict[str, tuple[str, str, dict]] = {
     # head_dim 32 != hidden / heads: the GGUF's key_length must win.
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 32}),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
@@ -209,3 +210,37 @@ def test_q8_0_gguf_streamed_engine_equals_the_in_memory_build(families, tmp_path
     assert_same_engine(tmp_path / "s", tmp_path / "r")
     config = json.loads((tmp_path / "s" / "engine_config.json").read_text())
     assert "Q8_0" in config["quantization"]
+
+
+LLAMA_CPP = Path(os.environ.get("KVFLOW_LLAMA_CPP_SRC",
+                                Path(__file__).parent.parent / "reports/peers/llama.cpp/src"))
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(),
+                    reason="no llama.cpp checkout (KVFLOW_LLAMA_CPP_SRC)")
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_test_converter_writes_what_llama_cpps_converter_writes(families, tmp_path, name):
+    """llama.cpp's convert_hf_to_gguf.py itself (vocabulary aside) writes the same metadata and
+    the same tensors as tests/gguf_convert.py, and kvflow reads the HF folder's config from
+    it."""
+    import subprocess
+    import sys
+
+    from gguf import GGUFReader
+
+    folder, _, ours, _ = families[name]
+    real = tmp_path / "real.gguf"
+    subprocess.run([sys.executable, str(Path(__file__).parent / "llama_cpp_convert.py"),
+                    str(LLAMA_CPP), str(folder), str(real)], check=True, capture_output=True)
+    a, b = GGUFReader(str(real)), GGUFReader(str(ours))
+
+    def meta(r: GGUFReader) -> dict:
+        return {k: f.contents() for k, f in r.fields.items()
+                if not k.startswith(("general.", "tokenizer.", "GGUF."))}
+
+    assert meta(a) == meta(b)
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for x, y in zip(a.tensors, b.tensors, strict=True):
+        assert x.tensor_type == y.tensor_type, x.name
+        np.testing.assert_array_equal(np.asarray(x.data), np.asarray(y.data), err_msg=x.name)
+    assert _gguf(real).config == hf_folder_config(folder)
