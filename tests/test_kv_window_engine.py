@@ -183,3 +183,17 @@ def test_a_group_is_refused_only_when_its_windows_cannot_fit_the_pool_together()
     assert tight == roomy and len(tight["g"]) == 3
     refused, _ = run(group, window=8, num_blocks=18)  # 17 usable blocks
     assert refused == {"g": "rejected"}
+
+
+def test_a_recomputed_group_leader_hits_no_further_than_its_members_fork():
+    # g is preempted by recompute well into its outputs; its leader's own outputs are cached,
+    # but a hit past its prompt would release the blocks its members see when they fork off
+    # it at the prompt's end: the hit stops at the prompt.
+    reqs = [("x", [1 + k % 4 for k in range(6)],
+             SamplingParams(max_tokens=60, ignore_eos=True, seed=1), 0),
+            ("g", [2 + k % 3 for k in range(5)],
+             SamplingParams(n=2, max_tokens=40, ignore_eos=True, seed=2), 1)]
+    options = {"preemption_mode": "recompute", "kv_watermark": 0.0, "max_num_batched_tokens": 4}
+    tight, _ = run(reqs, 8, 9, **options)
+    roomy, _ = run(reqs, 8, 400, release=False, **options)
+    assert tight == roomy and len(tight["g"]) == 2

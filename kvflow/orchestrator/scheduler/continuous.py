@@ -237,7 +237,12 @@ class ContinuousScheduler(Scheduler):
         if self.kv.is_swapped(request.request_id):
             remaining = request.num_tokens - request.num_computed_tokens
             return self._chunk(remaining, budget, prefill=remaining > 1), [], 0
-        hits, num_cached = self.kv.get_computed_blocks(request.request_id, request.token_ids,
+        token_ids = request.token_ids
+        if self.kv.sliding_window is not None and _forks_at_prompt_end(request):
+            # Its parked members fork off it at the prompt's end and see the window there: a
+            # hit past it (its own outputs, recomputed) would have released their blocks.
+            token_ids = token_ids[:request.num_prompt_tokens + 1]
+        hits, num_cached = self.kv.get_computed_blocks(request.request_id, token_ids,
                                                        request.cache_salt)
         if hits and _needs_prompt_logits(request):
             # Cut where the kept prompt logprobs end (under a window, a cut must still hold
@@ -297,6 +302,12 @@ class ContinuousScheduler(Scheduler):
         hashes = self.kv.block_hashes(request.request_id, request.token_ids, request.cache_salt)
         k = request.sampling_params.prompt_logprobs or 0
         return plc.num_usable(hashes, request.prompt_token_ids, k, num_hits)
+
+
+def _forks_at_prompt_end(request: Request) -> bool:
+    """Whether ``request`` leads a group with parked members: they fork off it once its
+    prompt is computed (or, swapped out, come back with it)."""
+    return request.group is not None and bool(request.group.parked)
 
 
 def _needs_prompt_logits(request: Request) -> bool:
