@@ -103,3 +103,18 @@ def test_gemma3_multimodal_checkpoint_is_its_text_decoder():
                            "model.layers.0.input_layernorm.weight", "model.norm.weight"]
     assert got["model.norm.weight"].tolist() == [1.25, 1.25]
     assert got["model.embed_tokens.weight"] is w
+
+
+def test_gemma_one_plus_w_is_computed_in_fp32():
+    """A bf16 (or fp16) norm weight: 1 + w in fp32, as HF's Gemma norm computes it (in bf16,
+    1 + 0.0101 would round to 1.0078125)."""
+    cfg = ModelConfig.from_hf_config({**SHAPE, "architectures": ["Gemma2ForCausalLM"],
+                                      "head_dim": 8})
+    w = torch.tensor([0.0101, -0.3], dtype=torch.bfloat16)
+    got = dict(to_kvflow_names(cfg, [("model.norm.weight", w)]))["model.norm.weight"]
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, 1.0 + w.float(), rtol=0, atol=0)
+    half = np.array([0.0101, -0.3], np.float16)
+    got_np = dict(to_kvflow_names(cfg, [("model.norm.weight", half)]))["model.norm.weight"]
+    assert got_np.dtype == np.float32
+    np.testing.assert_array_equal(got_np, 1 + half.astype(np.float32))

@@ -98,10 +98,12 @@ def weight_parts(cfg: ModelConfig, name: str, rows: int) -> list[WeightPart]:
 
 
 def apply_part(part: WeightPart, value: T) -> T:
-    """``value`` (the whole HF tensor) made into ``part``."""
+    """``value`` (the whole HF tensor) made into ``part`` (a ``1 + w`` in fp32)."""
     out = value if part.rows is None else value[part.rows[0]:part.rows[1]]  # type: ignore[index]
     if part.plus_one:
-        out = 1 + out  # type: ignore[operator]
+        # In fp32, as HF's Gemma norm computes 1 + w.float(): 1 + w in bf16 would round.
+        wide = out.float() if hasattr(out, "float") else out.astype("float32")  # type: ignore
+        out = 1 + wide
     return out
 
 
