@@ -151,21 +151,23 @@ def test_a_prefix_hit_under_the_window_reads_the_same_kv():
     assert tight == roomy and tight["a"] == tight["b"]
 
 
-WORKLOADS = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 3), st.integers(1, 24),
+WORKLOADS = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 3), st.integers(1, 40),
                                st.integers(0, 8), st.integers(0, 3)), min_size=1, max_size=6)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=WORKLOADS, window=st.sampled_from([3, 5, 8, 13]),
        mode=st.sampled_from(["recompute", "swap", "auto"]), caching=st.booleans(),
-       num_blocks=st.integers(8, 24), seed=st.integers(0, 99))
+       num_blocks=st.integers(8, 24), step_tokens=st.sampled_from([4, 12]),
+       seed=st.integers(0, 99))
 def test_release_preemption_swaps_and_forks_never_change_what_a_sequence_reads(
-        workload, window, mode, caching, num_blocks, seed):
+        workload, window, mode, caching, num_blocks, step_tokens, seed):
     def requests():  # type: ignore[no-untyped-def]
         return [(f"r{i}", [1 + (k * (1 + j)) % 5 for k in range(plen)],
                  SamplingParams(n=n, max_tokens=max_tokens, seed=seed + i), at)
                 for i, (plen, n, max_tokens, at, j) in enumerate(workload)]
-    options = {"preemption_mode": mode, "enable_prefix_caching": caching, "kv_watermark": 0.0}
+    options = {"preemption_mode": mode, "enable_prefix_caching": caching, "kv_watermark": 0.0,
+               "max_num_batched_tokens": step_tokens}
     tight, _ = run(requests(), window, num_blocks, **options)
     roomy, _ = run(requests(), window, 600, release=False, **options)
     for rid, got in tight.items():
