@@ -179,6 +179,22 @@ def test_greedy_tokens_equal_hf_generate(family_models, family_engines, family, 
     np.testing.assert_allclose(np.stack(logits), want_logits, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ort_rewrites_take_every_family_graph(family_engines, family):
+    """The ONNX Runtime runner's fusions match the new graph shapes (q/k norms over
+    [tokens, heads, head_dim], RoPE after them, partial and scaled RoPE, GeGLU in the last
+    layer): nothing is left unfused, and the greedy test above shows them exact."""
+    runner = create_runner("onnxruntime", family_engines(family, "onnxruntime"), 8)
+    try:
+        layers = runner.engine.model.num_hidden_layers
+        for report in runner.fusions:
+            assert report.skipped == {}, report.summary()
+            assert report.applied["RotaryEmbedding"] == 2 * layers
+            assert report.applied["logits_rows_early"] == 1
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral"])
 def test_window_families_build_past_their_window(family_models, family_engines, family):
     """The engine's max_model_len is not capped at the window (it was, before windows ran)."""

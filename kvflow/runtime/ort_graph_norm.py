@@ -124,11 +124,14 @@ def fuse_rms_norms(g: Graph) -> tuple[Counter, Counter]:
 # --- RoPE -----------------------------------------------------------------------------------
 @dataclass
 class _Rope:
-    lin: str  # [T, heads * head_dim], before the rotation
+    lin: str  # [T, heads * head_dim] before the rotation; [T, heads, head_dim] when per_head
     cos_table: str
     sin_table: str
     positions: str
     nodes: list[onnx.NodeProto]
+    # The rotation's input is per-head already (q/k norms of Qwen3 and Gemma 3 before RoPE).
+    per_head: bool = False
+    rotary_dim: int = 0  # the dims rotated (the tables' width): head_dim but for Phi-4-mini
 
 
 def _slice_is(g: Graph, node: onnx.NodeProto | None, data: str, start: int, end: int) -> bool:
@@ -160,35 +163,51 @@ def _table_rows(g: Graph, tensor: str) -> tuple[str, str, onnx.NodeProto] | None
     return None
 
 
-def _tables_ok(g: Graph, cos_name: str, sin_name: str, head_dim: int) -> bool:
-    """HF's non-interleaved layout: ``[P, D]`` tables whose halves repeat, a cos/sin pair."""
-    key = ("rope_tables", cos_name, sin_name, head_dim)
+def _tables_ok(g: Graph, cos_name: str, sin_name: str, width: int) -> bool:
+    """HF's non-interleaved layout: ``[P, width]`` tables whose halves repeat, a cos/sin
+    pair."""
+    key = ("rope_tables", cos_name, sin_name, width)
     if key not in g.memo:  # every layer's q and k read the same pair
-        g.memo[key] = _check_tables(g, cos_name, sin_name, head_dim)
+        g.memo[key] = _check_tables(g, cos_name, sin_name, width)
     return g.memo[key]
 
 
-def _check_tables(g: Graph, cos_name: str, sin_name: str, head_dim: int) -> bool:
+def _check_tables(g: Graph, cos_name: str, sin_name: str, width: int) -> bool:
+    """Row 0 is cos = a, sin = 0 and every row has cos^2 + sin^2 = a^2: a RoPE table pair,
+    scaled by a > 0 (1, or longrope's attention factor, which the op's product carries)."""
     cos, sin = g.const(cos_name), g.const(sin_name)
-    half = head_dim // 2
+    half = width // 2
     if cos is None or sin is None or cos.dtype != np.float32 or cos.shape != sin.shape or \
-            cos.ndim != 2 or cos.shape[1] != head_dim or head_dim % 2:
+            cos.ndim != 2 or cos.shape[1] != width or width % 2:
         return False
+    scale = float(cos[0, 0])
     return bool(np.array_equal(cos[:, :half], cos[:, half:])
                 and np.array_equal(sin[:, :half], sin[:, half:])
-                and np.all(cos[0] == 1.0) and np.all(sin[0] == 0.0)
-                and np.allclose(cos * cos + sin * sin, 1.0, atol=1e-5))
+                and scale > 0 and np.all(cos[0] == scale) and np.all(sin[0] == 0.0)
+                and np.allclose(cos * cos + sin * sin, scale * scale, atol=1e-5 * scale * scale))
 
 
 def _match_rope(g: Graph, out: str, heads: int, head_dim: int) -> _Rope | None:
-    """``reshape(x * cos + cat(-x2, x1) * sin)`` with ``x = reshape(lin, [-1, heads, D])``."""
-    half = head_dim // 2
+    """``reshape(x * cos + cat(-x2, x1) * sin)`` with ``x = reshape(lin, [-1, heads, D])``, or
+    ``x`` any float ``[T, heads, D]`` tensor (a per-head norm's output). With a partial rotary
+    factor (Phi-4-mini) the rotation is on ``x[..., :R]`` and ``x[..., R:]`` is concatenated
+    after it."""
     flat = g.producer.get(out)
     if flat is None or flat.op_type != "Reshape" or \
             _ints(g, flat.input[1]) != [-1, heads * head_dim]:
         return None
     add = g.producer.get(flat.input[0])
-    if add is None or add.op_type != "Add" or not g.only_used_by(add.output[0], [flat]):
+    outer: list[onnx.NodeProto] = []  # the partial form's Concat, pass-through and rotated Slice
+    rest = None
+    if add is not None and add.op_type == "Concat" and len(add.input) == 2 and \
+            _attrs(add).get("axis") in (-1, 2) and g.only_used_by(add.output[0], [flat]):
+        joint = add
+        add, rest = g.producer.get(joint.input[0]), g.producer.get(joint.input[1])
+        if rest is None or not g.only_used_by(rest.output[0], [joint]):
+            return None
+        outer = [joint, rest]
+    if add is None or add.op_type != "Add" or \
+            not g.only_used_by(add.output[0], outer[:1] or [flat]):
         return None
     muls = [m for i in add.input if (m := g.producer.get(i)) is not None
             and m.op_type == "Mul" and g.only_used_by(m.output[0], [add])]
@@ -204,25 +223,49 @@ def _match_rope(g: Graph, out: str, heads: int, head_dim: int) -> _Rope | None:
     if neg is None or neg.op_type != "Neg" or _attrs(cat).get("axis") not in (-1, 2):
         return None
     s1, s2 = g.producer.get(neg.input[0]), g.producer.get(cat.input[1])
-    if s1 is None or s2 is None:
+    if s1 is None or s2 is None or len(s2.input) < 3:
         return None
-    x = s2.input[0]
+    xr = s2.input[0]  # the rotated part: x, or x[..., :R]
+    ends = _ints(g, s2.input[2])
+    half = ends[0] if ends and len(ends) == 1 else 0
+    rotary = 2 * half
+    if not (0 < rotary <= head_dim and _slice_is(g, s1, xr, half, -1)
+            and _slice_is(g, s2, xr, 0, half)) or (rest is None) != (rotary == head_dim):
+        return None
+    x, x_users = xr, [m_cos, s1, s2]
+    if rest is not None:
+        piece = g.producer.get(xr)
+        x = piece.input[0] if piece is not None else ""
+        if not (_slice_is(g, piece, x, 0, rotary) and _slice_is(g, rest, x, rotary, -1)
+                and g.only_used_by(xr, x_users)):
+            return None
+        assert piece is not None  # _slice_is checked it
+        outer.append(piece)
+        x_users = [piece, rest]
     view = g.producer.get(x)
-    if not (_slice_is(g, s1, x, half, -1) and _slice_is(g, s2, x, 0, half)) or view is None \
-            or view.op_type != "Reshape" or _ints(g, view.input[1]) != [-1, heads, head_dim]:
-        return None
-    cos_u = next((i for i in m_cos.input if i != x), "")
+    if view is None or view.op_type != "Reshape" or \
+            _ints(g, view.input[1]) != [-1, heads, head_dim]:
+        dims = float_dims(g, x)
+        if dims is None or len(dims) != 3 or list(dims[1:]) != [heads, head_dim]:
+            return None
+        view = None
+    cos_u = next((i for i in m_cos.input if i != xr), "")
     sin_u = next((i for i in m_sin.input if i != cat.output[0]), "")
     cos_rows, sin_rows = _table_rows(g, cos_u), _table_rows(g, sin_u)
-    if x not in m_cos.input or cos_rows is None or sin_rows is None or \
-            cos_rows[1] != sin_rows[1] or not _tables_ok(g, cos_rows[0], sin_rows[0], head_dim):
+    if xr not in m_cos.input or cos_rows is None or sin_rows is None or \
+            cos_rows[1] != sin_rows[1] or not _tables_ok(g, cos_rows[0], sin_rows[0], rotary):
         return None
-    nodes = [view, s1, neg, s2, cat, m_cos, m_sin, add, flat]
-    inner = [(x, [m_cos, s1, s2]), (s1.output[0], [neg]), (neg.output[0], [cat]),
-             (s2.output[0], [cat]), (cat.output[0], [m_sin])]
+    nodes = [s1, neg, s2, cat, m_cos, m_sin, add, flat, *outer]
+    inner = [(s1.output[0], [neg]), (neg.output[0], [cat]), (s2.output[0], [cat]),
+             (cat.output[0], [m_sin])]
+    if view is not None:  # the view goes too, unless something else reads x
+        inner.append((x, x_users))
+        nodes.insert(0, view)
     if not all(g.only_used_by(t, users) for t, users in inner):
         return None
-    return _Rope(view.input[0], cos_rows[0], sin_rows[0], cos_rows[1], nodes)
+    lin = x if view is None else view.input[0]
+    return _Rope(lin, cos_rows[0], sin_rows[0], cos_rows[1], nodes, per_head=view is None,
+                 rotary_dim=rotary)
 
 
 def fuse_rotary(g: Graph) -> tuple[Counter, Counter]:
@@ -247,7 +290,7 @@ def fuse_rotary(g: Graph) -> tuple[Counter, Counter]:
                 consts["zero"] = g.add_init("kvflow_zero", np.array([0], dtype=np.int64))
             key = (rope.cos_table, rope.sin_table, rope.positions)
             if key not in caches:
-                caches[key] = _gather_caches(g, rope, head_dim)
+                caches[key] = _gather_caches(g, rope)
             cos_rows, sin_rows = caches[key]
             out = pa.input[index]
             lin3, rot3 = g.unique(f"{out}.batch"), g.unique(f"{out}.rotated")
@@ -255,18 +298,28 @@ def fuse_rotary(g: Graph) -> tuple[Counter, Counter]:
             shape = [1, dims[0], heads * head_dim] if dims else None
             for t in (lin3, rot3):
                 g.add_value_info(t, TensorProto.FLOAT, shape)
+            if rope.per_head:  # [T, heads, D] -> [1, T, heads * D]
+                batch_key = f"batch_{heads * head_dim}"
+                if batch_key not in consts:
+                    consts[batch_key] = g.add_init(
+                        f"kvflow_{batch_key}", np.array([1, -1, heads * head_dim], np.int64))
+                batch = g.node("Reshape", [rope.lin, consts[batch_key]], [lin3])
+            else:
+                batch = g.node("Unsqueeze", [rope.lin, consts["zero"]], [lin3])
             g.replace(rope.nodes, [
-                g.node("Unsqueeze", [rope.lin, consts["zero"]], [lin3]),
+                batch,
                 g.node(ROPE, [lin3, consts["zero"], cos_rows, sin_rows], [rot3],
-                       domain=MS_DOMAIN, num_heads=heads, interleaved=0),
+                       domain=MS_DOMAIN, num_heads=heads, interleaved=0,
+                       **({"rotary_embedding_dim": rope.rotary_dim}
+                          if rope.rotary_dim != head_dim else {})),
                 g.node("Squeeze", [rot3, consts["zero"]], [out]),
             ])
             applied[ROPE] += 1
     return applied, skipped
 
 
-def _gather_caches(g: Graph, rope: _Rope, head_dim: int) -> tuple[str, str]:
-    half = head_dim // 2
+def _gather_caches(g: Graph, rope: _Rope) -> tuple[str, str]:
+    half = rope.rotary_dim // 2
     tokens = (g.dims(rope.positions) or [None])[0]
     names = []
     nodes = []

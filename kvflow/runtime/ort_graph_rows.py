@@ -22,7 +22,7 @@ from kvflow.runtime.ort_graph_edit import Graph
 ROWS = "logits_rows_early"
 # Ops that compute each row from that row alone (given the checks in _row_wise).
 _ELEMENTWISE = {"Add", "Mul", "Sub", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Sigmoid",
-                "QuickGelu", "Cast"}
+                "QuickGelu", "Cast", "Tanh", "Erf", "Gelu"}
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
