@@ -199,3 +199,16 @@ def test_a_recomputed_group_leader_hits_no_further_than_its_members_fork():
     tight, _ = run(reqs, 8, 9, **options)
     roomy, _ = run(reqs, 8, 400, release=False, **options)
     assert tight == roomy and len(tight["g"]) == 2
+
+
+def test_static_batching_reserves_whole_sequences_so_the_pool_must_hold_them():
+    # Static batching allocates prompt + max_tokens up front and releases nothing: a sequence
+    # longer than the pool is refused at once rather than left waiting forever.
+    prompt = [1 + (k * 3) % 5 for k in range(30)]
+    long = [("a", prompt, SamplingParams(max_tokens=50, ignore_eos=True, seed=3), 0)]
+    refused, _ = run(long, window=8, num_blocks=10, policy="static")
+    assert refused == {"a": "rejected"}
+    short = [("b", prompt[:12], SamplingParams(max_tokens=20, ignore_eos=True, seed=3), 0)]
+    static, _ = run(short, window=8, num_blocks=10, policy="static")
+    roomy, _ = run(short, window=8, num_blocks=400, release=False)
+    assert static == roomy

@@ -24,6 +24,9 @@ class StaticBatchScheduler(Scheduler):
     def __init__(self, config: EngineOptions, kv: KVCacheManager,
                  clock: Clock = time.monotonic) -> None:
         super().__init__(config, kv, clock)
+        # It reserves a request's whole length at once, so no block is released under a
+        # window: the pool must hold the whole sequence.
+        self.max_seq_len = min(config.max_model_len, kv.pool.num_usable_blocks * kv.block_size)
         self.batch_size = min(config.static_batch_size or config.max_num_seqs,
                               config.max_num_seqs)
 
