@@ -83,7 +83,8 @@ def _request(r: Request, now: float, engine: LLMEngine) -> dict[str, Any]:
             "tenant": r.tenant, "priority": r.priority,
             "ttft_s": round(ttft if ttft is not None else now - r.arrival_time, 6),
             "cached_tokens": r.metrics.cached_tokens,
-            "blocks": len(engine.kv.block_tables.get(r.request_id, ()))}
+            # held blocks: a sliding window's released entries are the null block 0
+            "blocks": sum(1 for b in engine.kv.block_tables.get(r.request_id, ()) if b)}
 
 
 def _kv(engine: LLMEngine, listed: dict[str, int], max_cells: int) -> dict[str, Any]:

@@ -74,7 +74,8 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"draft_engine: the draft's vocabulary ({runner.vocab_size}) is "
                              f"not the target's ({vocab_size})")
         self.runner = runner
-        self.kv = KVCacheManager(runner.num_blocks, runner.block_size)
+        self.kv = KVCacheManager(runner.num_blocks, runner.block_size,
+                                 sliding_window=runner.sliding_window)
         self.vocab_size = vocab_size
         self.coupled = coupled
         # The target's sampler rules, per set of EOS ids (min_tokens bans them) and way to draw.
