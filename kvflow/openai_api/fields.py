@@ -22,10 +22,11 @@ COMMON_FIELDS = ("model", "max_tokens", "n", "stream", "stream_options", "logpro
                  "prompt_logprobs", "response_format", *SAMPLING_FIELDS, *TENSOR_FIELDS)
 COMPLETION_FIELDS = ("prompt", "echo", *COMMON_FIELDS)
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-               "parallel_tool_calls", *COMMON_FIELDS)
+               "parallel_tool_calls", "chat_template_kwargs", *COMMON_FIELDS)
 # Fields packed for the backend: their text must be Unicode (UTF-8 cannot carry a lone
 # surrogate).
-PACKED_FIELDS = ("prompt", "messages", "tools", "response_format", *SAMPLING_FIELDS,
+PACKED_FIELDS = ("prompt", "messages", "tools", "chat_template_kwargs", "response_format",
+                 *SAMPLING_FIELDS,
                  *TENSOR_FIELDS)
 # OpenAI fields that change nothing kvflow serves and that clients send anyway: accepted
 # whatever their value, and ignored with a warning in the log (as vLLM does).

@@ -24,6 +24,7 @@ from kvflow.openai_api.streaming import ClientGone
 from kvflow.openai_api.tool_parsers import TOOL_PARSERS
 from kvflow.triton_backend.protocol import (
     MODEL_NAME,
+    REASONING_PARSER_PARAMETER,
     REASONING_STARTS_OPEN_PARAMETER,
     SERVED_MODEL_NAME_PARAMETER,
     TOOL_CALL_PARSER_PARAMETER,
@@ -34,9 +35,6 @@ MAX_BODY_BYTES = 8 << 20
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"
 # Threads for the CPU work of requests (app's module doc); more would only contend for the GIL.
 WORKER_THREADS = 4
-# The model config parameter that names the chat template's reasoning format
-# (kvflow.text.chat_tools.reasoning_format, written by the launcher beside the tool format).
-REASONING_PARSER_PARAMETER = "reasoning_parser"
 
 
 class Frontend:

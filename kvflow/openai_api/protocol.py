@@ -35,6 +35,7 @@ from kvflow.openai_api.fields import (
     STREAM_OPTIONS,
 )
 from kvflow.openai_api.reasoning import ReasoningParser
+from kvflow.openai_api.tool_parsers_families import SPECIAL_TOKEN_PARSERS
 from kvflow.openai_api.tools import ToolPlan, plan_tools
 from kvflow.orchestrator.input_processor import check_prompt_logprobs
 from kvflow.orchestrator.sampling.params import GUIDED_FIELDS, MAX_LOGPROBS, short_repr
@@ -168,6 +169,9 @@ def parse_completion_request(body: Any, served_model: str, chat: bool,
     chat_format = chat_format or ChatFormat()
     texts = chat_texts(body) if chat else {}  # bounded before the plan compiles schemas
     plan = _tool_plan(body, chat_format.tool_call_parser) if chat else None
+    if (plan is not None and plan.tools and "skip_special_tokens" not in sampling
+            and chat_format.tool_call_parser in SPECIAL_TOKEN_PARSERS):
+        sampling["skip_special_tokens"] = False  # the call opens with a special token
     if plan is not None and plan.constraint:
         sampling.update(plan.constraint)
         renamed.update(dict.fromkeys(plan.constraint, "tools"))
@@ -344,6 +348,12 @@ def chat_texts(body: dict[str, Any]) -> dict[str, str]:
     texts = {"messages": json.dumps(messages, ensure_ascii=False)}
     if body.get("tools"):
         texts["tools"] = json.dumps(body["tools"], ensure_ascii=False)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:  # checked by the engine's ChatPrompt (names, size, special tokens)
+        if not isinstance(kwargs, dict):
+            raise bad_request("chat_template_kwargs must be an object of template variables",
+                              "chat_template_kwargs")
+        texts["chat_template_kwargs"] = json.dumps(kwargs, ensure_ascii=False)
     total = sum(len(text) for text in texts.values())
     if total > MAX_MESSAGES_JSON_BYTES:
         name = max(texts, key=lambda k: len(texts[k]))
@@ -366,6 +376,8 @@ def _chat_prompt(texts: dict[str, str], plan: ToolPlan | None
     inputs = {"messages": _bytes_tensor(texts["messages"])}
     if plan is not None and plan.tools:
         inputs["tools"] = _bytes_tensor(texts["tools"])
+    if "chat_template_kwargs" in texts:
+        inputs["chat_template_kwargs"] = _bytes_tensor(texts["chat_template_kwargs"])
     return [(inputs, "")]
 
 

@@ -22,6 +22,10 @@ from __future__ import annotations
 
 from kvflow.openai_api.tool_stream import ToolParser, ToolStream, held_back
 
+# The parsers whose call marker is a special token: a chat offering tools under one of them is
+# detokenized with skip_special_tokens false unless the client says otherwise (as vLLM does).
+SPECIAL_TOKEN_PARSERS = ("mistral", "phi4_mini_json")
+
 _SPACE = " \n\t\r"
 
 

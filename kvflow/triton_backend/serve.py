@@ -13,10 +13,11 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from kvflow import envs
 from kvflow.openai_api import FrontendConfig, FrontendProcess
-from kvflow.openai_api.config import add_chat_format_args, add_console_args
+from kvflow.openai_api.config import add_chat_format_args, add_console_args, add_responses_args
 from kvflow.orchestrator.options import add_engine_option_args, engine_overrides
 from kvflow.triton_backend.launcher import ServerConfig, TritonServer
 from kvflow.triton_backend.protocol import API_KEY_HEADER, MODEL_NAME
@@ -49,6 +50,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "e.g. smollm2-135m-instruct)")
     add_chat_format_args(p)
     add_console_args(p)
+    add_responses_args(p)
     add_engine_option_args(p)
 
 
@@ -62,7 +64,11 @@ def main(args: argparse.Namespace) -> int:
         return serve_forever(cfg, openai_port=None if args.no_openai else args.openai_port,
                              served_model_name=args.served_model_name,
                              chat_format=(args.tool_call_parser, args.reasoning_parser),
-                             console_show_tenants=args.console_show_tenants)
+                             console_show_tenants=args.console_show_tenants,
+                             responses_store={
+                                 "responses_store": args.responses_store,
+                                 "responses_store_max_count": args.responses_store_max_count,
+                                 "responses_store_max_bytes": args.responses_store_max_bytes})
     except ServeError as e:
         raise ValueError(str(e)) from None
 
@@ -84,10 +90,12 @@ def exposure_warnings(cfg: ServerConfig) -> list[str]:
 def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
                   served_model_name: str | None = None,
                   chat_format: tuple[str, str | None] = ("auto", None),
-                  console_show_tenants: bool = False) -> int:
+                  console_show_tenants: bool = False,
+                  responses_store: dict[str, Any] | None = None) -> int:
     """``kvflow serve``: start tritonserver and (unless ``openai_port`` is None) the OpenAI
     frontend (``chat_format``: its tool-call and reasoning parsers; ``console_show_tenants``:
-    its state shows tenants unhashed), print how to query them, forward signals, shut down
+    its state shows tenants unhashed; ``responses_store``: the /v1/responses store's
+    FrontendConfig fields), print how to query them, forward signals, shut down
     cleanly."""
     frontend = None
     if openai_port is not None:
@@ -96,7 +104,7 @@ def serve_forever(cfg: ServerConfig, openai_port: int | None = 9000,
             frontend = FrontendProcess(FrontendConfig(
                 (f"{host}:{cfg.grpc_port}",), cfg.host, openai_port, served_model_name,
                 (f"http://{host}:{cfg.metrics_port}/metrics",), cfg.api_key, *chat_format,
-                console_show_tenants=console_show_tenants))
+                console_show_tenants=console_show_tenants, **(responses_store or {})))
         except ValueError as e:
             raise ServeError(str(e).replace("--port", "--openai-port")) from None
     server = TritonServer(cfg)
