@@ -5,10 +5,12 @@ row repeat); the step model gathers the rows of its tokens' positions. Families:
 
 - ``default``, ``linear``, ``llama3``: one set of inverse frequencies for every position;
 - ``longrope`` (Phi-3/3.5/4-mini): ``short_factor`` below ``original_max_position_embeddings``,
-  ``long_factor`` from it on, per position, and cos/sin scaled by the attention factor. HF picks
-  one set for a whole forward pass by its longest position (so a prompt past the original length
-  re-rotates every key on the long set); kvflow's cache keeps each key as it was rotated, which
-  equals HF for every sequence that stays on one side of the boundary;
+  ``long_factor`` from it on, per position, and cos/sin scaled by the attention factor. HF
+  rotates a whole sequence with one set, chosen by its length: its ``generate`` recomputes the
+  whole cache with the long factors when a sequence first grows past the original length
+  (``Phi3ForCausalLM.prepare_inputs_for_generation``). A paged cache keeps each key as it was
+  rotated (as vLLM's does), so kvflow equals HF for sequences within the original length (4096
+  for Phi-3.5-mini and Phi-4-mini) and differs from it beyond;
 - Gemma 3: the sliding layers' own table (``rope_local_base_freq``, never scaled) beside the
   global one.
 """
