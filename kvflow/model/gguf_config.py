@@ -144,7 +144,7 @@ def gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, str]:
         "max_position_embeddings": int(meta("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": None if eos is None else int(eos),
+        "eos_token_id": _eos_ids(reader, arch, eos),
     }
     if arch == "phi3" and rope_dims is not None:
         hf["partial_rotary_factor"] = int(rope_dims) / head_dim
@@ -252,3 +252,29 @@ def _llama3_scaling(written: np.ndarray, theta: float, head_dim: int,
             "run them")
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": context}
+
+
+# Families whose GGUF eos is not the token that ends a chat turn (Gemma's <eos>, Phi's
+# <|endoftext|>, Qwen3's and Llama 3's text end): their turn ends are added by text, as
+# llama.cpp marks end-of-generation tokens. SmolLM2's and Qwen2's GGUFs name <|im_end|>.
+_TURN_END_BY_TEXT = ("gemma2", "gemma3", "phi3", "qwen3")
+
+
+def _eos_ids(reader: Any, arch: str, eos: Any) -> list[int] | int | None:
+    """The GGUF's eos id, and (for :data:`_TURN_END_BY_TEXT` and Llama 3) its control tokens
+    that end a turn (:func:`kvflow.text.stop_tokens.end_of_turn_ids`)."""
+    from kvflow.text.stop_tokens import end_of_turn_ids
+
+    first = None if eos is None else int(eos)
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    types = gguf_field(reader, "tokenizer.ggml.token_type")
+    if not tokens or not types:
+        return first
+    llama3 = arch == "llama" and "<|eot_id|>" in tokens
+    if arch not in _TURN_END_BY_TEXT and not llama3:
+        return first
+    control = 3  # gguf.TokenType.CONTROL
+    ends = end_of_turn_ids((i, t) for i, (t, ty) in enumerate(zip(tokens, types, strict=False))
+                           if ty == control)
+    ids = [first] if first is not None else []
+    return ids + [i for i in ends if i != first] or None
