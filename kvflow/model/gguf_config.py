@@ -127,7 +127,11 @@ def gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, str]:
         head_dim = hidden // heads
     else:
         head_dim = int(rope_dims)
-    vocab = meta("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    # The embedding's rows are the vocabulary llama.cpp runs: its Gemma 3 converter drops the
+    # rows past the tokenizer's tokens while the metadata may keep the config's vocab_size.
+    embd = tensors.get("token_embd.weight")
+    vocab = (int(embd.shape[-1]) if embd is not None else None) or meta("vocab_size") or len(
+        gguf_field(reader, "tokenizer.ggml.tokens"))
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     hf: dict[str, Any] = {
         "architectures": [HF_ARCHITECTURES[arch]],
