@@ -147,6 +147,18 @@ from conversion.base import TextModel
 TextModel._set_vocab_sentencepiece = TextModel._set_vocab_gpt2
 for cls in (gemma.GemmaModel, gemma.Gemma2Model, phi.Phi3MiniModel):
     cls.set_vocab = TextModel._set_vocab_gpt2
+# Gemma 3's converter cuts the embedding to the tokenizer's tokens (a real Gemma 3 tokenizer
+# has all 262,144); the vocabulary here is padded to the shape's, so keep every row.
+_gemma3_tensors = gemma.Gemma3Model.modify_tensors
+
+
+def _keep_embedding(self, data_torch, name, bid):
+    if "embed_tokens.weight" in name:
+        return super(gemma.Gemma3Model, self).modify_tensors(data_torch, name, bid)
+    return _gemma3_tensors(self, data_torch, name, bid)
+
+
+gemma.Gemma3Model.modify_tensors = _keep_embedding
 c.main()
 """
 
