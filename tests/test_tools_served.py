@@ -332,6 +332,14 @@ def test_tokenize_gives_the_engines_tokens_and_detokenize_their_text(
     assert status == 200 and back["prompt"] == tokenizer.decode(chat["tokens"],
                                                                 skip_special_tokens=False)
     assert "<tool_call>" in back["prompt"] and "get_weather" in back["prompt"]
+    # chat_template_kwargs reach the template (vLLM's field): the tokens are the engine's own
+    # rendering with the same variables (the Qwen3 template's use: tests/test_family_templates).
+    status, kw = _post(openai_frontend, "/tokenize", {
+        "messages": ASK, "chat_template_kwargs": {"tools_in_user_message": False}})
+    assert status == 200, kw
+    prompt = ChatPrompt(ASK, None, {"tools_in_user_message": False})
+    assert kw["tokens"] == tokenizer.encode_chat(list(prompt.messages),
+                                                 template_kwargs=prompt.template_kwargs)
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -340,6 +348,10 @@ def test_tokenize_gives_the_engines_tokens_and_detokenize_their_text(
     ("/tokenize", {"prompt": "x", "messages": ASK}, "prompt"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "x", "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs"),
+    ("/tokenize", {"messages": ASK, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ("/tokenize", {"messages": ASK, "chat_template_kwargs": {"messages": 1}},
+     "chat_template_kwargs"),
 ])
 def test_bad_tokenize_requests_are_400s_naming_the_field(openai_frontend, path, body, param):
     status, answer = _post(openai_frontend, path, body)

@@ -4,8 +4,8 @@ tokenized by the engine, as a completion's would be: a chat is rendered with its
 tools included. Pure Python + NumPy.
 
 * ``/tokenize``: ``{"prompt": str, "add_special_tokens"?: bool}`` or ``{"messages": [...],
-  "tools"?: [...], "add_generation_prompt"?: bool}`` -> ``{"count", "max_model_len",
-  "tokens", "token_strs": null}``;
+  "tools"?: [...], "chat_template_kwargs"?: {...}, "add_generation_prompt"?: bool}`` ->
+  ``{"count", "max_model_len", "tokens", "token_strs": null}``;
 * ``/detokenize``: ``{"tokens": [int, ...]}`` -> ``{"prompt": str}``.
 """
 
@@ -22,8 +22,8 @@ from kvflow.openai_api.protocol import chat_texts
 from kvflow.orchestrator.sampling.params import short_repr
 from kvflow.triton_backend.params import MAX_MESSAGES_JSON_BYTES
 
-TOKENIZE_FIELDS = ("model", "prompt", "messages", "tools", "add_special_tokens",
-                   "add_generation_prompt", "return_token_strs")
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "tools", "chat_template_kwargs",
+                   "add_special_tokens", "add_generation_prompt", "return_token_strs")
 DETOKENIZE_FIELDS = ("model", "tokens")
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -60,8 +60,9 @@ def tokenize_request(body: Any, served_model: str) -> tuple[dict[str, np.ndarray
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt:
             raise bad_request("prompt must be a non-empty string", "prompt")
-        if body.get("tools"):
-            raise bad_request("tools are offered in a chat: give them with messages", "tools")
+        for name in ("tools", "chat_template_kwargs"):
+            if body.get(name):
+                raise bad_request(f"{name} belong to a chat: give them with messages", name)
         return {"text_input": _text(prompt, MAX_MESSAGES_JSON_BYTES, "prompt")}, options
     texts = chat_texts(body)  # bounded together, as a chat's
     return {name: np.array([text.encode("utf-8")], dtype=np.object_)
