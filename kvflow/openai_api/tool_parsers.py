@@ -24,6 +24,7 @@ import json
 
 from kvflow.openai_api.tool_parsers_families import MistralParser, Phi4MiniJsonParser
 from kvflow.openai_api.tool_stream import (  # noqa: F401  (re-exported)
+    ObjectCallStream,
     ParsedOutput,
     ToolCall,
     ToolDelta,
@@ -41,29 +42,7 @@ def _skip(text: str, i: int, chars: str) -> int:
     return i
 
 
-class _ObjectCalls(ToolStream):
-    """A stream whose calls are JSON objects, with the text held from where a call may begin
-    (``_held``: content if it turns out not to be a call)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._held: list[str] = []
-
-    def _scan_call(self, text: str, i: int) -> int:
-        """Feed the current call's scan; returns where it stopped. Text is held while the call
-        has no name (it may still turn out to be content)."""
-        scanner = self._scanner
-        assert scanner is not None
-        end = scanner.feed(text, i)
-        if scanner.name is None:
-            self._held.append(text[i:end])
-        else:
-            self._held.clear()
-        self._call_progress()
-        return end
-
-
-class HermesStream(_ObjectCalls):
+class HermesStream(ObjectCallStream):
     """``<tool_call>{...}</tool_call>`` blocks among text."""
 
     START, END = "<tool_call>", "</tool_call>"
@@ -122,7 +101,7 @@ class HermesStream(_ObjectCalls):
             self._call_cut()
 
 
-class Llama3JsonStream(_ObjectCalls):
+class Llama3JsonStream(ObjectCallStream):
     """The whole output ``{...}`` calls, ``;``-separated, optionally after ``<|python_tag|>``."""
 
     TAG = "<|python_tag|>"
@@ -195,7 +174,7 @@ class Llama3JsonStream(_ObjectCalls):
             self._call_cut()
 
 
-class JsonListStream(_ObjectCalls):
+class JsonListStream(ObjectCallStream):
     """``[{"name": ..., "parameters": {...}}, ...]``: complete only once the list closes."""
 
     ARGS_KEYS = ("parameters", "arguments")

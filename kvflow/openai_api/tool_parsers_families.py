@@ -20,7 +20,7 @@ says.
 
 from __future__ import annotations
 
-from kvflow.openai_api.tool_stream import ToolParser, ToolStream, held_back
+from kvflow.openai_api.tool_stream import ObjectCallStream, ToolParser, ToolStream, held_back
 
 # The parsers whose call marker is a special token: a chat offering tools under one of them is
 # detokenized with skip_special_tokens false unless the client says otherwise (as vLLM does).
@@ -29,7 +29,7 @@ SPECIAL_TOKEN_PARSERS = ("mistral", "phi4_mini_json")
 _SPACE = " \n\t\r"
 
 
-class MarkedListStream(ToolStream):
+class MarkedListStream(ObjectCallStream):
     """Content, then a marker (one of ``MARKERS``) and a JSON list of call objects, optionally
     closed by ``CLOSE``; a list that opens the output needs no marker."""
 
@@ -39,7 +39,6 @@ class MarkedListStream(ToolStream):
     def __init__(self) -> None:
         super().__init__()
         self._state = "lead"
-        self._held: list[str] = []  # text that is content unless a call follows
 
     def _release(self) -> None:
         """The held text was not a call after all: content."""
@@ -146,14 +145,9 @@ class MarkedListStream(ToolStream):
         return j + len(marker)
 
     def _call(self, text: str, i: int) -> int:
+        end = self._scan_call(text, i)
         scanner = self._scanner
         assert scanner is not None
-        end = scanner.feed(text, i)
-        if scanner.name is None:
-            self._held.append(text[i:end])
-        else:
-            self._held.clear()
-        self._call_progress()
         if scanner.done:
             if scanner.valid:
                 self._state = "items"

@@ -226,6 +226,28 @@ class ToolParser(ABC):
         return out.content, out.calls
 
 
+class ObjectCallStream(ToolStream):
+    """A stream whose calls are JSON objects, with the text held from where a call may begin
+    (``_held``: content if it turns out not to be a call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: list[str] = []
+
+    def _scan_call(self, text: str, i: int) -> int:
+        """Feed the current call's scan; returns where it stopped. Text is held while the call
+        has no name (it may still turn out to be content)."""
+        scanner = self._scanner
+        assert scanner is not None
+        end = scanner.feed(text, i)
+        if scanner.name is None:
+            self._held.append(text[i:end])
+        else:
+            self._held.clear()
+        self._call_progress()
+        return end
+
+
 def held_back(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` could begin ``marker`` (held back from
     content while streaming)."""
