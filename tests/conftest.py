@@ -68,7 +68,6 @@ def make_tiny_hf_model(name: str, folder: Path):
     """Save a random-weight HF model ``name`` (see TINY_MODELS) with a byte-level tokenizer."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     overrides = TINY_MODELS[name]
     cfg_dict = {**BASE, **overrides}
@@ -86,7 +85,17 @@ def make_tiny_hf_model(name: str, folder: Path):
                 p.uniform_(0.6, 1.4)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
-    # A byte-level BPE with no merges: 256 byte tokens + specials, enough to round-trip text.
+    save_byte_tokenizer(folder, "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
+                                "{% endfor %}{% if add_generation_prompt %}<s>assistant: "
+                                "{% endif %}")
+    return model
+
+
+def save_byte_tokenizer(folder: Path, chat_template: str | None = None) -> None:
+    """A byte-level BPE with no merges in ``folder`` (HF form): 256 byte tokens + ``<unk>``,
+    ``<s>``, ``</s>`` (ids 0-2), enough to round-trip text; the tiny models' tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     vocab = {c: i + 3 for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
     vocab.update({"<unk>": 0, "<s>": 1, "</s>": 2})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
@@ -94,13 +103,11 @@ def make_tiny_hf_model(name: str, folder: Path):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
-                         "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}",
-    }))
-    return model
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 class BuiltOnFirstUse(Mapping[K, V]):

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvflow.model.checkpoint_tensors import GGUFTensors, hf_folder_config  # noqa: E402
 from kvflow.model.weight_names import to_kvflow_names  # noqa: E402
-from tests.conftest import BuiltOnFirstUse  # noqa: E402
+from tests.conftest import BuiltOnFirstUse, save_byte_tokenizer  # noqa: E402
 from tests.gguf_convert import convert  # noqa: E402
 
 VOCAB = 259  # the byte-level tokenizer's 256 bytes + 3 specials: no padding rows
@@ -63,8 +63,6 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 def make_family_model(name: str, folder: Path):
     """A random-weight HF model of family ``name`` saved in ``folder``, with a byte-level BPE
     tokenizer (tests/conftest.py's, whose vocabulary is the model's)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     cls_name, config_name, overrides = FAMILIES[name]
     config = getattr(transformers, config_name)(**{**BASE, **overrides})
     config.architectures = [cls_name]
@@ -77,16 +75,7 @@ def make_family_model(name: str, folder: Path):
                 p.uniform_(-0.4, 0.4) if name.startswith("gemma") else p.uniform_(0.6, 1.4)
     folder.mkdir(parents=True)
     model.save_pretrained(folder, safe_serialization=True)
-    vocab = {c: i + 3 for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    vocab.update({"<unk>": 0, "<s>": 1, "</s>": 2})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    save_byte_tokenizer(folder)
     return model
 
 

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvflow.model.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from kvflow.runtime import create_runner  # noqa: E402
+from tests.conftest import save_byte_tokenizer  # noqa: E402
 from tests.helpers import greedy_generate  # noqa: E402
 
 VOCAB = 320
@@ -87,22 +88,6 @@ def quick_unless_onnx(family: str, runner_name: str = "onnxruntime") -> tuple:
     return () if runner_name != "onnxruntime" or family in QUICK_ONNX else (pytest.mark.slow,)
 
 
-def save_tokenizer(folder: Path) -> None:
-    """A byte-level BPE with no merges: 256 byte tokens + 3 specials (the conftest's)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i + 3 for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    vocab.update({"<unk>": 0, "<s>": 1, "</s>": 2})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
-
-
 def make_family_model(name: str, folder: Path):
     """A random-weight HF model of family ``name`` saved to ``folder``; returns the model."""
     cls_name, overrides = FAMILIES[name]
@@ -124,7 +109,7 @@ def make_family_model(name: str, folder: Path):
                 p.normal_(0.0, 0.03 if config.tie_word_embeddings and "embed" in n else 0.1)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
-    save_tokenizer(folder)
+    save_byte_tokenizer(folder)
     return model
 
 
