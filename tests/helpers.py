@@ -248,3 +248,44 @@ def byte_level_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["</s>"])
     return tok
+
+
+def run_weather_agent(url: str, model: str, model_class: str, streamed: bool = False
+                      ) -> tuple[str, list[str]]:
+    """The OpenAI Agents SDK's agent with one function tool (``get_weather``) against the
+    OpenAI frontend at ``url``, through its ``model_class`` (``OpenAIResponsesModel`` or
+    ``OpenAIChatCompletionsModel``): the final output and the cities the tool was called with.
+    ``tool_choice`` required makes even the 135M model call the tool (a constrained output);
+    ``stop_on_first_tool`` makes the tool's result the answer."""
+    import asyncio
+
+    import agents
+    import openai
+
+    agents.set_tracing_disabled(True)  # the SDK would send traces to OpenAI
+    cities: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        cities.append(city)
+        return f"Sunny and 21C in {city}."
+
+    async def run() -> str:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        agent = agents.Agent(
+            name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+            model=getattr(agents, model_class)(model=model, openai_client=client),
+            model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                                max_tokens=64),
+            tool_use_behavior="stop_on_first_tool")
+        if streamed:
+            result = agents.Runner.run_streamed(agent, "What's the weather in Paris?")
+            async for _event in result.stream_events():
+                pass
+        else:
+            result = await agents.Runner.run(agent, "What's the weather in Paris?")
+        await client.close()
+        return str(result.final_output)
+
+    return asyncio.run(run()), cities

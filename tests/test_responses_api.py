@@ -4,7 +4,6 @@ default model class (``OpenAIResponsesModel``)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import urllib.request
 
@@ -13,7 +12,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.helpers import kvflow_samples, metric  # noqa: E402
+from tests.helpers import kvflow_samples, metric, run_weather_agent  # noqa: E402
 
 pytestmark = pytest.mark.slow  # tritonserver and the frontend
 
@@ -215,43 +214,6 @@ def test_the_store_bound_evicts_says_so_and_survives_a_restart(small_store):
 
 @pytest.mark.parametrize("streamed", [False, True])
 def test_openai_agents_sdk_default_model_runs_a_function_tool(openai_frontend, streamed):
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-
-    set_tracing_disabled(True)  # the SDK would send traces to OpenAI
-    cities: list[str] = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The current weather in a city."""
-        cities.append(city)
-        return f"Sunny and 21C in {city}."
-
-    async def run() -> str:
-        client = openai.AsyncOpenAI(base_url=openai_frontend.url + "/v1", api_key="unused",
-                                    max_retries=0)
-        # NOTE: tool_choice required makes even the 135M model call the tool (a constrained
-        # output); stop_on_first_tool makes the tool's result the answer.
-        agent = Agent(name="weather", instructions="Answer with the weather tool.",
-                      tools=[get_weather],
-                      model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                      model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                                   max_tokens=64),
-                      tool_use_behavior="stop_on_first_tool")
-        if streamed:
-            result = Runner.run_streamed(agent, "What's the weather in Paris?")
-            async for _event in result.stream_events():
-                pass
-        else:
-            result = await Runner.run(agent, "What's the weather in Paris?")
-        await client.close()
-        return str(result.final_output)
-
-    output = asyncio.run(run())
+    output, cities = run_weather_agent(openai_frontend.url, MODEL, "OpenAIResponsesModel",
+                                       streamed)
     assert len(cities) == 1 and output == f"Sunny and 21C in {cities[0]}."

@@ -11,6 +11,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.helpers import run_weather_agent
+
 pytestmark = pytest.mark.slow  # tritonserver and the frontend
 
 WEATHER_PARAMS = {"type": "object", "properties": {
@@ -255,40 +257,8 @@ def test_langchain_two_turn_agent_runs_a_python_tool_and_finishes(chat_model):
 
 
 def test_openai_agents_sdk_agent_calls_a_function_tool(openai_frontend, model):
-    import asyncio
-
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-
-    set_tracing_disabled(True)  # the SDK would send traces to OpenAI
-    cities: list[str] = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The current weather in a city."""
-        cities.append(city)
-        return f"Sunny and 21C in {city}."
-
-    async def run() -> str:
-        client = openai.AsyncOpenAI(base_url=openai_frontend.url + "/v1", api_key="unused",
-                                    max_retries=0)
-        agent = Agent(name="weather", instructions="Answer with the weather tool.",
-                      tools=[get_weather],
-                      model=OpenAIChatCompletionsModel(model=model, openai_client=client),
-                      model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                                   max_tokens=64),
-                      tool_use_behavior="stop_on_first_tool")
-        result = await Runner.run(agent, "What's the weather in Paris?")
-        await client.close()
-        return result.final_output
-
-    output = asyncio.run(run())
+    output, cities = run_weather_agent(openai_frontend.url, model,
+                                       "OpenAIChatCompletionsModel")
     assert len(cities) == 1 and output == f"Sunny and 21C in {cities[0]}."
 
 
