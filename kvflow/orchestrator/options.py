@@ -15,22 +15,23 @@ name (the schedulers, the runners, the preemption modes), so they cannot drift.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
 from kvflow import envs
-from kvflow.runtime.base import (
-    KV_CACHE_DTYPES,
-    QUANTIZED_MATMUL_MODES,
-    RUNNERS,
-    check_kv_cache_dtype,
+from kvflow.orchestrator.options_check import (  # noqa: F401  (parse_tenant_weights: re-export)
+    MAX_SPECULATIVE_TOKENS,
+    check_options,
+    parse_tenant_weights,
 )
+from kvflow.runtime.base import KV_CACHE_DTYPES, QUANTIZED_MATMUL_MODES, RUNNERS
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 SPECULATIVE_METHODS = ("ngram", "draft")
-MAX_SPECULATIVE_TOKENS = 32
 # The scheduling policies by name; kvflow.orchestrator.scheduler.registry has a class for each.
 POLICIES = ("fcfs", "priority", "cache_aware", "sjf", "fair", "static")
 
@@ -145,6 +146,16 @@ class EngineOptions:
                                             choices=lambda: ("dynamic", "fixed"))
     draft_engine: str | None = _option(None, "speculative draft: the draft model's engine "
                                              "folder (the target's tokenizer and KV layout)")
+    # --- LoRA adapters ------------------------------------------------------------------------
+    enable_lora: bool = _option(False, "serve LoRA adapters beside the base model, chosen per "
+                                       "request (on as well when lora_modules names some)")
+    lora_modules: dict[str, str] = _option(help="LoRA adapters loaded at start, NAME=PATH "
+                                                "(a PEFT folder or a GGUF LoRA file); more load "
+                                                "at run time", default_factory=dict)
+    max_loras: int = _option(4, "LoRA: adapters resident at once (the slot pool); a step holds "
+                                "at most this many distinct adapters, others wait their turn")
+    max_lora_rank: int = _option(16, "LoRA: the largest adapter rank the slot pool holds "
+                                     "(1..256)")
     # --- KV pool and runner -------------------------------------------------------------------
     kv_cache_bytes: int | None = _option(None, "KV pool bytes, capped at what max_num_seqs "
                                                "full sequences use (default: from memory)")
@@ -190,63 +201,16 @@ class EngineOptions:
                                  default_factory=envs.debug_checks)
 
     def __post_init__(self) -> None:
-        check_kv_cache_dtype(self.kv_cache_dtype)  # before the generic choices: int8's message
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "max_waiting_requests", "trace_max_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for f in fields(self):
-            choices = f.metadata["choices"]
-            value = getattr(self, f.name)
-            if choices is not None and value is not None and value not in choices():
-                raise ValueError(f"{f.name} must be one of {choices()}, got {value!r}")
-        for name in ("long_prefill_token_threshold", "max_preemptions_per_request",
-                     "swap_space_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got "
-                             f"{self.kv_cache_memory_fraction}")
-        if not self.priority_aging_s > 0:
-            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
-        if not 0 <= self.kv_watermark < 1:
-            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
-        for name in ("recompute_tokens_per_s", "swap_bytes_per_s", "cache_aware_max_wait_s",
-                     "sjf_max_wait_s", "fair_output_weight"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_step_ms is not None and not 0 <= self.max_step_ms < float("inf"):
-            raise ValueError(f"max_step_ms must be finite, >= 0 (0: off), got {self.max_step_ms}")
-        if self.max_step_ms and not self.enable_chunked_prefill:
-            raise ValueError(f"max_step_ms={self.max_step_ms:g} needs enable_chunked_prefill "
-                             "(a step bounded in time splits long prompts); set it to 0")
-        for name in ("request_timeout_s", "max_queue_delay_ms"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 (or none), got {value}")
-        if self.max_long_partial_prefills is not None:
-            if self.max_long_partial_prefills < 1:
-                raise ValueError(f"max_long_partial_prefills must be >= 1 (or none), got "
-                                 f"{self.max_long_partial_prefills}")
-            if not self.long_prefill_token_threshold:
-                raise ValueError("max_long_partial_prefills needs long_prefill_token_threshold "
-                                 "> 0 (it defines a long prompt)")
-        parse_tenant_weights(self.tenant_weights)
-        for name in ("static_batch_size", "kv_cache_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2 (one is the reserved null block), "
-                             f"got {self.num_kv_blocks}")
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be in [1, "
-                             f"{MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}")
-        if (self.speculative == "draft") != (self.draft_engine is not None):
-            raise ValueError("speculative=draft needs draft_engine (the draft model's engine "
-                             "folder), and draft_engine needs speculative=draft; got "
-                             f"speculative={self.speculative!r}, "
-                             f"draft_engine={self.draft_engine!r}")
+        if isinstance(self.lora_modules, Mapping):  # paths may come as PathLike: kept as text
+            object.__setattr__(self, "lora_modules", {
+                k: os.fspath(v) if isinstance(v, os.PathLike) else v
+                for k, v in self.lora_modules.items()})
+        check_options(self)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves adapters: ``enable_lora``, or adapters named at start."""
+        return self.enable_lora or bool(self.lora_modules)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -264,30 +228,17 @@ class EngineOptions:
         return replace(self, **overrides)
 
 
-def parse_tenant_weights(text: str) -> dict[str, float]:
-    """``tenant_weights`` ('name=weight,...') as a dict, refusing a bad entry by name."""
-    weights: dict[str, float] = {}
-    for entry in filter(None, (e.strip() for e in text.split(","))):
-        name, sep, value = entry.rpartition("=")
-        try:
-            weight = float(value) if sep and name else float("nan")
-        except ValueError:
-            weight = float("nan")
-        if not weight > 0 or weight == float("inf"):
-            raise ValueError(f"tenant_weights: {entry!r} must be 'name=weight' with a weight "
-                             "> 0")
-        weights[name.strip()] = weight
-    return weights
-
-
 def option_fields() -> tuple[Field, ...]:
     """The fields of :class:`EngineOptions`, in declaration order."""
     return fields(EngineOptions)
 
 
 def option_kind(name: str) -> tuple[type, bool]:
-    """(``int``, ``float``, ``bool`` or ``str``; whether None is allowed) of option ``name``."""
+    """(``int``, ``float``, ``bool``, ``str`` or ``dict``; whether None is allowed) of option
+    ``name``."""
     hint = typing.get_type_hints(EngineOptions)[name]
+    if typing.get_origin(hint) is dict:
+        return dict, False
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     return args[0], type(None) in typing.get_args(hint)
 
@@ -302,6 +253,7 @@ def check_type(name: str, value: Any) -> None:
     ok = (isinstance(value, bool) if kind is bool
           else isinstance(value, int) and not isinstance(value, bool) if kind is int
           else isinstance(value, int | float) and not isinstance(value, bool) if kind is float
+          else isinstance(value, Mapping) if kind is dict
           else isinstance(value, kind))
     if not ok:
         raise ValueError(f"{name} must be {kind.__name__}, got {value!r}")
@@ -315,6 +267,8 @@ def parse_option(name: str, text: str) -> Any:
     text = text.strip()
     if optional and text.lower() in ("", "none", "null"):
         return None
+    if kind is dict:
+        return parse_named_paths(name, [text])
     try:
         if kind is bool:
             lowered = text.lower()
@@ -326,6 +280,7 @@ def parse_option(name: str, text: str) -> Any:
         if kind is float:
             return float(text)
     except ValueError:
+
         raise ValueError(f"{name} must be {kind.__name__}, got {text!r}") from None
     return text
 
@@ -336,7 +291,32 @@ def format_option(value: Any) -> str:
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, Mapping):
+        return json.dumps(dict(value))
     return str(value)
+
+
+def parse_named_paths(name: str, entries: Sequence[str]) -> dict[str, str]:
+    """A ``NAME=PATH`` option (``lora_modules``) from its entries: each ``NAME=PATH`` (several
+    in one entry split at whitespace), or one JSON object ``{"NAME": "PATH", ...}`` (the Triton
+    parameter's form, and paths with spaces)."""
+    if len(entries) == 1 and entries[0].strip().startswith("{"):
+        try:
+            value = json.loads(entries[0])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not a JSON object of NAME: PATH ({e})") from None
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ValueError(f"{name}: the JSON must map each name to a path, got {value!r}")
+        return value
+    out: dict[str, str] = {}
+    for entry in (e for text in entries for e in text.split()):
+        key, sep, path = entry.partition("=")
+        if not sep or not key or not path:
+            raise ValueError(f"{name}: {entry!r} must be NAME=PATH")
+        if key in out:
+            raise ValueError(f"{name}: {key!r} is named twice")
+        out[key] = path
+    return out
 
 
 def options_to_parameters(overrides: Mapping[str, Any]) -> dict[str, str]:
@@ -364,6 +344,17 @@ def _flag_type(name: str) -> Callable[[str], Any]:
     return parse
 
 
+class _NamedPaths(argparse.Action):
+    """``--lora-modules NAME=PATH [NAME=PATH ...]`` (or one JSON object) as a dict."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        try:
+            setattr(namespace, self.dest, parse_named_paths(self.dest, values))
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+
+
 def add_engine_option_args(p: argparse.ArgumentParser,
                            only: Sequence[str] | None = None) -> None:
     """One flag per :class:`~kvflow.orchestrator.options.EngineOptions` field (or per field
@@ -386,6 +377,9 @@ def add_engine_option_args(p: argparse.ArgumentParser,
                            action="store_false", **{**common, "help": "turn off: " + meta["help"]})
         elif kind is bool:
             g.add_argument("--" + f.name.replace("_", "-"), action="store_true", **common)
+        elif kind is dict:
+            g.add_argument("--" + f.name.replace("_", "-"), nargs="+", action=_NamedPaths,
+                           metavar="NAME=PATH", **common)
         else:
             choices = meta["choices"]() if meta["choices"] else None
             g.add_argument("--" + f.name.replace("_", "-"), type=_flag_type(f.name),
