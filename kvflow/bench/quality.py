@@ -67,6 +67,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--f32-gguf", default="reports/peers/SmolLM2-135M-Instruct.F32.gguf",
                    help="its F32 dequantization (made with llama-quantize when missing)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--lora", default=None, metavar="NAME=PATH",
+                   help="score a LoRA adapter (PEFT folder or GGUF LoRA) instead: kvflow with "
+                        "it against HF transformers + PEFT on the same weights "
+                        "(kvflow/bench/quality_lora.py)")
     p.add_argument("--out", default="reports/quality")
 
 
@@ -302,6 +306,10 @@ def main(args: argparse.Namespace) -> int:
     from kvflow.reports.quality_report import write_quality_report
     from kvflow.runtime.base import check_kv_cache_dtype
 
+    if args.lora:
+        from kvflow.bench.quality_lora import main as lora_main
+
+        return lora_main(args)
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:

@@ -1,0 +1,178 @@
+"""The multi-LoRA benchmark's report: ``report.json`` (everything), ``report.md`` (also printed)
+and ``lora.png`` (throughput, TPOT and TTFT per run), with the issue's targets judged: mixed
+adapters keep >= 0.8x the base's output throughput and a median TPOT within 1.25x."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvflow.reports.writers import pyplot, save_figure, write_report
+
+MIN_THROUGHPUT_RATIO = 0.8
+MAX_TPOT_RATIO = 1.25
+# Figures every run that served must have; a LoRA run also its adapters' counters.
+RUN_FIGURES = ("output_tok_s", "ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50", "tpot_ms.p99",
+               "peak_rss_bytes")
+LORA_FIGURES = ("lora.swaps", "lora.evictions", "lora.resident")
+
+
+def _get(run: dict[str, Any], dotted: str) -> Any:
+    value: Any = run
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def missing_figures(report: dict[str, Any]) -> list[str]:
+    """What the report lacks, ``run: figure`` each: a run that did not start or had failed
+    requests, a figure that is None, the base run, the machine's ISA. Empty: complete."""
+    missing = [] if report.get("machine", {}).get("widest") else ["machine: widest ISA"]
+    runs = report.get("runs", [])
+    if not any(r["name"] == "base" for r in runs):
+        missing.append("base: no run")
+    for r in runs:
+        if r.get("error"):
+            missing.append(f"{r['name']}: error: {r['error']}")
+            continue
+        if r.get("failed"):
+            missing.append(f"{r['name']}: {r['failed']} failed requests")
+        for key in RUN_FIGURES + (LORA_FIGURES if r.get("loaded") else ()):
+            if _get(r, key) is None:
+                missing.append(f"{r['name']}: {key}")
+    return missing
+
+
+def judge_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each LoRA run against the base run: throughput ratio, TPOT p50 and p99 ratios, and for
+    runs mixing several adapters (the target's case) whether both targets are met."""
+    base = next((r for r in runs if r["name"] == "base" and not r.get("error")), None)
+    out = []
+    for r in runs:
+        if not r.get("loaded") or r.get("error") or base is None:
+            continue
+        row: dict[str, Any] = {"name": r["name"], "mixed": len(r.get("mix", [])) > 1}
+        row["throughput_ratio"] = _ratio(r.get("output_tok_s"), base.get("output_tok_s"))
+        for p in ("p50", "p99"):
+            row[f"tpot_{p}_ratio"] = _ratio(_get(r, f"tpot_ms.{p}"), _get(base, f"tpot_ms.{p}"))
+        if row["mixed"]:
+            row["met"] = (row["throughput_ratio"] is not None
+                          and row["throughput_ratio"] >= MIN_THROUGHPUT_RATIO
+                          and row["tpot_p50_ratio"] is not None
+                          and row["tpot_p50_ratio"] <= MAX_TPOT_RATIO)
+        out.append(row)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _f(value: Any, spec: str = ".1f", suffix: str = "") -> str:
+    return "-" if value is None else f"{format(value, spec)}{suffix}"
+
+
+def _mb(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:,.0f} MB"
+
+
+def write_lora_report(out: str | Path, report: dict[str, Any], echo: bool = True) -> dict[str, Any]:
+    """Judge the targets into ``report`` and write the three files into ``out``; returns the
+    report (with ``targets`` and ``missing``)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = report["runs"]
+    report["targets"] = judge_targets(runs)
+    report["missing"] = missing_figures(report)
+    report["plot"] = _plot(out, runs, report["config"]["concurrency"])
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_report(out / "report.md", _markdown(report), echo=echo)
+    return report
+
+
+def _markdown(report: dict[str, Any]) -> list[str]:
+    cfg, machine = report["config"], report["machine"]
+    base: dict[str, Any] = next((r for r in report["runs"]
+                                 if r["name"] == "base" and not r.get("error")), {})
+    lines = [
+        "# Multi-LoRA serving: the base, one adapter, and mixed adapters", "",
+        f"`{cfg['engine']}` served by `kvflow serve` (tritonserver), Triton gRPC streaming, a "
+        f"closed loop of {cfg['concurrency']} streams, {cfg['num_prompts']} requests of "
+        f"{cfg['prompt_tokens']} prompt and {cfg['output_tokens']} output tokens (greedy, "
+        "`ignore_eos`), prefix caching off (the same prompts under two adapters never share "
+        "KV, so with it on the base would be favoured). Adapters: "
+        f"{cfg['adapters']} random nonzero PEFT adapters of rank {cfg['rank']}, alpha "
+        f"{cfg['alpha']:g}, on {', '.join(cfg['targets'])} "
+        f"({_mb(cfg.get('adapter_bytes'))} each on disk), made with `make_peft_adapter` on the "
+        "model's HF weights; a mixed run spreads them over the requests in equal shares, in a "
+        "seeded random order.", "",
+        f"Machine: {machine.get('model_name') or '?'}, {machine.get('cpus')} CPUs, widest ISA "
+        f"{machine['widest']}, kvflow's native kernels: {machine.get('native_isa')}. "
+        f"{report.get('machine_note', '')}".rstrip(), "",
+        "| run | loaded | max_loras | ok / failed | output tok/s | vs base | TTFT p50 / p99 ms "
+        "| TPOT p50 / p99 ms | swaps | evictions | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["runs"]:
+        if r.get("error"):
+            lines.append(f"| {r['name']} | {len(r['loaded'])} | {_f(r['max_loras'], 'd')} | "
+                         "did not run | - | - | - | - | - | - | - |")
+            continue
+        lora = r.get("lora") or {}
+        ratio = _ratio(r.get("output_tok_s"), base.get("output_tok_s"))
+        lines.append(
+            f"| {r['name']} | {len(r['loaded'])} | "
+            f"{_f(r['max_loras'], 'd') if r['max_loras'] else '-'} | "
+            f"{r['completed']} / {r['failed']} | {_f(r['output_tok_s'])} | "
+            f"{_f(ratio, '.2f', 'x')} | {_f(_get(r, 'ttft_ms.p50'), '.0f')} / "
+            f"{_f(_get(r, 'ttft_ms.p99'), '.0f')} | {_f(_get(r, 'tpot_ms.p50'), '.1f')} / "
+            f"{_f(_get(r, 'tpot_ms.p99'), '.1f')} | {_f(lora.get('swaps'), '.0f')} | "
+            f"{_f(lora.get('evictions'), '.0f')} | {_mb(r.get('peak_rss_bytes'))} |")
+    lines += ["", "Swaps (adapters written into a slot) and evictions are the server's "
+              "`kvflow_lora_swaps_total` and `kvflow_lora_evictions_total` over the load (after "
+              "a warm-up of one request per adapter); peak RSS is tritonserver's process tree "
+              "(its Python backend stub holds the model), sampled every 0.2 s.", "",
+              f"## Targets (mixed adapters: >= {MIN_THROUGHPUT_RATIO}x the base's throughput, "
+              f"median TPOT <= {MAX_TPOT_RATIO}x)", ""]
+    for t in report["targets"]:
+        verdict = ("" if not t["mixed"] else " **met**" if t["met"] else " **not met**")
+        lines.append(f"- {t['name']}: throughput {_f(t['throughput_ratio'], '.2f', 'x')}, "
+                     f"TPOT p50 {_f(t['tpot_p50_ratio'], '.2f', 'x')}, p99 "
+                     f"{_f(t['tpot_p99_ratio'], '.2f', 'x')} of the base's.{verdict}")
+    if not report["targets"]:
+        lines.append("- not judged: no LoRA run completed beside the base")
+    errors = [r for r in report["runs"] if r.get("error") or r.get("errors")]
+    if errors:
+        lines += ["", "## Errors", ""]
+        for r in errors:
+            first = r.get("error") or "; ".join(f"request {e['index']}: {e['error']}"
+                                                for e in r["errors"][:3])
+            lines.append(f"- {r['name']}: {first}")
+    if report["missing"]:
+        lines += ["", "Incomplete: " + "; ".join(report["missing"])]
+    lines += ["", f"Command: `{report.get('command', '')}`", "", f"Plot: {report['plot']}."]
+    return lines
+
+
+def _plot(out: Path, runs: list[dict[str, Any]], concurrency: int) -> str:
+    plt = pyplot()
+    served = [r for r in runs if not r.get("error")]
+    names = [r["name"] for r in served]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    ax_tp, ax_tpot, ax_ttft = axes
+    ax_tp.barh(names, [r.get("output_tok_s") or 0 for r in served], color="tab:blue")
+    ax_tp.set_xlabel("output tok/s (higher is better)")
+    for ax, key, label in ((ax_tpot, "tpot_ms", "TPOT ms"), (ax_ttft, "ttft_ms", "TTFT ms")):
+        ys = range(len(served))
+        ax.barh([y - 0.2 for y in ys], [_get(r, f"{key}.p50") or 0 for r in served], 0.4,
+                label="p50", color="tab:green")
+        ax.barh([y + 0.2 for y in ys], [_get(r, f"{key}.p99") or 0 for r in served], 0.4,
+                label="p99", color="tab:orange")
+        ax.set_yticks(list(ys), names if ax is ax_tpot else [""] * len(served))
+        ax.set_xlabel(f"{label} (lower is better)")
+        ax.legend(loc="lower right")
+    for ax in axes:
+        ax.invert_yaxis()
+    fig.suptitle(f"kvflow multi-LoRA, served, {concurrency} concurrent streams")
+    return save_figure(fig, out / "lora.png")
