@@ -33,12 +33,14 @@ BlockHash = bytes
 @dataclass(frozen=True)
 class BlockStored:
     """A full block's content entered the prefix cache: its hash, its parent's (None for a
-    sequence's first block), its token ids, and whether a cache salt went into its hash."""
+    sequence's first block), its token ids, whether a cache salt went into its hash, and the
+    LoRA adapter it was computed under (its ``lora_id``; None: the base model)."""
 
     block_hash: BlockHash
     parent_hash: BlockHash | None
     token_ids: tuple[int, ...]
     salted: bool = False
+    lora_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,19 @@ class BlockRemoved:
 
 
 KVEvent = BlockStored | BlockRemoved
+
+
+# NOTE: no cache salt (UTF-8 text) holds the byte 0xff, so an adapter's key never equals one.
+_LORA_KEY = b"\xfflora:"
+
+
+def block_extra(salt: bytes, lora_digest: str | None = None) -> bytes:
+    """The extra keys of a request's block hashes: its cache salt and, under a LoRA adapter,
+    the adapter's digest (the same tokens under two adapters, or an adapter and the base,
+    hold different KV, so they never share a block)."""
+    if lora_digest is None:
+        return salt
+    return _LORA_KEY + bytes.fromhex(lora_digest) + salt
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
@@ -171,10 +186,11 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def cache_block(self, block: int, block_hash: BlockHash, parent: BlockHash | None = None,
-                    token_ids: Sequence[int] = (), salted: bool = False) -> None:
+                    token_ids: Sequence[int] = (), salted: bool = False,
+                    lora_id: int | None = None) -> None:
         """Record that ``block`` (referenced, full, computed) holds ``block_hash``'s content;
-        ``parent``, ``token_ids`` and ``salted`` only describe it in the :class:`BlockStored`
-        event.
+        ``parent``, ``token_ids``, ``salted`` and ``lora_id`` only describe it in the
+        :class:`BlockStored` event.
 
         If another block already holds that content, this one stays unhashed (a duplicate that
         is simply reused like an empty block once freed).
@@ -184,7 +200,8 @@ class BlockPool:
         self.cached[block_hash] = block
         self.block_hashes[block] = block_hash
         if self.events is not None:
-            self.events.append(BlockStored(block_hash, parent, tuple(token_ids), salted))
+            self.events.append(BlockStored(block_hash, parent, tuple(token_ids), salted,
+                                           lora_id))
 
     def free_queue(self) -> list[int]:
         """The free blocks, next to be evicted first."""

@@ -160,8 +160,12 @@ class KVCacheManager(SwapMixin):
         return win.trim_hit(hits, num_blocks, self.sliding_window, self.block_size)
 
     def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int],
-                     num_computed_tokens: int, salt: bytes = b"") -> None:
-        """Index the sequence's blocks that are now full and computed."""
+                     num_computed_tokens: int, salt: bytes = b"",
+                     lora_id: int | None = None, salted: bool | None = None) -> None:
+        """Index the sequence's blocks that are now full and computed. ``salt``: the hashes'
+        extra keys (:func:`~kvflow.kv_manager.block_pool.block_extra`); ``lora_id`` and
+        ``salted`` (whether a cache salt is among them; default: any extra key) describe the
+        blocks in the KV events."""
         if not self.enable_caching:
             return
         full = min(num_computed_tokens, len(token_ids)) // self.block_size
@@ -176,10 +180,11 @@ class KVCacheManager(SwapMixin):
                     self.pool.cache_block(table[i], hashes[i])
         else:  # the events carry each block's parent and tokens
             bs = self.block_size
+            salted = bool(salt) if salted is None else salted
             for i in range(done, full):
                 if table[i] != NULL_BLOCK:
                     self.pool.cache_block(table[i], hashes[i], hashes[i - 1] if i else None,
-                                          token_ids[i * bs:(i + 1) * bs], bool(salt))
+                                          token_ids[i * bs:(i + 1) * bs], salted, lora_id)
         self._num_cached[request_id] = full
 
     # --- allocation ---------------------------------------------------------------------------

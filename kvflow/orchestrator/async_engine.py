@@ -31,9 +31,11 @@ class AsyncLLMEngine:
                           priority: int = 0,
                           is_cancelled: Callable[[], bool] | None = None,
                           tenant: str | None = None,
-                          cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                          cache_salt: str | None = None,
+                          lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; leaving the iterator early aborts the request, and so
         does ``is_cancelled()`` turning true (polled by the loop before every step).
+        ``lora_name``: the LoRA adapter it runs under (None: the base model).
 
         Raises:
             RuntimeError: the engine loop has stopped (it failed, or was shut down): nothing
@@ -48,7 +50,8 @@ class AsyncLLMEngine:
             aio_loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         self.loop.submit(request_id, prompt, params or SamplingParams(), on_output, priority,
-                         is_cancelled=is_cancelled, tenant=tenant, cache_salt=cache_salt)
+                         is_cancelled=is_cancelled, tenant=tenant, cache_salt=cache_salt,
+                         lora_name=lora_name)
         finished = False
         try:
             while not finished:

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvflow.kv_manager import KVCacheManager
 from kvflow.observability.trace import StepTimes, StepTracer
+from kvflow.orchestrator.engine_lora import LoraEngine
 from kvflow.orchestrator.input_processor import InputProcessor, PreparedPrompt
 from kvflow.orchestrator.memory_budget import MemoryBudget
 from kvflow.orchestrator.options import EngineOptions
@@ -50,8 +51,9 @@ from kvflow.runtime.step_builder import SeqChunk, build_step, build_step_shape
 from kvflow.text.tokenizer import EngineTokenizer, Prompt
 
 
-class LLMEngine:
-    """Continuous-batching engine over one runner and one KV pool.
+class LLMEngine(LoraEngine):
+    """Continuous-batching engine over one runner and one KV pool (and LoRA adapters, with
+    the options' ``enable_lora`` or ``lora_modules``: :class:`LoraEngine`).
 
     Args:
         runner: executes steps; its ``num_blocks`` sizes the KV manager.
@@ -89,6 +91,7 @@ class LLMEngine:
         self.scheduler = make_scheduler(options, self.kv, clock)
         self.sampler = Sampler(runner.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()  # written by this engine (and its output processor)
+        self._init_lora(runner, options)
         self._ids = itertools.count()
         # Tokenizing and grammar compiling: thread-safe, so the served loop runs it elsewhere.
         self.inputs = InputProcessor(tokenizer, runner.vocab_size,
@@ -132,8 +135,8 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None,
                     cache_salt: str | None = None,
-                    tenant: str | None = None,
-                    kv_transferred: bool = False) -> tuple[Request, RequestOutput | None]:
+                    tenant: str | None = None, kv_transferred: bool = False,
+                    lora_name: str | None = None) -> tuple[Request, RequestOutput | None]:
         """Queue a request. Returns it, and a final output at once if it was rejected.
 
         ``prompt``: text, token ids, or a :class:`ChatPrompt` (rendered with the model's chat
@@ -141,7 +144,8 @@ class LLMEngine:
         (on another thread: the served engine's way). A prompt that cannot be tokenized (no
         tokenizer, a chat template error) raises ValueError. Requests with
         different ``cache_salt`` never share prefix-cache blocks; ``tenant`` names whom the
-        request is accounted to (the OpenAI ``user``).
+        request is accounted to (the OpenAI ``user``); ``lora_name``: the LoRA adapter it runs
+        under (None: the base; one not loaded is refused, naming the field ``model``).
 
         ``kv_transferred``: the KV of every prompt token but the last was computed on another
         instance and arrives with the request (disaggregated serving: the prompt is the
@@ -159,18 +163,20 @@ class LLMEngine:
             self.count_refused(error)
             raise error
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if not isinstance(prompt, PreparedPrompt):
-            try:
+        try:
+            lora = self.lora_fields(lora_name)
+            if not isinstance(prompt, PreparedPrompt):
                 prompt = self.inputs.prepare(prompt, params)
-            except ValueError as e:
-                self.count_refused(e)
-                raise
+        except ValueError as e:
+            self.count_refused(e)
+            raise
         prompt_ids, grammars = prompt.prompt_token_ids, prompt.grammars
         arrival = self.clock() if arrival_time is None else arrival_time
         n = params.n
         seqs = [Request(request_id if n == 1 else f"{request_id}#{j}", prompt_ids, params,
                         arrival, priority, self.eos_token_ids, self.options.max_model_len,
-                        cache_salt, tenant, parent_id=request_id, index=j) for j in range(n)]
+                        cache_salt, tenant, parent_id=request_id, index=j, **lora)
+                for j in range(n)]
         request = seqs[0]
         if kv_transferred:  # the leader's; the other sequences of a group fork off its blocks
             request.num_transferred_tokens = len(prompt_ids) - 1
@@ -231,6 +237,8 @@ class LLMEngine:
         outputs = timed_out + outputs
         if self.options.debug_checks:
             self.scheduler.check_integrity()
+            if self.lora is not None:
+                self.lora.check_integrity()
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
@@ -255,13 +263,15 @@ class LLMEngine:
         the chunk's own rows, and go to :attr:`outputs`."""
         chunks = []
         prompt_rows = False
+        lora_slots = self._lora_slots(sched)
         for s in sched.scheduled:
             request = s.request
             rows = (self.outputs.prompt_rows(request, s.start, s.num_new_tokens)
                     if request.sampling_params.prompt_logprobs is not None else range(0))
             prompt_rows = prompt_rows or bool(rows)
             chunks.append(SeqChunk(request.request_id, s.token_ids(), s.start,
-                                   s.num_new_tokens, s.sample, rows, s.num_spec_tokens))
+                                   s.num_new_tokens, s.sample, rows, s.num_spec_tokens,
+                                   lora_slots.get(request.lora_name, -1)))
         step = (build_step(self.kv, chunks) if self.runner.needs_inputs
                 else build_step_shape(chunks))
         plain = self.sampler.is_plain_greedy

@@ -51,6 +51,7 @@ class _Submission:
     cache_salt: str | None
     tenant: str | None
     arrival: float
+    lora_name: str | None = None
     done: bool = False  # answered already (aborted, or failed at shutdown): drop its result
 
 
@@ -99,17 +100,18 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: Prompt, params: SamplingParams,
                callback: OutputCallback, priority: int = 0,
-               is_cancelled: Callable[[], bool] | None = None,
-               cache_salt: str | None = None, tenant: str | None = None) -> None:
-        """Queue a request; ``callback`` gets every output, the last one with ``finished``.
+               is_cancelled: Callable[[], bool] | None = None, cache_salt: str | None = None,
+               tenant: str | None = None, lora_name: str | None = None) -> None:
+        """Queue a request (under LoRA adapter ``lora_name``, None: the base); ``callback``
+        gets every output, the last one with ``finished``.
 
         ``is_cancelled`` is polled before every step; once it returns True the request is
         aborted (its KV blocks freed) before that step runs. Its arrival is now, on the
-        engine's clock: its preparation and the wait in the inbox count in its TTFT. After
-        the loop has stopped, ``callback`` gets a final error output at once.
+        engine's clock (preparation and inbox wait count in its TTFT). After the loop has
+        stopped, ``callback`` gets a final error output at once.
         """
         sub = _Submission(request_id, prompt, params, callback, priority, is_cancelled,
-                          cache_salt, tenant, self.engine.clock())
+                          cache_salt, tenant, self.engine.clock(), lora_name)
         with self._lock:
             if not self._closed:
                 self._pending[request_id] = sub
@@ -134,7 +136,7 @@ class EngineLoop:
         done: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
         with self._lock:  # NOTE: _close sets _closed under this lock, then drains the inbox
             if self._closed or self._stopped.is_set():
-                raise EngineLoopClosed(self._closed_message())
+                raise EngineLoopClosed(f"the engine loop is closed ({self._stopped_message()})")
             self._inbox.put(("call", (fn, done)))
         try:
             ok, value = done.get(timeout=timeout_s)
@@ -154,9 +156,6 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
-
-    def _closed_message(self) -> str:
-        return f"the engine loop is closed ({self._stopped_message()})"
 
     def _stopped_message(self) -> str:
         if self.error is not None:
@@ -202,7 +201,8 @@ class EngineLoop:
         try:
             _, rejected = self.engine.add_request(prepared, params, request_id, sub.priority,
                                                   arrival_time=sub.arrival,
-                                                  cache_salt=sub.cache_salt, tenant=sub.tenant)
+                                                  cache_salt=sub.cache_salt, tenant=sub.tenant,
+                                                  lora_name=sub.lora_name)
         except ValueError as e:
             self._deliver(callback, RequestOutput.failed(request_id, str(e),
                                                          error_code_of(e), params.n))
@@ -375,7 +375,8 @@ class EngineLoop:
             except queue.Empty:
                 break
             if kind == "call":
-                payload[1].put((False, EngineLoopClosed(self._closed_message())))
+                payload[1].put((False, EngineLoopClosed(
+                    f"the engine loop is closed ({self._stopped_message()})")))
         if self.error is not None and self.on_failure is not None:
             try:
                 self.on_failure(self.error)

@@ -18,6 +18,7 @@ from kvflow.orchestrator.memory_budget import (
     weights_bytes,
 )
 from kvflow.orchestrator.options import EngineOptions
+from kvflow.orchestrator.options_check import NO_LORA_RUNNERS
 from kvflow.orchestrator.outputs import RequestOutput
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.runtime.base import kv_bytes_per_block, resolve_kv_cache_dtype
@@ -80,6 +81,10 @@ def plan_engine(engine_dir: str | Path, **overrides: Any) -> EnginePlan:
         if getattr(options, name) > limit:
             raise ValueError(f"{name}={getattr(options, name)} exceeds the engine's build limit "
                              f"of {limit}")
+    if options.lora_enabled and (options.runner or engine.backend) in NO_LORA_RUNNERS:
+        raise ValueError(f"LoRA adapters (enable_lora, lora_modules) cannot run on the "
+                         f"{options.runner or engine.backend} runner (the engine's backend); "
+                         "choose runner onnxruntime, torch or triton")
     kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, engine, options.runner)
     budget = memory_budget(engine_dir, engine, options, kv_dtype)
     return EnginePlan(engine, options, budget.num_blocks, budget.num_host_blocks, kv_dtype,
@@ -89,7 +94,8 @@ def plan_engine(engine_dir: str | Path, **overrides: Any) -> EnginePlan:
 def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
     """An :class:`LLMEngine` over ``engine_dir``; ``overrides``: any :class:`EngineOptions`
     field (scheduler limits and policy, KV pool sizes, ``runner``, ``cuda_graphs``,
-    ``debug_checks``)."""
+    ``debug_checks``; LoRA: the runner's slot pool, and ``lora_modules`` loaded, an adapter
+    that fails to load an error naming it)."""
     from kvflow.runtime import create_runner  # the one place that reaches the runtimes
 
     plan = plan_engine(engine_dir, **overrides)
@@ -98,13 +104,16 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
                            cuda_graphs=plan.cuda_graphs,
                            quantized_matmul=plan.scheduler.quantized_matmul,
                            kv_cache_dtype=plan.kv_cache_dtype)
+    proposer = None
     try:
         proposer = draft_proposer(plan, runner) if plan.scheduler.draft_engine else None
+        engine = LLMEngine(runner, EngineTokenizer(engine_dir), plan.scheduler,
+                           plan.engine.model.eos_token_ids, proposer=proposer)
     except BaseException:
+        if proposer is not None:
+            proposer.close()
         runner.close()
         raise
-    engine = LLMEngine(runner, EngineTokenizer(engine_dir), plan.scheduler,
-                       plan.engine.model.eos_token_ids, proposer=proposer)
     engine.memory_budget = plan.budget
     return engine
 
@@ -148,11 +157,14 @@ class LLM:
     def generate(self, prompts: str | ChatPrompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priorities: Sequence[int] | None = None,
-                 cache_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
+                 cache_salts: Sequence[str | None] | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids or a :class:`ChatPrompt`); outputs in
         prompt order, each with its ``n`` sequences in ``outputs[j]`` (vLLM's shape).
 
         ``cache_salts``: per prompt; prompts with different salts share no prefix-cache blocks.
+        ``lora``: the LoRA adapter every prompt runs under, or one per prompt (None: the base
+        model); an adapter not loaded is refused before any prompt runs.
         A request's ``prompt_logprobs`` (it asked: ``SamplingParams.prompt_logprobs``) are on
         its final output, as vLLM's.
         """
@@ -165,12 +177,17 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != n:
                 raise ValueError(f"got {len(params_list)} sampling_params for {n} prompts")
+        loras = [lora] * n if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} lora names for {n} prompts")
+        for name in set(loras) - {None}:
+            self.engine.lora_fields(name)  # refused now, before any request is queued
         results: dict[str, RequestOutput] = {}
         order = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             request, rejected = self.engine.add_request(
                 prompt, params, priority=priorities[i] if priorities else 0,
-                cache_salt=cache_salts[i] if cache_salts else None)
+                cache_salt=cache_salts[i] if cache_salts else None, lora_name=loras[i])
             order.append(request.parent_id)
             if rejected is not None:
                 results[request.parent_id] = rejected
@@ -184,6 +201,19 @@ class LLM:
         for rid, entries in prompt_logprobs.items():
             results[rid].prompt_logprobs = entries
         return [results[rid] for rid in order]
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Load a LoRA adapter (a PEFT folder or a GGUF LoRA file) that ``generate(lora=name)``
+        selects; the engine must have LoRA on (``enable_lora`` or ``lora_modules``)."""
+        self.engine.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload a LoRA adapter (between ``generate`` calls no request uses it)."""
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """The adapters loaded: name, path, rank, lora_id, slot, residency."""
+        return self.engine.list_loras()
 
     def chat(self, messages: list[dict[str, Any]],
              sampling_params: SamplingParams | None = None,

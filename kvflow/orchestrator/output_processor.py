@@ -183,7 +183,7 @@ class OutputProcessor:
 
     def _hashes(self, request: Request) -> list[bytes]:
         assert self.kv is not None
-        return self.kv.block_hashes(request.request_id, request.token_ids, request.cache_salt)
+        return self.kv.block_hashes(request.request_id, request.token_ids, request.cache_key)
 
     def sampling_row(self, request: Request) -> SamplingRow:
         """One sequence's sampling row, with no grammar mask (speculative verification makes

@@ -277,6 +277,10 @@ class EngineCounters:
     # Speculative decoding: draft tokens verified, and of those accepted.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # LoRA: adapter loads into a runner slot, and of those the ones that displaced another
+    # (written by the engine's LoraManager).
+    lora_swaps: int = 0
+    lora_evictions: int = 0
     finished_by_reason: Counter[str] = field(default_factory=Counter)
     rejected_by_cause: Counter[str] = field(default_factory=Counter)
     timeouts_by_phase: Counter[str] = field(default_factory=Counter)

@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvflow.kv_manager.block_pool import block_extra
 from kvflow.orchestrator.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -126,7 +127,8 @@ class Request:
                  sampling_params: SamplingParams, arrival_time: float, priority: int = 0,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
                  cache_salt: str | None = None, tenant: str | None = None,
-                 parent_id: str | None = None, index: int = 0) -> None:
+                 parent_id: str | None = None, index: int = 0, lora_name: str | None = None,
+                 lora_id: int | None = None, lora_digest: str | None = None) -> None:
         self.request_id = request_id  # this sequence's id (the KV manager's key)
         # The client's request id and this sequence's index in it (``n > 1``: see
         # SequenceGroup); for a single sequence parent_id == request_id and index == 0.
@@ -151,6 +153,12 @@ class Request:
         self.metrics = RequestMetrics(arrival_time)
         # Tenants with different salts never share prefix-cache blocks.
         self.cache_salt = cache_salt.encode("utf-8") if cache_salt else b""
+        # The LoRA adapter it runs under (None: the base model), its stable id (Dynamo's
+        # lora_id), and the prefix-cache key: salt and adapter digest (block_extra), so that
+        # blocks computed under another adapter, or the base, are never hit.
+        self.lora_name = lora_name
+        self.lora_id = lora_id
+        self.cache_key = block_extra(self.cache_salt, lora_digest)
         # The most output this request may produce: max_tokens, clipped by the context limit.
         limit = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
         if max_model_len is not None:

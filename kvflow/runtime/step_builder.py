@@ -21,7 +21,8 @@ class SeqChunk:
     chunk's last token; ``prompt_rows`` for those of these positions (inside the chunk, before
     its last token: prompt logprobs), returned before the sampled row. ``num_spec``: the
     chunk's last that many tokens are drafts (speculative decoding); the logits of the token
-    before them and of each of them are wanted, to verify the drafts.
+    before them and of each of them are wanted, to verify the drafts. ``lora_slot``: the
+    runner's LoRA slot of the sequence's adapter (-1: the base model).
     """
 
     request_id: Hashable
@@ -31,6 +32,7 @@ class SeqChunk:
     sample: bool
     prompt_rows: range = range(0)
     num_spec: int = 0
+    lora_slot: int = -1
 
     def logits_rows(self, offset: int) -> list[int]:
         """The packed rows whose logits this chunk wants, its tokens starting at ``offset``."""
@@ -39,6 +41,15 @@ class SeqChunk:
             last = offset + self.num_new - 1
             rows.extend(range(last - self.num_spec, last + 1))
         return rows
+
+
+def lora_slots(chunks: Sequence[SeqChunk]) -> np.ndarray | None:
+    """``StepInput.lora_slots``: each packed token's chunk's slot; None when every chunk is
+    the base model's (the runner then does no LoRA work)."""
+    if all(c.lora_slot < 0 for c in chunks):
+        return None
+    return np.repeat(np.fromiter((c.lora_slot for c in chunks), np.int32, len(chunks)),
+                     np.fromiter((c.num_new for c in chunks), np.int64, len(chunks)))
 
 
 def build_step(kv: KVCacheManager, chunks: Sequence[SeqChunk]) -> StepInput:
@@ -84,7 +95,8 @@ def build_step(kv: KVCacheManager, chunks: Sequence[SeqChunk]) -> StepInput:
     return StepInput(
         np.array(input_ids, dtype=np.int64), np.array(positions, dtype=np.int64),
         np.array(slots, dtype=np.int64), block_tables, np.array(seq_lens, dtype=np.int32),
-        np.array(query_start_loc, dtype=np.int32), np.array(logits_indices, dtype=np.int64))
+        np.array(query_start_loc, dtype=np.int32), np.array(logits_indices, dtype=np.int64),
+        lora_slots(chunks))
 
 
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
@@ -108,4 +120,4 @@ def build_step_shape(chunks: Sequence[SeqChunk]) -> StepInput:
                      np.zeros((len(seq_lens), 0), dtype=np.int32),
                      np.array(seq_lens, dtype=np.int32),
                      np.array(query_start_loc, dtype=np.int32),
-                     np.array(logits_indices, dtype=np.int64))
+                     np.array(logits_indices, dtype=np.int64), lora_slots(chunks))

@@ -5,6 +5,8 @@ requested output length."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from kvflow.build.engine_config import BuildLimits, EngineConfig
@@ -41,6 +43,16 @@ class SimRunner(ModelRunner):
         self.cost, self.clock = cost, clock
         self._logits = np.zeros((1, SIM_VOCAB), dtype=np.float32)
         self._logits[:, SIM_TOKEN] = 1.0
+
+    # LoRA: requests may carry adapters (the scheduler's slot limit and the adapters' swaps
+    # run as served); the simulated model computes nothing, so loads and slots are free.
+    supports_lora = True
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        """No pool to make: the simulated model computes nothing."""
+
+    def load_lora(self, slot: int, adapter: Any) -> None:
+        """Nothing to write (a load's time is not modelled)."""
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Nothing to copy: the simulated pool holds no data (a copy's time is not modelled)."""

@@ -129,6 +129,7 @@ class ContinuousScheduler(Scheduler):
         admitted: set[Request] = set()
         cap = cfg.max_long_partial_prefills
         num_long = sum(1 for r in self.running if self._is_long_prefill(r)) if cap else 0
+        self.loras.blocked = False
         while self.waiting:
             budget = self._step_tokens - out.num_batched_tokens
             if budget <= 0:
@@ -143,6 +144,12 @@ class ContinuousScheduler(Scheduler):
             num_new = self._try_admit(request, budget, out)
             if num_new == 0:
                 num_new = self._preempt_for(request, out)
+            if num_new == 0 and not self.loras.admits(request):
+                # It waits for a LoRA slot, not for KV or budget: others may go, but no
+                # adapter's request after it (lora_gate: it is not starved).
+                self.loras.blocked = True
+                skip.add(request)
+                continue
             if num_new == 0:
                 break
             self.waiting.remove(request)
@@ -157,6 +164,8 @@ class ContinuousScheduler(Scheduler):
     def _try_admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """Admit ``request`` if seats and KV allow; the tokens it runs (0: it does not fit)."""
         if self.num_seats_taken + self.seats(request) > self.config.max_num_seqs:
+            return 0
+        if not self.loras.admits(request):
             return 0
         reserve = self.watermark_blocks if self.running else 0
         return self._admit_tokens(request, budget, reserve, out)
@@ -191,13 +200,18 @@ class ContinuousScheduler(Scheduler):
                    out: SchedulerOutput) -> bool:
         """Whether ``request`` is admitted once every one of ``victims`` is preempted: seats
         (a running leader takes its parked members' with it), budget (the victims' tokens
-        this step come back) and KV blocks (a block is freed only if the victims hold every
-        reference to it; a cache hit costs a free block only if nothing else holds it)."""
+        this step come back), LoRA slots and KV blocks (a block is freed only if the victims
+        hold every reference to it; a cache hit costs a free block only if nothing else holds
+        it)."""
         cfg, kv = self.config, self.kv
         gone = set(victims)
         seats = sum(1 + (len(v.group.parked) if v.group is not None and v is v.group.leader
                          else 0) for v in victims)
         if self.num_seats_taken - seats + self.seats(request) > cfg.max_num_seqs:
+            return False
+        leaving = {m for v in victims for m in (v.group.seqs if v.group is not None else [v])
+                   if m.status == RequestStatus.RUNNING}
+        if not self.loras.admits(request, leaving):
             return False
         budget = (self._step_tokens - out.num_batched_tokens
                   + sum(s.num_new_tokens for s in out.scheduled if s.request in gone))
@@ -243,7 +257,7 @@ class ContinuousScheduler(Scheduler):
             # hit past it (its own outputs, recomputed) would have released their blocks.
             token_ids = token_ids[:request.num_prompt_tokens + 1]
         hits, num_cached = self.kv.get_computed_blocks(request.request_id, token_ids,
-                                                       request.cache_salt)
+                                                       request.cache_key)
         if hits and _needs_prompt_logits(request):
             # Cut where the kept prompt logprobs end (under a window, a cut must still hold
             # the blocks its next token's window reaches).
@@ -285,7 +299,7 @@ class ContinuousScheduler(Scheduler):
         elif self.kv.enable_caching:
             if _needs_prompt_logits(request):  # cached, but their prompt logprobs are not
                 _, num_found = self.kv.get_computed_blocks(rid, request.token_ids,
-                                                           request.cache_salt)
+                                                           request.cache_key)
                 self.prompt_logprobs_recomputed_tokens += num_found - num_cached
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
@@ -299,7 +313,7 @@ class ContinuousScheduler(Scheduler):
         plc = self.kv.prompt_logprobs
         if plc is None:
             return 0
-        hashes = self.kv.block_hashes(request.request_id, request.token_ids, request.cache_salt)
+        hashes = self.kv.block_hashes(request.request_id, request.token_ids, request.cache_key)
         k = request.sampling_params.prompt_logprobs or 0
         return plc.num_usable(hashes, request.prompt_token_ids, k, num_hits)
 

@@ -22,6 +22,7 @@ from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.request import Request, RequestStatus, SequenceGroup
 from kvflow.orchestrator.scheduler import admission
 from kvflow.orchestrator.scheduler.deadlines import Deadlines, timeout_phase, timeout_s
+from kvflow.orchestrator.scheduler.lora_gate import LoraGate
 from kvflow.orchestrator.scheduler.output import (
     Clock,
     Rejection,
@@ -67,6 +68,8 @@ class Scheduler:
         self.policy = QUEUE_POLICIES.get(config.policy, QueuePolicy)(config, kv, clock)
         self.deadlines = Deadlines()
         self.preemptor = Preemptor(config, kv)
+        # At most max_loras distinct LoRA adapters among the running requests.
+        self.loras = LoraGate(config.max_loras)
         # Measured over the steps, for SLO admission's queue-delay prediction.
         self.prefill_rate = admission.PrefillRate(config.recompute_tokens_per_s)
         # The step's token budget from its target time (max_step_ms; None or 0: no target,
@@ -161,6 +164,7 @@ class Scheduler:
         group = request.group
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self.loras.stopped(request)
         elif group is not None and request in group.parked:
             group.parked.remove(request)
         elif request in self.waiting:
@@ -232,7 +236,8 @@ class Scheduler:
             request.spec_token_ids = []
             if caching:
                 self.kv.cache_blocks(request.request_id, request.token_ids,
-                                     request.num_computed_tokens, request.cache_salt)
+                                     request.num_computed_tokens, request.cache_key,
+                                     request.lora_id, bool(request.cache_salt))
             group = request.group
             if (group is not None and group.parked and request is group.leader
                     and request.num_computed_tokens >= request.num_prompt_tokens):
@@ -303,6 +308,7 @@ class Scheduler:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = self.clock()
         self.running.append(request)
+        self.loras.started(request)
 
     def _preempt(self, victim: Request, output: SchedulerOutput) -> list[Request]:
         """Preempt ``victim`` and every running sequence of its group (their KV by swap or
@@ -315,6 +321,7 @@ class Scheduler:
         self.preemptor.evict(members, output)
         for m in members:
             self.running.remove(m)
+            self.loras.stopped(m)
             m.spec_token_ids = []  # proposed for the state it loses
         output.scheduled = [s for s in output.scheduled if s.request not in members]
         self.waiting.appendleft(members[0])
@@ -349,7 +356,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """KV pool consistent; exactly the running requests hold blocks, enough for their KV;
         a group's parked members hold no device block and wait for a leader in the queue or
-        running."""
+        running; at most ``max_loras`` adapters run."""
         self.kv.check_integrity()
         for parent_id, group in self.groups.items():
             assert not group.is_finished, f"finished group {parent_id!r} still registered"
@@ -374,3 +381,4 @@ class Scheduler:
             assert r.num_computed_tokens == 0 or swapped, r
             assert r.request_id not in self.kv.block_tables, r
         assert self.num_seats_taken <= self.config.max_num_seqs
+        self.loras.check_integrity(self.running)

@@ -146,7 +146,7 @@ class CacheAware(QueuePolicy):
                 break
             if r in skip or self.kv.is_swapped(r.request_id):
                 continue
-            _, cached = self.kv.get_computed_blocks(r.request_id, r.token_ids, r.cache_salt)
+            _, cached = self.kv.get_computed_blocks(r.request_id, r.token_ids, r.cache_key)
             key = (cached, -r.arrival_time)
             if key > best_key:
                 best, best_key = r, key

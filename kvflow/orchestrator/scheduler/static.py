@@ -52,7 +52,8 @@ class StaticBatchScheduler(Scheduler):
         while self.waiting and len(self.running) < self.batch_size:
             request = self.waiting[0]
             full = request.num_prompt_tokens + request.max_output_tokens
-            if not self.kv.allocate_slots(request.request_id, full):
+            if not self.loras.admits(request) or not self.kv.allocate_slots(request.request_id,
+                                                                            full):
                 break
             self.waiting.popleft()
             self._start_running(request)
