@@ -133,6 +133,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int_arg, default=0)
     p.add_argument("--seed", type=int_arg, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--lora-name", default=None,
+                   help="run under this LoRA adapter (one the server has loaded)")
     p.add_argument("--api-key", default=envs.api_key(),
                    help="the server's --api-key (default: $KVFLOW_API_KEY)")
 
@@ -145,6 +147,8 @@ def main(args: argparse.Namespace) -> int:
         sampling["seed"] = args.seed
     if args.stop:
         sampling["stop"] = args.stop
+    if args.lora_name:  # where Triton's vLLM backend takes it too
+        sampling["lora_name"] = args.lora_name
     last = None
     for chunk in stream_generate(args.url, args.prompt, sampling, stream=not args.no_stream,
                                  chat=args.chat, api_key=args.api_key):

@@ -11,6 +11,8 @@ tagged array:
 - ``["BlockRemoved", block_hashes, medium]``
 - ``["AllBlocksCleared"]``
 
+``lora_id`` is the LoRA adapter the block was computed under (the engine's stable 1-based id of
+its name; None: the base model): the same tokens under another adapter are another block.
 The router hashes the token ids itself to match requests; a block hash is only the block's
 identity (so that a removal and a child's parent can name it). kvflow's is a 256-bit digest;
 its first 63 bits stand for it here (an integer every reader takes, signed or not).
@@ -58,12 +60,12 @@ def encode_events(events: Sequence[KVEvent], block_size: int) -> list[list]:
             parent = None if ev.parent_hash is None else block_id(ev.parent_hash)
             last = wire[-1] if wire else None
             if (last is not None and last[0] == "BlockStored" and last[1]
-                    and parent == last[1][-1]):
+                    and parent == last[1][-1] and last[5] == ev.lora_id):
                 last[1].append(h)
                 last[3].extend(ev.token_ids)
             else:
-                wire.append(["BlockStored", [h], parent, list(ev.token_ids), block_size, None,
-                             MEDIUM])
+                wire.append(["BlockStored", [h], parent, list(ev.token_ids), block_size,
+                             ev.lora_id, MEDIUM])
         elif isinstance(ev, BlockRemoved):
             h = block_id(ev.block_hash)
             last = wire[-1] if wire else None

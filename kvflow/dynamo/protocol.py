@@ -3,7 +3,8 @@
 Dynamo's frontend tokenizes (chat template included), so a worker gets a *preprocessed* request:
 ``token_ids``, ``sampling_options``, ``stop_conditions`` and ``output_options``. The frontend's
 decoder turns the token ids the worker streams back into text and applies the text-level stops
-(``stop`` strings). This module only renames fields: every value goes through
+(``stop`` strings); ``lora_name`` (or a ``model`` that names a loaded LoRA adapter) selects
+an adapter. This module only renames fields: every value goes through
 :meth:`SamplingParams.from_dict`, the one validation that the Triton backend and the OpenAI
 front door use too, so a bad value gets the same error naming the field and its limit.
 """
@@ -11,7 +12,7 @@ front door use too, so a bad value gets the same error naming the field and its 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,23 @@ def cache_salt_of(request: Mapping[str, Any]) -> str | None:
     if isinstance(nvext, Mapping) and nvext.get("cache_salt"):
         return str(nvext["cache_salt"])
     return None
+
+
+def lora_name_of(request: Mapping[str, Any], adapters: Collection[str]) -> str | None:
+    """The LoRA adapter a request runs under (None: the base model): ``lora_name`` given
+    explicitly (on the request, in ``extra_args`` or ``extra_args.nvext``; the engine refuses
+    a name it does not hold, naming it), else the request's ``model`` when it names one of
+    ``adapters`` (the adapters loaded: a client that asks for an adapter by model name)."""
+    extra = request.get("extra_args") or {}
+    nvext = extra.get("nvext") if isinstance(extra, Mapping) else None
+    for where in (request, extra, nvext):
+        if isinstance(where, Mapping) and where.get("lora_name") is not None:
+            name = where["lora_name"]
+            if not isinstance(name, str):
+                raise ValueError(f"lora_name must be a string, got {name!r}"[:200])
+            return name or None
+    model = request.get("model")
+    return model if isinstance(model, str) and model in adapters else None
 
 
 def tenant_of(request: Mapping[str, Any]) -> str | None:

@@ -13,7 +13,10 @@ What the worker gives Dynamo:
   Face-style card folder written from the engine folder (:func:`write_model_card`), so that
   ``python -m dynamo.frontend`` tokenizes, applies the chat template and serves the OpenAI API.
 - **KV events** from kvflow's prefix cache (:mod:`kvflow.dynamo.events`): ``BlockStored`` and
-  ``BlockRemoved`` as blocks enter and leave the cache, ``AllBlocksCleared`` first.
+  ``BlockRemoved`` as blocks enter and leave the cache, ``AllBlocksCleared`` first; a block
+  computed under a LoRA adapter carries its ``lora_id``.
+- **LoRA adapters** (``--lora-modules NAME=PATH``): a request selects one by ``lora_name`` (or
+  a ``model`` that names it: :func:`~kvflow.dynamo.protocol.lora_name_of`).
 - **Its load**: after every step a snapshot of KV blocks used, total and the prefix-cache hit
   rate (the router's load input and Dynamo's ``dynamo_component_*`` gauges), a forward-pass
   metrics record (requests running and waiting, prefill and decode tokens) for Dynamo's planner,
@@ -36,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,7 @@ from kvflow.dynamo.events import ZmqEventPublisher
 from kvflow.dynamo.protocol import (
     cache_salt_of,
     chunks_of,
+    lora_name_of,
     sampling_params_from,
     tenant_of,
     write_model_card,
@@ -248,6 +252,7 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         normalize_request_token_ids(request)  # a packed buffer (DYN_TOKEN_IDS_AS_BYTES) too
         try:
             params = sampling_params_from(request)
+            lora_name = lora_name_of(request, self._adapters())
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         # Dynamo's ids are unique per frontend, not across frontends: ours must be unique.
@@ -258,7 +263,7 @@ class KvflowDynamoEngine(DynamoLLMEngine):
             stream = self.aengine.add_request(
                 request_id, list(request.get("token_ids") or []), params,
                 is_cancelled=context.is_stopped, tenant=tenant_of(request),
-                cache_salt=cache_salt_of(request))
+                cache_salt=cache_salt_of(request), lora_name=lora_name)
         except RuntimeError as e:  # the engine loop is gone: let the frontend go elsewhere
             self._live.pop(dyn_id, None)
             raise EngineShutdown(str(e)) from None
@@ -280,6 +285,13 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         finally:
             self._live.pop(dyn_id, None)
             await stream.aclose()  # an early exit aborts the request: its blocks are freed
+
+    def _adapters(self) -> Collection[str]:
+        """The LoRA adapters the engine holds (a request's ``model`` may name one). NOTE: read
+        off the engine's thread: a name being loaded or unloaded right now may be missed, and
+        the engine then answers for it."""
+        lora = getattr(self.engine, "lora", None)
+        return () if lora is None else lora.adapters.keys()
 
     async def abort(self, context: Any) -> None:
         request_id = self._live.get(str(context.id()))

@@ -9,7 +9,8 @@ flight, so any number of frontends can stand in front of any number of servers.
 - The routes, one module per endpoint family (:mod:`.routes`): ``GET /v1/models``,
   ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as Server-Sent Events,
   or whole; tool calls and reasoning read out of chat outputs), ``/v1/responses``,
-  ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /health``, ``GET /metrics``
+  ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``POST /v1/load_lora_adapter`` and
+  ``POST /v1/unload_lora_adapter`` (vLLM's), ``GET /health``, ``GET /metrics``
   (the servers' Prometheus text, then the frontend's own counters), ``GET /v1/kvflow/state``
   and the console (``/``, ``/console/...``). This module only composes them.
 - What they share lives once: :class:`.frontend.Frontend` (authentication, the body, error
@@ -60,6 +61,7 @@ def create_app(cfg: FrontendConfig) -> Any:
         completions,
         console,
         health,
+        lora,
         models,
         responses,
         tokenize,
@@ -75,7 +77,7 @@ def create_app(cfg: FrontendConfig) -> Any:
 
     app = FastAPI(title="kvflow OpenAI-compatible API", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
-    for family in (console, health, models, completions, chat, responses, tokenize):
+    for family in (console, health, models, completions, chat, responses, tokenize, lora):
         app.include_router(family.router(fe))
     return app
 

@@ -55,8 +55,9 @@ _PROMPT_WORDS = ("prompt", "text_input", "input_ids", "messages")
 def error_from_backend(message: str, request: CompletionRequest | None = None,
                        code: str | None = None) -> OpenAIError:
     """The OpenAI error for a backend error and its ``error_code``: overload is 503 (retry), an
-    engine failure 500, anything else the client's (400, ``param`` the field its message
-    names: the backend's messages begin with the field)."""
+    engine failure 500, an adapter the engine does not hold 404 (``model_not_found``), anything
+    else the client's (400, ``param`` the field its message names: the backend's messages
+    begin with the field)."""
     if code == ErrorCode.OVERLOADED:
         return OpenAIError(503, message, type_="server_error", code="server_overloaded")
     if code == ErrorCode.ENGINE_ERROR:
@@ -68,6 +69,8 @@ def error_from_backend(message: str, request: CompletionRequest | None = None,
     if param in renamed:
         message = renamed[param] + message[len(param):]
         param = renamed[param]
+    if param == "model":  # an adapter unloaded since the frontend looked (LoraManager.get)
+        return OpenAIError(404, message, "model", code="model_not_found")
     if param in _PROMPT_WORDS:
         param = "messages" if request is not None and request.chat else "prompt"
     elif param not in SamplingParams.field_names() and param not in COMMON_FIELDS \

@@ -1,7 +1,8 @@
 """What every route of the OpenAI frontend shares, written once: the configuration, the pool of
 servers, the worker threads, authentication (:meth:`Frontend.authorize`), the request body
 (:meth:`Frontend.read_body`), error mapping and request counting
-(:meth:`Frontend.error_response`), the served model's name and its chat format, and the
+(:meth:`Frontend.error_response`), the served model's name and its chat format, the ``model``
+field resolved to the base or a LoRA adapter (:meth:`Frontend.resolve_model`), and the
 ``/v1/responses`` store."""
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Any, TypeVar
 
 from kvflow.openai_api.config import FrontendConfig
 from kvflow.openai_api.errors import OpenAIError, bad_request
+from kvflow.openai_api.lora import LoraCatalog, model_not_found
 from kvflow.openai_api.pool import BackendError, TritonPool
 from kvflow.openai_api.protocol import ChatFormat
 from kvflow.openai_api.reasoning import REASONING_PARSERS, reasoning_parser
 from kvflow.openai_api.response_store import ResponseStore
 from kvflow.openai_api.security import KeyGuard, StateRedactor, require_json
-from kvflow.openai_api.streaming import ClientGone
+from kvflow.openai_api.streaming import ClientGone, backend_error
 from kvflow.openai_api.tool_parsers import TOOL_PARSERS
 from kvflow.triton_backend.protocol import (
     MODEL_NAME,
@@ -51,10 +53,12 @@ class Frontend:
         self.store = ResponseStore(cfg.responses_store or ":memory:",
                                    cfg.responses_store_max_count, cfg.responses_store_max_bytes)
         self._pool: TritonPool | None = None
+        self._loras: LoraCatalog | None = None
         self._workers: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
         self._pool = TritonPool(self.cfg.triton_urls, self.cfg.api_key)
+        self._loras = LoraCatalog(self._pool)
         self._workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="kvflow-openai")
 
     async def close(self) -> None:
@@ -67,6 +71,12 @@ class Frontend:
     def pool(self) -> TritonPool:
         assert self._pool is not None, "the frontend has not started"
         return self._pool
+
+    @property
+    def loras(self) -> LoraCatalog:
+        """The servers' LoRA adapters (:class:`~kvflow.openai_api.lora.LoraCatalog`)."""
+        assert self._loras is not None, "the frontend has not started"
+        return self._loras
 
     async def in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread: the event loop serves everyone meanwhile."""
@@ -124,6 +134,22 @@ class Frontend:
             self.chat_format = chat_format(self.cfg, parameters)
         assert self.model is not None
         return self.model
+
+    async def resolve_model(self, body: Any) -> tuple[str, str | None]:
+        """The name a request's ``model`` field answers as, and the LoRA adapter it selects
+        (None: the base model). A model that is neither the served name nor an adapter is a
+        404 ``model_not_found``; a missing or non-string one is left to the body's checks."""
+        served = await self.model_name()
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or model == served:
+            return served, None
+        try:
+            found = await self.loras.find(model)
+            if found is None:
+                raise model_not_found(model, served, list(await self.loras.adapters()))
+        except BackendError as e:
+            raise backend_error(e, None) from None
+        return model, model
 
     def format(self) -> ChatFormat:
         """How chat outputs are read (the flags alone until a server has answered)."""

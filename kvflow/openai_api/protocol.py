@@ -124,9 +124,12 @@ def _bytes_tensor(text: str) -> np.ndarray:
 
 
 def parse_completion_request(body: Any, served_model: str, chat: bool,
-                             chat_format: ChatFormat | None = None) -> CompletionRequest:
+                             chat_format: ChatFormat | None = None,
+                             lora_name: str | None = None) -> CompletionRequest:
     """Validate the shape of an OpenAI request body and build its engine requests
-    (``chat_format``: how the server reads chat outputs).
+    (``chat_format``: how the server reads chat outputs). ``served_model``: the name the
+    request's ``model`` may give (the base's, or the adapter's that ``lora_name`` selects:
+    :meth:`.frontend.Frontend.resolve_model`).
 
     Raises:
         OpenAIError: 400 for a malformed body or an unsupported field, 404 for another model.
@@ -151,6 +154,8 @@ def parse_completion_request(body: Any, served_model: str, chat: bool,
     options = options or {}
 
     sampling: dict[str, Any] = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    if lora_name is not None:  # the backend's own key (Triton's vLLM backend reads it there)
+        sampling["lora_name"] = lora_name
     renamed: dict[str, str] = {}
     max_tokens = body.get("max_tokens")
     if chat and body.get("max_completion_tokens") is not None:

@@ -67,9 +67,11 @@ class ResponsesRequest:
 
 
 def parse_responses_request(body: Any, served_model: str, fmt: ChatFormat,
-                            previous: dict[str, Any] | None) -> ResponsesRequest:
+                            previous: dict[str, Any] | None,
+                            lora_name: str | None = None) -> ResponsesRequest:
     """Translate ``body`` (``previous``: the stored record ``previous_response_id`` names,
-    already found) and parse it as a chat request.
+    already found) and parse it as a chat request (``lora_name``: the adapter its ``model``
+    selects, as :func:`.protocol.parse_completion_request` takes it).
 
     Raises:
         OpenAIError: a 400 naming the field, 404 for another model.
@@ -95,7 +97,7 @@ def parse_responses_request(body: Any, served_model: str, fmt: ChatFormat,
     if response_format is not None:
         chat["response_format"] = response_format
     try:
-        parsed = parse_completion_request(chat, served_model, True, fmt)
+        parsed = parse_completion_request(chat, served_model, True, fmt, lora_name)
     except OpenAIError as e:
         raise client_error(e) from None
     parsed.renamed = {k: RENAMED.get(v, v) for k, v in parsed.renamed.items()}

@@ -28,6 +28,7 @@ from kvflow import envs
 from kvflow.orchestrator.options import options_to_parameters
 from kvflow.triton_backend import preload
 from kvflow.triton_backend.connections import disconnect_clients
+from kvflow.triton_backend.lora_control import absolute_lora_paths
 from kvflow.triton_backend.protocol import (
     ADMIN_APIS,
     ADMIN_HEADER,
@@ -93,6 +94,9 @@ class ServerConfig:
             except ValueError as e:
                 raise ServeError(f"--trace-steps: {e}") from None
         try:  # bad options are refused before any server starts
+            if isinstance(self.engine_args.get("lora_modules"), dict):  # the backend's cwd
+                self.engine_args["lora_modules"] = absolute_lora_paths(  # is not ours
+                    self.engine_args["lora_modules"])
             plan_engine(self.engine_dir, **self.engine_args)
         except ValueError as e:
             raise ServeError(str(e)) from None

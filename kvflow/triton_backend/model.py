@@ -8,7 +8,8 @@ arrive (several steps' tokens in one response when it falls behind). A client th
 disconnects is noticed within :data:`~.streams.CANCEL_POLL_S` and its request aborted, its KV
 blocks freed.
 
-A request answered at once (a tokenize or detokenize, the state snapshot) is answered on one
+A request answered at once (a tokenize or detokenize, the state snapshot, a LoRA adapter loaded,
+unloaded or listed: :mod:`.lora_control`) is answered on one
 of :data:`ANSWER_WORKERS` threads of its own, through its decoupled response sender: Triton has
 one execute thread, and every generate request waits behind what runs on it (a tokenize of
 megabytes, or a snapshot that waits for the engine's step to end).
@@ -33,6 +34,7 @@ from kvflow.console.state import engine_state
 from kvflow.orchestrator.engine_loop import EngineLoop
 from kvflow.orchestrator.options import options_from_parameters
 from kvflow.orchestrator.outputs import ENGINE_ERROR_PREFIX, OVERLOADED_PREFIX, ErrorCode
+from kvflow.triton_backend.lora_control import parse_lora_command, run_lora_command
 from kvflow.triton_backend.metrics import TritonMetrics
 from kvflow.triton_backend.params import (
     INPUT_NAMES,
@@ -43,6 +45,8 @@ from kvflow.triton_backend.protocol import (
     CHAT_FORMAT_PARAMETERS,
     ENGINE_FAILED_FILE,
     ERROR_OUTPUT_PARAMETER,
+    LORA_OUTPUT,
+    LORA_PARAMETER,
     SERVE_FILE,
     SERVED_MODEL_NAME_PARAMETER,
     STATE_PARAMETER,
@@ -135,6 +139,7 @@ class KvflowTritonModel:
         self._pending_answers = 0
         self._pending_lock = threading.Lock()
         self.model_name = args.get("model_name", "kvflow")
+        self.served_model_name = _parameter(model_config, SERVED_MODEL_NAME_PARAMETER)
         tokenizer = self.engine.tokenizer
         self._decode_token = None if tokenizer is None else (
             lambda t: tokenizer.decode([t], skip_special_tokens=False))
@@ -197,9 +202,11 @@ class KvflowTritonModel:
                         inputs[name] = tensor.as_numpy()
                 parameters = _request_parameters(request)
                 error_output = parameters.get(ERROR_OUTPUT_PARAMETER) is True
-                # Asked for the state snapshot or tokens: one answer, on a worker thread.
+                # Asked for the state snapshot, tokens or a LoRA operation: one answer, on a
+                # worker thread.
                 if (parameters.get(STATE_PARAMETER) is True
-                        or parameters.get(TOKENIZE_PARAMETER) is True):
+                        or parameters.get(TOKENIZE_PARAMETER) is True
+                        or LORA_PARAMETER in parameters):
                     self._answer_later(sender, inputs, parameters, error_output)
                     continue
                 parsed = parse_request(inputs, self.max_model_len, parameters=parameters)
@@ -216,7 +223,7 @@ class KvflowTritonModel:
             # The engine tokenizes (on a preparing thread), chat template included.
             self.loop.submit(request_id, parsed.prompt, parsed.params, stream.on_output,
                              parsed.priority, cache_salt=parsed.cache_salt,
-                             tenant=parsed.tenant)
+                             tenant=parsed.tenant, lora_name=parsed.lora_name)
         return None
 
     def _answer_later(self, sender: Any, inputs: dict[str, np.ndarray],
@@ -229,8 +236,8 @@ class KvflowTritonModel:
         if full:
             self.metrics.count_rejected("queue_full")
             sender.send(error_response(
-                self.pb, f"{OVERLOADED_PREFIX}: {MAX_PENDING_ANSWERS} tokenize and state "
-                "requests are waiting already; retry", ErrorCode.OVERLOADED, error_output),
+                self.pb, f"{OVERLOADED_PREFIX}: {MAX_PENDING_ANSWERS} tokenize, state and "
+                "LoRA requests are waiting already; retry", ErrorCode.OVERLOADED, error_output),
                 flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         # NOTE: copies: the input tensors belong to the request, which Triton may release
@@ -240,13 +247,20 @@ class KvflowTritonModel:
 
     def _answer(self, sender: Any, inputs: dict[str, np.ndarray], parameters: dict[str, Any],
                 error_output: bool) -> None:
-        """On an answer worker: the state snapshot or the tokenize answer, sent as the
-        request's one final response (an error response naming the field if it is bad)."""
+        """On an answer worker: the state snapshot, the tokenize answer or the LoRA
+        operation's (:mod:`.lora_control`), sent as the request's one final response (an
+        error response naming the field if it is bad)."""
         pb = self.pb
         try:
             try:
                 if parameters.get(STATE_PARAMETER) is True:
                     answer = {"state": np.array([self._state()], dtype=np.object_)}
+                elif LORA_PARAMETER in parameters:
+                    done = run_lora_command(self.loop,
+                                            parse_lora_command(parameters[LORA_PARAMETER]),
+                                            self.served_model_name)
+                    answer = {LORA_OUTPUT: np.array([json.dumps(done).encode()],
+                                                    dtype=np.object_)}
                 else:
                     answer = tokenize_outputs(self.engine.inputs, inputs, parameters)
                 response = pb.InferenceResponse(output_tensors=[

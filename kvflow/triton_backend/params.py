@@ -15,7 +15,9 @@ for ``/v1/chat/completions``), with the function tools offered in ``tools`` (a J
 OpenAI tools, rendered as :mod:`kvflow.text.chat_tools` says). ``user`` (or ``tenant`` in
 ``sampling_parameters``) names the tenant the request is accounted to (the ``fair`` policy's
 unit). ``timeout_ms`` in
-``sampling_parameters`` is the request's deadline.
+``sampling_parameters`` is the request's deadline. ``lora_name`` (a request parameter, or a key
+of ``sampling_parameters`` as Triton's vLLM backend takes it) selects a LoRA adapter the
+server has loaded; the engine refuses a name it does not know.
 
 Integer tensors are INT64, so that no value is wrapped before kvflow can check its range
 (under ``kvflow serve``, INT32 tensors for them arrive widened to INT64: ``preload.c``).
@@ -41,7 +43,7 @@ from kvflow.orchestrator.sampling.params import (
     short_repr,
 )
 from kvflow.text.tokenizer import ChatPrompt, Prompt
-from kvflow.triton_backend.protocol import ERROR_OUTPUT_PARAMETER
+from kvflow.triton_backend.protocol import ERROR_OUTPUT_PARAMETER, LORA_NAME_PARAMETER
 
 # Triton's vLLM backend clients send every sampling parameter as a JSON string ("0.7"); these
 # are the keys whose strings are converted, and to what.
@@ -52,7 +54,7 @@ _NUMERIC_KEYS: dict[str, type] = {
     "presence_penalty": float, "frequency_penalty": float, "timeout_ms": int,
 }
 # sampling_parameters keys that are the request's, not its sampling's.
-REQUEST_KEYS = ("tenant",)
+REQUEST_KEYS = ("tenant", LORA_NAME_PARAMETER)
 _BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "guided_json_object", "speculative")
 MAX_PRIORITY = 1 << 30
 # Inputs accepted from TensorRT-LLM-style clients and ignored on purpose (see module doc).
@@ -64,10 +66,11 @@ MAX_MESSAGES_JSON_BYTES = 4 << 20
 MAX_MESSAGES_JSON_DEPTH = 8
 MAX_USER_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024
+MAX_LORA_NAME_CHARS = 256
 # Request parameters Triton itself sets on a request (KServe's reserved names).
 TRITON_REQUEST_PARAMETERS = ("priority", "timeout", "sequence_id", "sequence_start",
                              "sequence_end", "headers", "triton_enable_empty_final_response")
-REQUEST_PARAMETERS = (*TRITON_REQUEST_PARAMETERS, ERROR_OUTPUT_PARAMETER)
+REQUEST_PARAMETERS = (*TRITON_REQUEST_PARAMETERS, ERROR_OUTPUT_PARAMETER, LORA_NAME_PARAMETER)
 
 
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")
@@ -96,6 +99,7 @@ class ParsedRequest:
     priority: int
     cache_salt: str | None = None
     tenant: str | None = None
+    lora_name: str | None = None  # a LoRA adapter's name; None: the base model
 
 
 def _scalar(name: str, array: np.ndarray) -> Any:
@@ -269,6 +273,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
         raise BadRequestError(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], "
                               f"got {priority}")
     tenant = fields.pop("tenant", None)
+    lora = fields.pop(LORA_NAME_PARAMETER, None)
     if tenant is not None and not isinstance(tenant, str):
         raise BadRequestError(f"sampling_parameters.tenant must be a string, got "
                               f"{short_repr(tenant)}")
@@ -289,7 +294,25 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_model_len: int,
                               f"({short_repr(user, 40)} vs {short_repr(tenant, 40)}); give one")
     user = user or tenant
     return ParsedRequest(prompt, prompt_text, params, bool(stream), bool(exclude), priority,
-                         salt or None, user or None)
+                         salt or None, user or None,
+                         _lora_name((parameters or {}).get(LORA_NAME_PARAMETER), lora))
+
+
+def _lora_name(parameter: Any, sampled: Any) -> str | None:
+    """The adapter a request names: the request parameter ``lora_name`` or
+    ``sampling_parameters.lora_name`` (both: the same name); None (or "") for the base."""
+    for name, value in ((LORA_NAME_PARAMETER, parameter),
+                        (f"sampling_parameters.{LORA_NAME_PARAMETER}", sampled)):
+        if value is not None and not isinstance(value, str):
+            raise BadRequestError(f"{name} must be a string, got {short_repr(value)}")
+        if value is not None and len(value) > MAX_LORA_NAME_CHARS:
+            raise BadRequestError(f"{name} is {len(value)} characters; the limit is "
+                                  f"{MAX_LORA_NAME_CHARS}")
+    if parameter and sampled and parameter != sampled:
+        raise BadRequestError(f"lora_name and sampling_parameters.lora_name name different "
+                              f"adapters ({short_repr(parameter, 40)} vs "
+                              f"{short_repr(sampled, 40)}); give one")
+    return parameter or sampled or None
 
 
 def _prompt(inputs: Mapping[str, np.ndarray], apply_chat_template: bool) -> tuple[Prompt, str]:

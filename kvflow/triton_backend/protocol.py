@@ -30,6 +30,15 @@ TOKENIZE_PARAMETER = "kvflow_tokenize"
 # The request parameter (a bool) that asks for the engine's state snapshot
 # (kvflow.console.state): one response, its JSON in the output ``state``.
 STATE_PARAMETER = "kvflow_state"
+# The request parameter (a string) that selects a LoRA adapter by name for a generate request
+# (Triton's vLLM backend takes it in sampling_parameters, which kvflow accepts too).
+LORA_NAME_PARAMETER = "lora_name"
+# The request parameter (a JSON string) that loads, unloads or lists LoRA adapters:
+# {"op": "load", "lora_name": N, "lora_path": P}, {"op": "unload", "lora_name": N} or
+# {"op": "list"}. One response, its JSON in the output ``lora``: the adapters after the
+# operation ({"enabled": bool, "loras": [...]}, each as LoraManager.info() gives it).
+LORA_PARAMETER = "kvflow_lora"
+LORA_OUTPUT = "lora"
 
 # The model parameter that names the model for the OpenAI frontend (the launcher writes it).
 SERVED_MODEL_NAME_PARAMETER = "served_model_name"

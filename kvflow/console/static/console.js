@@ -66,6 +66,7 @@ function draw(state) {
   }
   while (ttfts.length && ttfts[0][0] < now - WINDOW_S * 1e3) ttfts.shift();
   drawCounters(state);
+  drawLoras(state.loras || []);
   drawRequests(state);
   drawKV(state.kv);
   drawSteps(state.steps);
@@ -95,7 +96,7 @@ function drawRequests(state) {
     const prefill = r.state === "prefill" || r.state === "waiting";
     const done = prefill ? r.computed_tokens : r.output_tokens;
     const total = prefill ? r.prompt_tokens : r.max_tokens;
-    const cells = [r.id, null, null, r.tenant ?? "", r.priority,
+    const cells = [r.id, null, null, r.tenant ?? "", r.lora_name ?? "", r.priority,
                    (1e3 * r.ttft_s).toFixed(0), r.blocks];
     cells.forEach((value, i) => {
       const td = document.createElement("td");
@@ -121,9 +122,24 @@ function drawRequests(state) {
   const more = state.num_running + state.num_waiting - state.requests.length;
   if (more > 0) {
     const row = document.createElement("tr");
-    row.innerHTML = `<td colspan="7" class="muted">and ${more} more</td>`;
+    row.innerHTML = `<td colspan="8" class="muted">and ${more} more</td>`;
     body.append(row);
   }
+}
+
+// The LoRA adapters loaded (name, slot, running sequences), and the chat's model choices: the
+// base model, then each adapter.
+function drawLoras(loras) {
+  const line = $("loras");
+  line.hidden = loras.length === 0;
+  line.textContent = "LoRA adapters: " + loras.map((a) =>
+    `${a.name} (${a.resident ? `slot ${a.slot}` : "not resident"}, ${a.running} running)`
+  ).join(", ");
+  const names = [model, ...loras.map((a) => a.name)].filter((n) => n);
+  const select = $("chat-model");
+  if ([...select.options].map((o) => o.value).join("\n") === names.join("\n")) return;
+  const chosen = select.value;
+  select.replaceChildren(...names.map((n) => new Option(n, n, false, n === chosen)));
 }
 
 function drawKV(kv) {
@@ -207,12 +223,13 @@ async function modelName() {
   const r = await api("/v1/models");
   model = (await r.json()).data[0].id;
   $("model").textContent = model;
+  drawLoras(last ? last.loras || [] : []);
   return model;
 }
 
 function request(messages) {
   const body = {
-    model, messages, stream: true, stream_options: { include_usage: true },
+    model: $("chat-model").value || model, messages, stream: true, stream_options: { include_usage: true },
     max_tokens: Number($("max_tokens").value) || 128,
     temperature: Number($("temperature").value), top_p: Number($("top_p").value),
   };

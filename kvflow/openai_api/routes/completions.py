@@ -13,7 +13,7 @@ from kvflow.openai_api.checks import load_body
 from kvflow.openai_api.completion_bodies import ChoiceState, encode_body, final_response
 from kvflow.openai_api.frontend import Frontend
 from kvflow.openai_api.generation import generate
-from kvflow.openai_api.protocol import ChatFormat, CompletionRequest, parse_completion_request
+from kvflow.openai_api.protocol import CompletionRequest, parse_completion_request
 from kvflow.openai_api.streaming import sse
 
 
@@ -23,9 +23,10 @@ async def serve_completion(fe: Frontend, request: Request, chat: bool) -> Any:
 
     async def work() -> Any:
         fe.authorize(request)
-        data = await fe.read_body(request)
-        model = await fe.model_name()
-        parsed = await fe.in_worker(_parse, data, model, chat, fe.format())
+        body = await fe.in_worker(load_body, await fe.read_body(request))
+        model, lora = await fe.resolve_model(body)
+        parsed = await fe.in_worker(parse_completion_request, body, model, chat, fe.format(),
+                                    lora)
         run = await generate(fe, request, parsed)
         if run.firsts is None:  # built and encoded off the loop: it may hold prompt logprobs
             return Response(await fe.in_worker(_final_body, parsed, run.states),
@@ -45,10 +46,6 @@ def router(fe: Frontend) -> APIRouter:
         return await serve_completion(fe, request, chat=False)
 
     return routes
-
-
-def _parse(data: bytes, model: str, chat: bool, fmt: ChatFormat) -> CompletionRequest:
-    return parse_completion_request(load_body(data), model, chat, fmt)
 
 
 def _final_body(parsed: CompletionRequest, states: list[ChoiceState]) -> bytes:

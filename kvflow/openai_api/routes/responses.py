@@ -38,9 +38,10 @@ def router(fe: Frontend) -> APIRouter:
     async def create(request: Request) -> Any:
         async def work() -> Any:
             namespace = fe.authorize(request)
-            data = await fe.read_body(request)
-            model = await fe.model_name()
-            parsed = await fe.in_worker(_parse, data, model, fe.format(), fe.store, namespace)
+            body = await fe.in_worker(load_body, await fe.read_body(request))
+            model, lora = await fe.resolve_model(body)
+            parsed = await fe.in_worker(_parse, body, model, lora, fe.format(), fe.store,
+                                        namespace)
             try:
                 run = await generate(fe, request, parsed.chat)
             except OpenAIError as e:
@@ -90,9 +91,8 @@ def _not_found(response_id: str, param: str) -> OpenAIError:
                        "key's)", param, code="response_not_found")
 
 
-def _parse(data: bytes, model: str, fmt: ChatFormat, store: ResponseStore,
+def _parse(body: Any, model: str, lora: str | None, fmt: ChatFormat, store: ResponseStore,
            namespace: str) -> ResponsesRequest:
-    body = load_body(data)
     previous = None
     previous_id = body.get("previous_response_id") if isinstance(body, dict) else None
     if previous_id is not None:
@@ -101,7 +101,7 @@ def _parse(data: bytes, model: str, fmt: ChatFormat, store: ResponseStore,
         previous = store.get(namespace, previous_id)
         if previous is None:
             raise _not_found(previous_id, "previous_response_id")
-    return parse_responses_request(body, model, fmt, previous)
+    return parse_responses_request(body, model, fmt, previous, lora)
 
 
 def _finish(store: ResponseStore, namespace: str, parsed: ResponsesRequest,

@@ -28,9 +28,9 @@ def router(fe: Frontend) -> APIRouter:
     async def tokenizer(request: Request, detokenize: bool) -> Any:
         async def work() -> Any:
             fe.authorize(request)
-            data = await fe.read_body(request)
-            inputs, options = await fe.in_worker(_parse, data, await fe.model_name(),
-                                                 detokenize)
+            body = await fe.in_worker(load_body, await fe.read_body(request))
+            model, _lora = await fe.resolve_model(body)  # an adapter tokenizes as its base
+            inputs, options = await fe.in_worker(_parse, body, model, detokenize)
             try:
                 answer = await fe.pool.ask(inputs, {TOKENIZE_PARAMETER: True, **options},
                                            TOKENIZE_OUTPUTS)
@@ -51,8 +51,7 @@ def router(fe: Frontend) -> APIRouter:
     return routes
 
 
-def _parse(data: bytes, model: str, detokenize: bool) -> tuple[dict[str, Any], dict[str, bool]]:
-    body = load_body(data)
+def _parse(body: Any, model: str, detokenize: bool) -> tuple[dict[str, Any], dict[str, bool]]:
     if detokenize:
         return detokenize_request(body, model), {}
     return tokenize_request(body, model)
