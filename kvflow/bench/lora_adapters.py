@@ -24,9 +24,20 @@ def hf_folder(model: str, out_dir: str | Path) -> Path:
     target = Path(out_dir) / f"hf-{path.stem}"
     if (target / "config.json").is_file():
         return target
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from kvflow.model.hf_reference import load_hf_reference
 
-    load_hf_reference(model).save_pretrained(str(target), safe_serialization=True)
+    # NOTE: transformers marks a model loaded from a GGUF as quantized and refuses to save it,
+    # though its weights are dequantized fp32: the same weights, in a plain model, are saved.
+    loaded = load_hf_reference(model)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(str(target), safe_serialization=True)
     return target
 
 
