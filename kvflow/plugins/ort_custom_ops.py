@@ -1,8 +1,8 @@
 """The ONNX Runtime custom-op library: ``kvflow::PagedAttention`` in C++, built on this machine.
 
 ``paged_attention_ort.cc`` implements the node of :mod:`kvflow.plugins.torch_op` as an ORT
-kernel, so that one session runs a whole engine step (with ``kvflow::MatMulQ`` and
-``kvflow::GatherQ`` beside it). It is compiled here, with the machine's ``g++``, against ONNX
+kernel, so that one session runs a whole engine step (with ``kvflow::MatMulQ``,
+``kvflow::GatherQ`` and ``kvflow::LoraMatMul`` beside it). It is compiled here, with the machine's ``g++``, against ONNX
 Runtime's C API headers alone (the API table reaches the library through ``RegisterCustomOps``;
 nothing links against ``libonnxruntime.so``). Headers of API 21 load into any newer runtime.
 
@@ -49,7 +49,8 @@ SOURCES = (SOURCE, SOURCE.with_name("paged_attention_ort_kernel.h"),
            SOURCE.with_name("paged_attention_ort_scores.h"), SOURCE.with_name("matmul_q_ort.h"),
            SOURCE.with_name("matmul_q_kernel.h"), SOURCE.with_name("matmul_q_gemm.h"),
            SOURCE.with_name("matmul_q_gemm_x86.h"), SOURCE.with_name("gather_q_ort.h"),
-           SOURCE.with_name("matmul_q_gemv512.h"), SOURCE.with_name("isa.h"))
+           SOURCE.with_name("matmul_q_gemv512.h"), SOURCE.with_name("isa.h"),
+           SOURCE.with_name("lora_matmul_ort.h"))
 API_HEADER = "onnxruntime_c_api.h"
 HEADERS_DIRNAME = "onnxruntime-headers"
 # Debian 13 (trixie) ships ONNX Runtime 1.21's headers (API 21) in this package.

@@ -38,6 +38,7 @@
 
 #include "gather_q_ort.h"
 #include "isa.h"
+#include "lora_matmul_ort.h"
 #include "matmul_q_ort.h"
 #include "paged_attention_ort_kernel.h"
 
@@ -372,16 +373,19 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   g_api = api;
   matmul_q::g_api = api;
   gather_q::g_api = api;
+  lora_matmul::g_api = api;
   // NOTE: the ops and one domain for the process, shared by every session (never freed: ORT
   // keeps pointers to them for each session's lifetime). kvflow::MatMulQ: matmul_q_ort.h.
   static OrtCustomOp op = make_op();
   static OrtCustomOp matmul_q_op = matmul_q::make_op();
   static OrtCustomOp gather_q_op = gather_q::make_op();
+  static OrtCustomOp lora_op = lora_matmul::make_op();  // lora_matmul_ort.h
   static OrtCustomOpDomain* domain = nullptr;
   static OrtStatus* created = [&]() -> OrtStatus* {
     if (OrtStatus* s = api->CreateCustomOpDomain("kvflow", &domain)) return s;
     if (OrtStatus* s = api->CustomOpDomain_Add(domain, &op)) return s;
     if (OrtStatus* s = api->CustomOpDomain_Add(domain, &matmul_q_op)) return s;
+    if (OrtStatus* s = api->CustomOpDomain_Add(domain, &lora_op)) return s;
     return api->CustomOpDomain_Add(domain, &gather_q_op);
   }();
   if (created) return api->CreateStatus(api->GetErrorCode(created), api->GetErrorMessage(created));

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvflow.build.engine_config import EngineConfig
+
+if TYPE_CHECKING:
+    from kvflow.runtime.lora_pool import LoraWeights
 
 RUNNERS = ("onnxruntime", "torch", "triton", "tensorrt")
 # How the onnxruntime runner multiplies by a quantized engine's weights (EngineOptions).
@@ -94,6 +97,9 @@ class StepInput:
         logits_indices: int64 ``[N]`` packed rows whose next-token logits to return, in
             ascending order: each sampled sequence's last row, and for a sequence that asks for
             prompt logprobs, its chunk's prompt rows before it (so ``N`` may exceed ``S``).
+        lora_slots: int32 ``[T]`` each packed token's LoRA slot (:meth:`ModelRunner.load_lora`),
+            -1 for the base model; None when no token of the step uses an adapter (the runner
+            then does no LoRA work at all).
     """
 
     input_ids: np.ndarray
@@ -103,6 +109,7 @@ class StepInput:
     seq_lens: np.ndarray
     query_start_loc: np.ndarray
     logits_indices: np.ndarray
+    lora_slots: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -140,6 +147,9 @@ class ModelRunner(ABC):
     # (the simulator's) gets a StepInput with only seq_lens, query_start_loc and
     # logits_indices filled, which the engine builds for a fraction of the cost.
     needs_inputs: bool = True
+    # Whether enable_lora / load_lora work (runner-side multi-LoRA: a slot pool of adapters,
+    # StepInput.lora_slots choosing one per token).
+    supports_lora: bool = False
 
     def __init__(self, engine: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.engine = engine
@@ -184,6 +194,20 @@ class ModelRunner(ABC):
         argmax inside the model override this, so that no vocabulary-wide row leaves it."""
         logits = self.execute(step)
         return np.argmax(logits[:, : self.vocab_size], axis=1)
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        """Allocate the LoRA slot pool: ``max_loras`` adapters of rank at most ``max_rank``,
+        all zeros. Runners without LoRA refuse it, naming themselves."""
+        raise ValueError(f"the {self.name} runner does not serve LoRA adapters")
+
+    def load_lora(self, slot: int, adapter: LoraWeights) -> None:
+        """Write ``adapter`` into pool slot ``slot`` (the modules it leaves out are zeroed)."""
+        raise ValueError(f"the {self.name} runner does not serve LoRA adapters")
+
+    @property
+    def lora_pool_bytes(self) -> int:
+        """Bytes of the LoRA slot pool (0 without one)."""
+        return 0
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host swap blocks: ``(device_block, host_block)`` pairs."""

@@ -54,8 +54,15 @@ from kvflow.runtime.base import (
     kv_cache_numpy_dtype,
 )
 from kvflow.runtime.kv_cache import HostKVPool
+from kvflow.runtime.lora_pool import LoraPool, LoraWeights, fused_groups
 from kvflow.runtime.ort_graph import FusionReport, fuse_for_ort
 from kvflow.runtime.ort_graph_gather import GATHER_Q_OP_TYPE
+from kvflow.runtime.ort_graph_lora import (
+    LOGIT_SLOTS_INPUT,
+    PTRS_INPUT,
+    SLOTS_INPUT,
+    add_lora_nodes,
+)
 from kvflow.runtime.ort_sessions import (
     ARGMAX_OUTPUT,
     Executor,
@@ -84,6 +91,7 @@ ONNX_FILE = "model.onnx"
 AUTO_INT8_MAX_TOKENS = 16
 ATTENTION_MODES = ("auto", "native", "segmented")
 KV_DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}  # the op's kv_dtype attribute
+_NO_SLOTS = np.zeros(0, np.int32)  # lora_slots of a step without adapters: LoraMatMul is a no-op
 _warned: set[str] = set()
 _gather_q: dict[Path, bool] = {}
 
@@ -93,17 +101,22 @@ class OnnxRuntimeRunner(PoolRunner):
 
     ``attention``: ``native`` (the custom op, one session; an error if it cannot load),
     ``segmented`` (the fallback), or ``auto`` (native when it loads). ``threads``: a fixed
-    intra-op thread count instead of the measured policy.
+    intra-op thread count instead of the measured policy. ``max_loras`` > 0: a LoRA slot pool
+    of that many adapters of rank up to ``max_lora_rank``, applied by ``kvflow::LoraMatMul``
+    nodes inserted into the graph at load (:mod:`kvflow.runtime.ort_graph_lora`; needs the
+    native op library). The pool's size is fixed with the sessions: :meth:`enable_lora` only
+    confirms it.
     """
 
     pool: HostKVPool
 
     name = "onnxruntime"
+    supports_lora = True
 
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,
                  num_host_blocks: int = 0, threads: int | None = None,
                  quantized_matmul: str = "fp32", kv_cache_dtype: str = "fp32",
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", max_loras: int = 0, max_lora_rank: int = 16) -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
         path = Path(engine_dir) / engine.files.get("onnx", ONNX_FILE)
         if not path.is_file():
@@ -118,15 +131,21 @@ class OnnxRuntimeRunner(PoolRunner):
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        if max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {max_loras}")
         kv_dtype = kv_cache_numpy_dtype(kv_cache_dtype)
         m = engine.model
         self.pool = HostKVPool(m.num_hidden_layers, num_blocks, engine.limits.block_size,
                                m.num_key_value_heads, m.head_dim, kv_dtype, num_host_blocks)
         self.kv_cache_dtype = kv_cache_dtype
+        self.lora: LoraPool | None = None
         try:
+            if max_loras:
+                self.lora = LoraPool(fused_groups(m), m.num_hidden_layers, max_loras,
+                                     max_lora_rank)
             self._load(path, engine, threads, quantized_matmul, kv_dtype, attention)
         except BaseException:
-            self.pool.close()
+            self.close()
             raise
         finally:
             _release_freed_memory()
@@ -137,6 +156,11 @@ class OnnxRuntimeRunner(PoolRunner):
         if library is None and attention == "native":
             raise RuntimeError("attention=native: the ONNX Runtime PagedAttention op is "
                                f"unavailable: {ort_custom_ops.unavailable_reason()}")
+        if library is None and self.lora is not None:
+            why = ("attention=segmented" if attention == "segmented"
+                   else ort_custom_ops.unavailable_reason())
+            raise RuntimeError("LoRA on the onnxruntime runner needs its native op library "
+                               f"(kvflow::LoraMatMul): {why}")
         if library is None and attention == "auto":
             _warn_once("the ONNX Runtime PagedAttention op is unavailable "
                        f"({ort_custom_ops.unavailable_reason()}); running the graph in "
@@ -159,6 +183,8 @@ class OnnxRuntimeRunner(PoolRunner):
             self.fusions.append(fusion)
             self.prepared.append(variant.prepared)
             model = with_argmax(model)
+            if self.lora is not None:
+                add_lora_nodes(model, self.lora)
             if library is not None:
                 for node in attention_nodes(model):
                     node.attribute.extend([
@@ -207,6 +233,7 @@ class OnnxRuntimeRunner(PoolRunner):
         key = ort_threads.cache_key(path, attention=self.attention, int8=int8,
                                     kv_dtype=str(kv_dtype), probes=probes,
                                     fusion=fusion.summary(),
+                                    lora=self.lora is not None,
                                     max_model_len=limits.max_model_len,
                                     max_batch_size=limits.max_batch_size)
         policy = ort_threads.cached_policy(key)
@@ -240,11 +267,47 @@ class OnnxRuntimeRunner(PoolRunner):
             logits_indices=(query_start_loc[1:] - 1).astype(np.int64)))
 
     def _feeds(self, step: StepInput) -> dict[str, np.ndarray]:
-        return {"input_ids": step.input_ids, "positions": step.positions,
-                "kv_cache_ptrs": self.pool.ptrs, "slot_mapping": step.slot_mapping,
-                "block_tables": step.block_tables, "seq_lens": step.seq_lens,
-                "query_start_loc": step.query_start_loc,
-                "logits_indices": step.logits_indices}
+        feeds = {"input_ids": step.input_ids, "positions": step.positions,
+                 "kv_cache_ptrs": self.pool.ptrs, "slot_mapping": step.slot_mapping,
+                 "block_tables": step.block_tables, "seq_lens": step.seq_lens,
+                 "query_start_loc": step.query_start_loc,
+                 "logits_indices": step.logits_indices}
+        if self.lora is not None:
+            slots = step.lora_slots
+            feeds[PTRS_INPUT] = self.lora.ptrs
+            feeds[SLOTS_INPUT] = _NO_SLOTS if slots is None else slots.astype(np.int32, copy=False)
+            feeds[LOGIT_SLOTS_INPUT] = _NO_SLOTS if slots is None else \
+                feeds[SLOTS_INPUT][step.logits_indices]
+        elif step.lora_slots is not None:
+            raise ValueError("the step has lora_slots but the onnxruntime runner has no LoRA "
+                             "pool (max_loras = 0)")
+        return feeds
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        """Confirm the pool made with the runner (``max_loras``/``max_lora_rank``): the graph's
+        LoRA nodes are fixed with its sessions, so a pool cannot be added or resized later."""
+        have = (self.lora.max_loras, self.lora.max_rank) if self.lora is not None else (0, 0)
+        if have != (max_loras, max_rank):
+            raise ValueError(f"the onnxruntime runner's LoRA pool is fixed when it is made "
+                             f"(max_loras {have[0]}, max_lora_rank {have[1]}); asked for "
+                             f"{max_loras}, {max_rank}: pass max_loras and max_lora_rank to "
+                             "create_runner")
+
+    def load_lora(self, slot: int, adapter: LoraWeights) -> None:
+        if self.lora is None:
+            raise ValueError("the onnxruntime runner has no LoRA pool: make it with "
+                             "max_loras > 0")
+        self.lora.load(slot, adapter)
+
+    @property
+    def lora_pool_bytes(self) -> int:
+        return self.lora.nbytes if self.lora is not None else 0
+
+    def close(self) -> None:
+        if self.lora is not None:
+            self.lora.close()
+            self.lora = None
+        super().close()
 
     def executor_for(self, num_tokens: int) -> Executor:
         """The session(s) a step of ``num_tokens`` tokens runs on."""
