@@ -128,7 +128,7 @@ def build_adapter(name: str, path: str, config: ModelConfig, max_rank: int,
     if not modules:
         raise LoraAdapterError(f"{path}: the adapter has no LoRA weights")
     seen: dict[tuple[int, str], str] = {}
-    for m in modules:
+    for m in sorted(modules, key=_module_order):  # the first misfit in the model's order
         _check_module(path, config, max_rank, m)
         key = (m.layer, m.module)
         if key in seen:
@@ -137,7 +137,7 @@ def build_adapter(name: str, path: str, config: ModelConfig, max_rank: int,
         seen[key] = m.source
     rank = max(int(m.a.shape[0]) for m in modules)
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
-    for m in sorted(modules, key=lambda m: (m.layer, LORA_MODULES.index(m.module))):
+    for m in sorted(modules, key=_module_order):
         a = np.asarray(m.a, dtype=np.float32)
         # NOTE: B * scale in fp32, as PEFT's (B @ A) * scaling multiplies fp32 by a Python float.
         b = np.asarray(m.b, dtype=np.float32) * np.float32(m.scale)
@@ -148,6 +148,10 @@ def build_adapter(name: str, path: str, config: ModelConfig, max_rank: int,
         weights[(m.layer, m.module)] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
     return LoraAdapter(name=name, path=path, rank=rank, alpha=float(alpha), weights=weights,
                        digest=weights_digest(weights), base_model=base_model)
+
+
+def _module_order(m: ModuleLora) -> tuple[int, int]:
+    return m.layer, LORA_MODULES.index(m.module) if m.module in LORA_MODULES else -1
 
 
 def _check_module(path: str, config: ModelConfig, max_rank: int, m: ModuleLora) -> None:

@@ -44,9 +44,9 @@ def make_peft_adapter(hf_model_dir: str | Path, out_dir: str | Path, *, rank: in
     if not isinstance(targets, str):
         targets = _model_targets(model, targets)
     # PEFT types lora_alpha int, and computes with any number.
+    fields = {"lora_dropout": 0.0, "bias": "none", **lora_config}
     config = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]
-                        target_modules=targets, lora_dropout=0.0, bias="none",
-                        use_rslora=use_rslora, **lora_config)
+                        target_modules=targets, use_rslora=use_rslora, **fields)
     peft_model = get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
