@@ -131,11 +131,12 @@ def test_an_incomplete_report_says_what_is_missing(tmp_path):
             _run("2 adapters, max_loras 1", 50.0, 30.0, names, names, 1, failed=2,
                  lora={"swaps": None, "evictions": 1.0, "resident": 1.0})]
     report = lora_report.write_lora_report(tmp_path, _report(runs), echo=False)
-    assert report["missing"] == ["1 adapter: error: ServeError: unknown option lora_modules",
+    assert report["missing"] == ["1 adapter: did not run (see Errors)",
                                  "2 adapters, max_loras 1: 2 failed requests",
                                  "2 adapters, max_loras 1: lora.swaps"]
     md = (tmp_path / "report.md").read_text()
     assert "| 1 adapter | 1 | 1 | did not run |" in md and "Incomplete:" in md
+    assert "- 1 adapter: ServeError: unknown option lora_modules" in md
     no_base = lora_report.missing_figures({"machine": {"widest": "AVX2"}, "runs": runs[1:2]})
     assert no_base[0] == "base: no run"
 

@@ -34,7 +34,7 @@ def missing_figures(report: dict[str, Any]) -> list[str]:
         missing.append("base: no run")
     for r in runs:
         if r.get("error"):
-            missing.append(f"{r['name']}: error: {r['error']}")
+            missing.append(f"{r['name']}: did not run (see Errors)")
             continue
         if r.get("failed"):
             missing.append(f"{r['name']}: {r['failed']} failed requests")
@@ -73,8 +73,8 @@ def _f(value: Any, spec: str = ".1f", suffix: str = "") -> str:
     return "-" if value is None else f"{format(value, spec)}{suffix}"
 
 
-def _mb(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:,.0f} MB"
+def _mb(value: int | None, spec: str = ",.0f") -> str:
+    return "-" if value is None else f"{format(value / 2**20, spec)} MB"
 
 
 def write_lora_report(out: str | Path, report: dict[str, Any], echo: bool = True) -> dict[str, Any]:
@@ -104,9 +104,9 @@ def _markdown(report: dict[str, Any]) -> list[str]:
         "KV, so with it on the base would be favoured). Adapters: "
         f"{cfg['adapters']} random nonzero PEFT adapters of rank {cfg['rank']}, alpha "
         f"{cfg['alpha']:g}, on {', '.join(cfg['targets'])} "
-        f"({_mb(cfg.get('adapter_bytes'))} each on disk), made with `make_peft_adapter` on the "
-        "model's HF weights; a mixed run spreads them over the requests in equal shares, in a "
-        "seeded random order.", "",
+        f"({_mb(cfg.get('adapter_bytes'), '.1f')} each on disk), made with "
+        "`make_peft_adapter` on the model's HF weights; a mixed run spreads them over the "
+        "requests in equal shares, in a seeded random order.", "",
         f"Machine: {machine.get('model_name') or '?'}, {machine.get('cpus')} CPUs, widest ISA "
         f"{machine['widest']}, kvflow's native kernels: {machine.get('native_isa')}. "
         f"{report.get('machine_note', '')}".rstrip(), "",
