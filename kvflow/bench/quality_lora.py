@@ -57,12 +57,9 @@ def lora_runner_scorer(engine_dir: str | Path, mode: str, context: int,
 
     block = EngineConfig.load(engine_dir).limits.block_size
     num_blocks = -(-context // block) + 1
+    # A pool of one slot, sized with the runner (the ORT graph's LoRA nodes are made with it).
     runner = create_runner(None, engine_dir, num_blocks, quantized_matmul=mode,
-                           kv_cache_dtype="fp32")
-    if not runner.supports_lora:
-        runner.close()
-        raise ValueError(f"--lora: the {runner.name} runner does not serve LoRA adapters")
-    runner.enable_lora(1, adapter.rank)
+                           kv_cache_dtype="fp32", max_loras=1, max_lora_rank=adapter.rank)
     runner.load_lora(0, adapter)
 
     def score(ids: Sequence[int], skip: int) -> np.ndarray:
