@@ -6,11 +6,15 @@ adapters and the base gives each sequence what it gets alone; and LoRA off chang
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    # NOTE: set before triton is imported: it picks the interpreter at jit time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvflow.build.engine_config import EngineConfig  # noqa: E402
 from kvflow.model.llama import lora_linears  # noqa: E402
@@ -166,3 +170,34 @@ def test_lora_off_is_bit_identical_and_the_pool_is_freed(tiny_engines):
         for r in (*plain.values(), *lora.values()):
             r.close()
     assert lora_pool.registered_arrays() == before
+
+
+def test_triton_runner_adapter_equals_the_merged_model(tiny_engines):
+    """The triton runner (Triton's interpreter without a GPU) with an adapter in slot 0 beside
+    a base sequence: the merged model's logits for the one, the base's for the other."""
+    pytest.importorskip("triton", reason="OpenAI Triton is not installed")
+    from kvflow.runtime import create_runner
+
+    torch_dir = tiny_engines["llama-gqa4", "torch"]
+    engine = EngineConfig.load(torch_dir)
+    base = load_model(torch_dir, engine)
+    adapter = random_adapter(base, "some", SOME, seed=5)
+    reference = TorchRunner(torch_dir, engine, 64, model=merged(base, adapter))
+    plain = TorchRunner(torch_dir, engine, 64, model=base)
+    runner = create_runner("triton", torch_dir, 64, cuda_graphs=False, max_loras=2,
+                           max_lora_rank=8)
+    try:
+        assert runner.supports_lora and runner.lora_pool_bytes > 0
+        runner.load_lora(0, adapter)
+        a = (PROMPT_A, 0, 31, [1, 2, 3, 4, 5, 6, 7, 8])
+        b = (PROMPT_B, 0, 13, [9, 10, 11, 12])
+        got = runner.execute(with_slots([a, b], [0, -1], 4))
+        np.testing.assert_allclose(got[0], reference.execute(step([a], 4))[0], atol=TOL)
+        np.testing.assert_allclose(got[1], plain.execute(step([b], 4))[0], atol=TOL)
+        decode = [(PROMPT_A + [5], 31, 1, a[3]), (PROMPT_B + [5], 13, 1, b[3])]
+        got = runner.execute(with_slots(decode, [0, -1], 4))
+        np.testing.assert_allclose(got[0], reference.execute(step(decode[:1], 4))[0], atol=TOL)
+        np.testing.assert_allclose(got[1], plain.execute(step(decode[1:], 4))[0], atol=TOL)
+    finally:
+        for r in (runner, reference, plain):
+            r.close()

@@ -2,9 +2,10 @@
 
 ``paged_attention_ort.cc`` implements the node of :mod:`kvflow.plugins.torch_op` as an ORT
 kernel, so that one session runs a whole engine step (with ``kvflow::MatMulQ``,
-``kvflow::GatherQ`` and ``kvflow::LoraMatMul`` beside it). It is compiled here, with the machine's ``g++``, against ONNX
-Runtime's C API headers alone (the API table reaches the library through ``RegisterCustomOps``;
-nothing links against ``libonnxruntime.so``). Headers of API 21 load into any newer runtime.
+``kvflow::GatherQ`` and ``kvflow::LoraMatMul`` beside it). It is compiled here, with the
+machine's ``g++``, against ONNX Runtime's C API headers alone (the API table reaches the
+library through ``RegisterCustomOps``; nothing links against ``libonnxruntime.so``). Headers
+of API 21 load into any newer runtime.
 
 It is compiled once per instruction set (:mod:`kvflow.plugins.ort_isa`: portable, AVX2,
 AVX-VNNI, AVX-512 VNNI), each a library of its own, and the one to load is picked at load time

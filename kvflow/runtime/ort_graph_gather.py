@@ -12,6 +12,7 @@ embeddings, which the head's quantization rounds; those keep the ``Gather``).
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -25,6 +26,7 @@ from kvflow.runtime.ort_weights import is_external
 GATHER_Q = "gather_q"
 GATHER_Q_OP_TYPE = "GatherQ"
 CHECK_ROWS = 64  # table rows compared with the dequantized head
+_gather_q: dict[Path, bool] = {}
 
 
 def _dequantized_rows(g: Graph, weight: NativeWeight, rows: np.ndarray) -> np.ndarray:
@@ -88,3 +90,31 @@ def gather_quantized_rows(g: Graph) -> tuple[Counter, Counter]:
                                   N=weight.n)])
         applied[GATHER_Q] += 1
     return applied, skipped
+
+
+def gather_q_available(library: Path | None) -> bool:
+    """Whether the native library registers ``kvflow::GatherQ`` (a session of one node
+    loads)."""
+    if library is None:
+        return False
+    if library not in _gather_q:
+        from onnxruntime import InferenceSession, SessionOptions
+
+        node = helper.make_node(GATHER_Q_OP_TYPE, ["blocks", "ids"], ["rows"],
+                                domain=ONNX_DOMAIN, bits=8, K=32, N=2)
+        graph = helper.make_graph(
+            [node], "probe",
+            [helper.make_tensor_value_info("blocks", onnx.TensorProto.UINT8, [2, 34]),
+             helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1])],
+            [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, [1, 32])])
+        probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid(ONNX_DOMAIN, 1)])
+        opts = SessionOptions()
+        opts.register_custom_ops_library(str(library))
+        try:
+            InferenceSession(probe.SerializeToString(), opts,
+                             providers=["CPUExecutionProvider"])
+            _gather_q[library] = True
+        except Exception:  # noqa: BLE001  (ORT: no such op in the library)
+            _gather_q[library] = False
+    return _gather_q[library]

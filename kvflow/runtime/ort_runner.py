@@ -45,7 +45,6 @@ from onnx import helper
 from kvflow.build.engine_config import EngineConfig
 from kvflow.model.quant import GGUF_SCHEMES
 from kvflow.plugins import ort_custom_ops
-from kvflow.plugins.op_names import ONNX_DOMAIN
 from kvflow.runtime import ort_threads
 from kvflow.runtime.base import (
     QUANTIZED_MATMUL_MODES,
@@ -54,15 +53,11 @@ from kvflow.runtime.base import (
     kv_cache_numpy_dtype,
 )
 from kvflow.runtime.kv_cache import HostKVPool
-from kvflow.runtime.lora_pool import LoraPool, LoraWeights, fused_groups
+from kvflow.runtime.lora_pool import LoraPool, fused_groups
+from kvflow.runtime.lora_runner import LoraSlots, ort_lora_feeds
 from kvflow.runtime.ort_graph import FusionReport, fuse_for_ort
-from kvflow.runtime.ort_graph_gather import GATHER_Q_OP_TYPE
-from kvflow.runtime.ort_graph_lora import (
-    LOGIT_SLOTS_INPUT,
-    PTRS_INPUT,
-    SLOTS_INPUT,
-    add_lora_nodes,
-)
+from kvflow.runtime.ort_graph_gather import gather_q_available
+from kvflow.runtime.ort_graph_lora import add_lora_nodes
 from kvflow.runtime.ort_sessions import (
     ARGMAX_OUTPUT,
     Executor,
@@ -91,12 +86,10 @@ ONNX_FILE = "model.onnx"
 AUTO_INT8_MAX_TOKENS = 16
 ATTENTION_MODES = ("auto", "native", "segmented")
 KV_DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}  # the op's kv_dtype attribute
-_NO_SLOTS = np.zeros(0, np.int32)  # lora_slots of a step without adapters: LoraMatMul is a no-op
 _warned: set[str] = set()
-_gather_q: dict[Path, bool] = {}
 
 
-class OnnxRuntimeRunner(PoolRunner):
+class OnnxRuntimeRunner(LoraSlots, PoolRunner):
     """Executes the engine's ONNX graph with ONNX Runtime over a host KV pool.
 
     ``attention``: ``native`` (the custom op, one session; an error if it cannot load),
@@ -272,15 +265,9 @@ class OnnxRuntimeRunner(PoolRunner):
                  "block_tables": step.block_tables, "seq_lens": step.seq_lens,
                  "query_start_loc": step.query_start_loc,
                  "logits_indices": step.logits_indices}
+        self.check_lora_step(step)
         if self.lora is not None:
-            slots = step.lora_slots
-            feeds[PTRS_INPUT] = self.lora.ptrs
-            feeds[SLOTS_INPUT] = _NO_SLOTS if slots is None else slots.astype(np.int32, copy=False)
-            feeds[LOGIT_SLOTS_INPUT] = _NO_SLOTS if slots is None else \
-                feeds[SLOTS_INPUT][step.logits_indices]
-        elif step.lora_slots is not None:
-            raise ValueError("the step has lora_slots but the onnxruntime runner has no LoRA "
-                             "pool (max_loras = 0)")
+            feeds.update(ort_lora_feeds(self.lora, step))
         return feeds
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
@@ -293,20 +280,8 @@ class OnnxRuntimeRunner(PoolRunner):
                              f"{max_loras}, {max_rank}: pass max_loras and max_lora_rank to "
                              "create_runner")
 
-    def load_lora(self, slot: int, adapter: LoraWeights) -> None:
-        if self.lora is None:
-            raise ValueError("the onnxruntime runner has no LoRA pool: make it with "
-                             "max_loras > 0")
-        self.lora.load(slot, adapter)
-
-    @property
-    def lora_pool_bytes(self) -> int:
-        return self.lora.nbytes if self.lora is not None else 0
-
     def close(self) -> None:
-        if self.lora is not None:
-            self.lora.close()
-            self.lora = None
+        self.close_lora()
         super().close()
 
     def executor_for(self, num_tokens: int) -> Executor:
@@ -391,34 +366,6 @@ def prepare(engine_dir: Path, engine: EngineConfig,
     for _fused in fused_variants(Path(engine_dir), engine, "auto", ort_custom_ops.library(),
                                  progress=progress):
         pass
-
-
-def gather_q_available(library: Path | None) -> bool:
-    """Whether the native library registers ``kvflow::GatherQ`` (a session of one node
-    loads)."""
-    if library is None:
-        return False
-    if library not in _gather_q:
-        from onnxruntime import InferenceSession, SessionOptions
-
-        node = helper.make_node(GATHER_Q_OP_TYPE, ["blocks", "ids"], ["rows"],
-                                domain=ONNX_DOMAIN, bits=8, K=32, N=2)
-        graph = helper.make_graph(
-            [node], "probe",
-            [helper.make_tensor_value_info("blocks", onnx.TensorProto.UINT8, [2, 34]),
-             helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1])],
-            [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, [1, 32])])
-        probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                        helper.make_opsetid(ONNX_DOMAIN, 1)])
-        opts = SessionOptions()
-        opts.register_custom_ops_library(str(library))
-        try:
-            InferenceSession(probe.SerializeToString(), opts,
-                             providers=["CPUExecutionProvider"])
-            _gather_q[library] = True
-        except Exception:  # noqa: BLE001  (ORT: no such op in the library)
-            _gather_q[library] = False
-    return _gather_q[library]
 
 
 def _release_freed_memory() -> None:

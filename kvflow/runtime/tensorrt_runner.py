@@ -42,6 +42,8 @@ class TensorRTRunner(PoolRunner):
     """Runs an engine folder's ``model.plan`` on CUDA device ``device`` (see the module doc)."""
 
     name = "tensorrt"
+    # NOTE: no LoRA: the plan's linears are compiled in; enable_lora refuses, naming the runner.
+    supports_lora = False
     pool: CudaKVPool
 
     def __init__(self, engine_dir: str | Path, engine: EngineConfig, num_blocks: int,

@@ -12,7 +12,8 @@ from kvflow.model.llama import LlamaForCausalLM, add_lora_hooks
 from kvflow.plugins.lora_torch import Segments, lora_apply, slot_segments
 from kvflow.runtime.base import PoolRunner, StepInput, kv_cache_numpy_dtype
 from kvflow.runtime.kv_cache import HostKVPool
-from kvflow.runtime.lora_pool import LoraPool, LoraWeights, module_groups
+from kvflow.runtime.lora_pool import LoraPool, module_groups
+from kvflow.runtime.lora_runner import LoraSlots
 
 WEIGHTS_FILE = "weights.safetensors"
 
@@ -32,7 +33,7 @@ def load_model(engine_dir: Path, engine: EngineConfig) -> LlamaForCausalLM:
     return model.eval()
 
 
-class TorchRunner(PoolRunner):
+class TorchRunner(LoraSlots, PoolRunner):
     """Runs :class:`LlamaForCausalLM` eagerly on the CPU over a host KV pool of
     ``kv_cache_dtype`` (``fp32`` or ``fp16``: the reference op reads it in fp32).
 
@@ -88,21 +89,9 @@ class TorchRunner(PoolRunner):
 
         self._lora_hooks = add_lora_hooks(self.model, delta)
 
-    def load_lora(self, slot: int, adapter: LoraWeights) -> None:
-        if self.lora is None:
-            raise ValueError("the torch runner has no LoRA pool: enable_lora first "
-                             "(max_loras > 0)")
-        self.lora.load(slot, adapter)
-
-    @property
-    def lora_pool_bytes(self) -> int:
-        return self.lora.nbytes if self.lora is not None else 0
-
     @torch.inference_mode()
     def execute(self, step: StepInput) -> np.ndarray:
-        if step.lora_slots is not None and self.lora is None:
-            raise ValueError("the step has lora_slots but the torch runner has no LoRA pool "
-                             "(max_loras = 0)")
+        self.check_lora_step(step)
         self._segments = slot_segments(step.lora_slots) if step.lora_slots is not None else []
         try:
             return self._run(step)
@@ -126,7 +115,5 @@ class TorchRunner(PoolRunner):
         for handle in self._lora_hooks:
             handle.remove()
         self._lora_hooks = []
-        if self.lora is not None:
-            self.lora.close()
-            self.lora = None
+        self.close_lora()
         super().close()

@@ -7,8 +7,11 @@ runs on the host with the kernels in Triton's interpreter (``TRITON_INTERPRET=1`
 which is how CI checks the wiring against the other runners.
 
 Decode steps replay CUDA graphs captured per batch-size bucket (:mod:`.cuda_graphs`); prefill
-and mixed steps run eagerly. Either way the runner tells the kernels the step's
-``max_query_len`` (``kv_registry.step_hints``), so no layer reads it back from the GPU.
+and mixed steps run eagerly, and so do steps with LoRA adapters (``max_loras`` > 0: a slot pool
+on the device, applied to the model's linears by hooks that launch
+:mod:`kvflow.plugins.lora_triton`'s kernels; without adapters in the step they do nothing).
+Either way the runner tells the kernels the step's ``max_query_len``
+(``kv_registry.step_hints``), so no layer reads it back from the GPU.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import numpy as np
 import torch
 
 from kvflow.build.engine_config import EngineConfig
-from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.llama import LlamaForCausalLM, add_lora_hooks
 from kvflow.plugins import kv_registry
 from kvflow.runtime.base import PoolRunner, StepInput, engine_kv_cache_dtype
 from kvflow.runtime.cuda_graphs import DecodeGraphs, decode_batch_sizes
+from kvflow.runtime.lora_pool import LoraPool, LoraWeights, module_groups
+from kvflow.runtime.lora_runner import LoraSlots
 from kvflow.runtime.torch_runner import load_model
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -85,7 +90,7 @@ class DeviceKVPool:
         self.k, self.v, self.host_k, self.host_v = [], [], [], []
 
 
-class TritonRunner(PoolRunner):
+class TritonRunner(LoraSlots, PoolRunner):
     """:class:`LlamaForCausalLM` on ``device`` (CUDA when there is one), PagedAttention by the
     Triton kernels over a device KV pool. Needs an engine built with ``--backend torch``.
 
@@ -93,17 +98,19 @@ class TritonRunner(PoolRunner):
     from CUDA graphs (default: on a CUDA device). True without CUDA runs the graphs' padded
     static buffers eagerly, which is how CI checks them. ``kv_cache_dtype``: the pool's type
     (``fp32``, ``fp16`` or ``bf16``; None: the engine's own); the kernels multiply in it and
-    sum in fp32.
+    sum in fp32. ``max_loras`` > 0: a LoRA slot pool (:meth:`enable_lora`).
     """
 
     pool: DeviceKVPool
 
     name = "triton"
+    supports_lora = True
 
     def __init__(self, engine_dir: str | Path | None, engine: EngineConfig, num_blocks: int,
                  num_host_blocks: int = 0, device: str | None = None,
                  model: LlamaForCausalLM | None = None, cuda_graphs: bool | None = None,
-                 kv_cache_dtype: str | None = None) -> None:
+                 kv_cache_dtype: str | None = None, max_loras: int = 0,
+                 max_lora_rank: int = 16) -> None:
         super().__init__(engine, num_blocks, num_host_blocks)
         kv_name = kv_cache_dtype or engine_kv_cache_dtype(engine)
         if kv_name not in KV_TORCH_DTYPES:
@@ -127,6 +134,11 @@ class TritonRunner(PoolRunner):
                                  m.num_key_value_heads, m.head_dim, KV_TORCH_DTYPES[kv_name],
                                  self.device,
                                  num_host_blocks)
+        self._lora_dev: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._lora_hooks: list = []
+        self._lora_slots: torch.Tensor | None = None  # the running step's, on the device
+        if max_loras:
+            self.enable_lora(max_loras, max_lora_rank)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
             lim = engine.limits
@@ -137,8 +149,42 @@ class TritonRunner(PoolRunner):
                                                -(-lim.max_model_len // lim.block_size),
                                                capture=self.device.type == "cuda")
             except BaseException:
-                self.pool.close()  # the pool is not leaked by a failed capture
+                self.close()  # the pools are not leaked by a failed capture
                 raise
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        """A slot pool (one group per module) mirrored on the device, and the hooks that apply
+        it. Decode graphs captured before stay valid: steps with adapters run eagerly."""
+        if self.lora is not None:
+            if (self.lora.max_loras, self.lora.max_rank) == (max_loras, max_rank):
+                return
+            raise ValueError(f"the triton runner's LoRA pool is {self.lora.max_loras} slots of "
+                             f"rank {self.lora.max_rank} already; it cannot change")
+        from kvflow.plugins.lora_triton import lora_apply_triton
+
+        m = self.engine.model
+        self.lora = LoraPool(module_groups(m), m.num_hidden_layers, max_loras, max_rank)
+        pool = self.lora
+        self._lora_dev = {g: (torch.from_numpy(pool.a[g][:, :, 0]).to(self.device),
+                              torch.from_numpy(pool.bt[g]).to(self.device),
+                              torch.from_numpy(pool.ranks[g][:, :, 0].copy()).to(self.device))
+                          for g in pool.groups}
+
+        def delta(layer: int, module: str, x: torch.Tensor, y: torch.Tensor):
+            if self._lora_slots is None:
+                return None
+            a, bt, ranks = self._lora_dev[module]
+            return lora_apply_triton(y, x, a[layer], bt[layer], ranks[layer], self._lora_slots)
+
+        self._lora_hooks = add_lora_hooks(self.model, delta)
+
+    def load_lora(self, slot: int, adapter: LoraWeights) -> None:
+        super().load_lora(slot, adapter)
+        assert self.lora is not None
+        for g, (a, bt, ranks) in self._lora_dev.items():
+            a[:, slot] = torch.from_numpy(self.lora.a[g][:, slot, 0]).to(self.device)
+            bt[:, slot] = torch.from_numpy(self.lora.bt[g][:, slot]).to(self.device)
+            ranks[:, slot] = torch.from_numpy(self.lora.ranks[g][:, slot, 0]).to(self.device)
 
     @classmethod
     def from_model(cls, engine: EngineConfig, model: LlamaForCausalLM, num_blocks: int,
@@ -156,6 +202,13 @@ class TritonRunner(PoolRunner):
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> np.ndarray:
+        self.check_lora_step(step)
+        if step.lora_slots is not None:
+            self._lora_slots = torch.from_numpy(step.lora_slots.astype(np.int32)).to(self.device)
+            try:
+                return self.execute_eager(step)
+            finally:
+                self._lora_slots = None
         bucket = self.graphs.bucket(step) if self.graphs is not None else None
         if bucket is not None:
             assert self.graphs is not None
@@ -181,4 +234,8 @@ class TritonRunner(PoolRunner):
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
+        for handle in self._lora_hooks:
+            handle.remove()
+        self._lora_hooks, self._lora_dev = [], {}
+        self.close_lora()
         super().close()
