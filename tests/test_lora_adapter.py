@@ -238,3 +238,45 @@ def test_llama_cpp_converter_output_equals_peft_load(tiny_models, phi3_dir, tmp_
     for key, (a, b) in want.weights.items():
         np.testing.assert_array_equal(got.weights[key][0], a)
         np.testing.assert_array_equal(got.weights[key][1], b)
+
+
+@pytest.mark.slow
+def test_default_model_adapter(tmp_path):
+    """An adapter made with PEFT on the default model's HF weights: loaded with the config
+    kvflow reads from the GGUF it serves, it is PEFT's merge; llama.cpp's converter output of
+    it (9 heads, 3 KV heads: Q/K rows permuted) reads back the same."""
+    from gguf import GGUFReader
+
+    from kvflow.bench.lora_adapters import hf_folder
+    from kvflow.model.gguf_config import gguf_config
+    from kvflow.model.loader import default_model_path
+
+    try:
+        gguf_path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    base = hf_folder("default", tmp_path)
+    cfg = gguf_config(GGUFReader(str(gguf_path)), gguf_path)[0]
+    folder = make_peft_adapter(base, tmp_path / "lora", rank=16, alpha=32, seed=7)
+    adapter = load_lora_adapter("d", folder, cfg, max_rank=16)
+    assert len(adapter.weights) == 7 * cfg.num_hidden_layers
+    assert_matches_peft(adapter, base, folder, cfg)
+    if not (LLAMA_CPP / "convert_lora_to_gguf.py").is_file():
+        return
+    out = tmp_path / "real.gguf"
+    done = subprocess.run([sys.executable, str(LLAMA_CPP / "convert_lora_to_gguf.py"),
+                           "--base", str(base), "--outfile", str(out), str(folder)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert load_lora_adapter("d", out, cfg, 16).digest == adapter.digest
+
+
+def test_lora_package_imports_no_torch():
+    """kvflow.lora (reading, checking, writing GGUF) runs without torch: the engine's adapter
+    manager loads adapters on servers whose runner is not torch's."""
+    code = ("import sys, kvflow.lora, kvflow.lora.synthetic, kvflow.lora.gguf_format, "
+            "kvflow.lora.peft_format; print(sorted(m for m in ('torch', 'peft', 'transformers') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, check=True)
+    assert done.stdout.strip() == "[]"

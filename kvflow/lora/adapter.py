@@ -145,7 +145,12 @@ def build_adapter(name: str, path: str, config: ModelConfig, max_rank: int,
         if r < rank:
             a = np.concatenate([a, np.zeros((rank - r, a.shape[1]), np.float32)])
             b = np.concatenate([b, np.zeros((b.shape[0], rank - r), np.float32)], axis=1)
-        weights[(m.layer, m.module)] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
+        # NOTE: copies, read-only: a GGUF's arrays are views of its memory map (a file written
+        # over would change them), and runners share one adapter's arrays.
+        a, b = np.array(a, np.float32, order="C"), np.array(b, np.float32, order="C")
+        a.setflags(write=False)
+        b.setflags(write=False)
+        weights[(m.layer, m.module)] = (a, b)
     return LoraAdapter(name=name, path=path, rank=rank, alpha=float(alpha), weights=weights,
                        digest=weights_digest(weights), base_model=base_model)
 
