@@ -17,7 +17,7 @@ The snapshot (JSON):
 * ``requests``: per request ``id``, ``state`` (``prefill``, ``decode``, ``waiting``,
   ``preempted``, ``swapped``), ``prompt_tokens``, ``computed_tokens``, ``output_tokens``,
   ``max_tokens``, ``tenant``, ``priority``, ``ttft_s`` (so far, while it waits for its first
-  token), ``cached_tokens``, ``blocks``;
+  token), ``cached_tokens``, ``blocks``, ``lora_name`` (its LoRA adapter; None: the base);
 * ``kv``: ``num_blocks`` (usable), ``block_size``, ``free``, ``owned``, ``shared``, ``cached``
   (free but holding a prefix-cache entry: evictable), ``usage``, ``blocks_per_cell``,
   ``cells`` (one character a cell: ``.`` free, ``c`` cached, ``o`` owned by one request, ``s``
@@ -26,7 +26,9 @@ The snapshot (JSON):
 * ``steps``: per recent step ``time``, ``prefill`` and ``decode`` tokens, ``spec`` (drafts
   scored), ``batch`` (sequences), ``step_ms``, ``preempted``;
 * ``counters``: the engine's running totals (tokens, steps, preemptions, prefix-cache queries
-  and hits).
+  and hits, LoRA swaps and evictions);
+* ``loras``: the LoRA adapters loaded (``name``, ``path``, ``rank``, ``lora_id``,
+  ``resident``, ``slot``, ``running``); [] with LoRA off.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def engine_state(engine: LLMEngine, max_requests: int = MAX_REQUESTS,
                   for s in list(engine.step_stats)[-max_steps:]],
         "counters": {k: getattr(engine.counters, k) for k in (
             "prompt_tokens", "generation_tokens", "steps", "preemptions",
-            "prefix_cache_queries", "prefix_cache_hits")},
+            "prefix_cache_queries", "prefix_cache_hits", "lora_swaps", "lora_evictions")},
+        "loras": engine.list_loras(),
     }
 
 
@@ -82,7 +85,7 @@ def _request(r: Request, now: float, engine: LLMEngine) -> dict[str, Any]:
             "output_tokens": r.num_output_tokens, "max_tokens": r.max_output_tokens,
             "tenant": r.tenant, "priority": r.priority,
             "ttft_s": round(ttft if ttft is not None else now - r.arrival_time, 6),
-            "cached_tokens": r.metrics.cached_tokens,
+            "cached_tokens": r.metrics.cached_tokens, "lora_name": r.lora_name,
             # held blocks: a sliding window's released entries are the null block 0
             "blocks": sum(1 for b in engine.kv.block_tables.get(r.request_id, ()) if b)}
 

@@ -44,7 +44,9 @@ class Metric:
     """One metric family: ``kind`` is counter, gauge or histogram; ``label`` and ``values``
     name its one label and every value it takes (each series exists from the start, at 0).
     A counter mirrors the :class:`EngineCounters` field ``source`` (a Counter by label value
-    when labeled; ``serving_time_s`` is the engine loop's, not the engine's)."""
+    when labeled; ``serving_time_s`` is the engine loop's, not the engine's). ``dynamic``: the
+    label's values appear at run time (LoRA adapter names): no series until one does, and a
+    reader makes each as it first sees its key."""
 
     name: str
     kind: str
@@ -53,6 +55,7 @@ class Metric:
     values: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
     source: str = ""
+    dynamic: bool = False
 
     def series(self) -> list[str]:
         """The series' keys: the name, or one ``name{label="value"}`` per value."""
@@ -77,6 +80,10 @@ METRICS: dict[str, Metric] = dict((
     _m("kvflow_kv_cache_fragmentation_ratio", "gauge",
        "Fraction of the token slots in used KV blocks that hold no token (the tails of last "
        "blocks, blocks allocated ahead)"),
+    _m("kvflow_lora_requests_running", "gauge",
+       "Sequences running under each LoRA adapter (every adapter loaded since the start)",
+       label="lora_name", dynamic=True),
+    _m("kvflow_lora_resident", "gauge", "LoRA adapters resident in the runner's slot pool"),
     # --- per-request histograms ---
     _m("kvflow_time_to_first_token_seconds", "histogram", "Time to first token",
        buckets=LATENCY_BUCKETS),
@@ -154,6 +161,11 @@ METRICS: dict[str, Metric] = dict((
     _m("kvflow_spec_decode_num_accepted_tokens_total", "counter",
        "Speculative decoding: draft tokens accepted (part of the output)",
        source="spec_accepted_tokens"),
+    _m("kvflow_lora_swaps_total", "counter", "LoRA adapters loaded into a slot of the "
+       "runner's pool", source="lora_swaps"),
+    _m("kvflow_lora_evictions_total", "counter", "LoRA adapter loads that displaced a resident "
+       "adapter no running request used (least recently used first)",
+       source="lora_evictions"),
     _m("kvflow_engine_steps_total", "counter", "Engine steps run", source="steps"),
     _m("kvflow_engine_step_seconds_total", "counter",
        "Engine-thread seconds inside engine steps", source="step_time_s"),
@@ -165,9 +177,12 @@ assert all(m.source for m in METRICS.values() if m.kind == "counter"), "a counte
 
 
 def all_series() -> list[str]:
-    """Every series name a scrape shows (histograms as ``_bucket``, ``_sum``, ``_count``)."""
+    """Every series name a scrape shows (histograms as ``_bucket``, ``_sum``, ``_count``);
+    a dynamic family's only once a label value appears, so it is left out."""
     names = []
     for m in METRICS.values():
+        if m.dynamic:
+            continue
         names += ([f"{m.name}{s}" for s in ("_bucket", "_sum", "_count")]
                   if m.kind == "histogram" else [m.name])
     return names
@@ -265,6 +280,13 @@ class EngineMetrics:
                   "kvflow_kv_cache_usage_ratio": kv.usage,
                   "kvflow_kv_cache_fragmentation_ratio": kv.fragmentation(
                       [(r.request_id, r.num_computed_tokens) for r in sched.running])}
+        lora = engine.lora
+        if lora is not None:
+            gauges["kvflow_lora_resident"] = float(lora.num_resident)
+            running = sched.loras.running
+            for name in lora.known_names():
+                gauges[series_key("kvflow_lora_requests_running", "lora_name", name)] = float(
+                    running.get(name, 0))
         counters = engine.counters
         totals: dict[str, float] = {}
         for key, field, value in _COUNTER_KEYS:
@@ -321,8 +343,14 @@ class MetricsRegistry:
             lines.append(f"{name}{{{inner}}} {text}" if inner else f"{name} {text}")
 
         for m in METRICS.values():
+            keys = m.series()
+            if m.dynamic:  # its series are the keys its updates brought
+                held = self.gauges if m.kind == "gauge" else self.counters
+                keys = sorted(k for k in held if k.startswith(m.name + "{"))
+                if not keys:
+                    continue
             lines += [f"# HELP {m.name} {m.help}", f"# TYPE {m.name} {m.kind}"]
-            for key in m.series():
+            for key in keys:
                 if m.kind == "histogram":
                     h = self.histograms[key]
                     name, brace, labels_ = key.partition("{")

@@ -100,10 +100,14 @@ def create_engine(engine_dir: str | Path, **overrides: Any) -> LLMEngine:
 
     plan = plan_engine(engine_dir, **overrides)
     logger.info("kvflow %s: %s", Path(engine_dir).name, plan.budget.describe())
+    options = plan.scheduler
+    # A runner whose graph holds the LoRA op makes its slot pool as it is built.
+    lora = ({"max_loras": options.max_loras, "max_lora_rank": options.max_lora_rank}
+            if options.lora_enabled else {})
     runner = create_runner(plan.runner, engine_dir, plan.num_blocks, plan.num_host_blocks,
                            cuda_graphs=plan.cuda_graphs,
-                           quantized_matmul=plan.scheduler.quantized_matmul,
-                           kv_cache_dtype=plan.kv_cache_dtype)
+                           quantized_matmul=options.quantized_matmul,
+                           kv_cache_dtype=plan.kv_cache_dtype, **lora)
     proposer = None
     try:
         proposer = draft_proposer(plan, runner) if plan.scheduler.draft_engine else None
