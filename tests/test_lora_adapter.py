@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from kvflow.lora import LORA_MODULES, LoraAdapter, load_lora_adapter  # noqa: E402
-from kvflow.lora.adapter import ModuleLora, build_adapter, kvflow_module  # noqa: E402
+from kvflow.lora.adapter import ModuleLora, build_adapter, kvflow_module, module_shape  # noqa: E402
 from kvflow.lora.synthetic import make_peft_adapter, write_gguf_lora  # noqa: E402
 from kvflow.model.checkpoint_tensors import hf_folder_config  # noqa: E402
 from kvflow.model.config import ModelConfig  # noqa: E402
@@ -33,26 +33,25 @@ from kvflow.model.weight_names import to_kvflow_names  # noqa: E402
 ATOL = 2e-7
 LLAMA_CPP = Path(os.environ.get("KVFLOW_LLAMA_CPP_SRC",
                                 Path(__file__).parent.parent / "reports/peers/llama.cpp/src"))
-PHI3 = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-        "pad_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0}
+# Families beyond tests/conftest.py's TINY_MODELS: Phi-3 (fused qkv_proj / gate_up_proj),
+# Gemma 3 and Qwen3 (q/k norms; Gemma's own GGUF names), from tests/test_model_families.py.
+OWN_FAMILIES = ("phi3", "gemma3", "qwen3")
 
 
 @pytest.fixture(scope="module")
-def phi3_dir(tmp_path_factory) -> Path:
-    """A tiny random Phi-3 (fused qkv_proj / gate_up_proj) saved as a HF folder."""
-    folder = tmp_path_factory.mktemp("phi3")
-    torch.manual_seed(3)
-    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**PHI3)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.1)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    from tests.test_model_families import make_family_model
+
+    root = tmp_path_factory.mktemp("lora-families")
+    out = {}
+    for name in OWN_FAMILIES:
+        make_family_model(name, root / name)
+        out[name] = root / name
+    return out
 
 
-def base_dir(tiny_models, phi3_dir, name: str) -> Path:
-    return phi3_dir if name == "phi3" else tiny_models[name][0]
+def base_dir(tiny_models, family_dirs, name: str) -> Path:
+    return family_dirs[name] if name in OWN_FAMILIES else tiny_models[name][0]
 
 
 def peft_reference(base: Path, adapter: Path, cfg: ModelConfig):
@@ -95,10 +94,10 @@ def assert_matches_peft(adapter: LoraAdapter, base: Path, adapter_dir: Path,
         np.testing.assert_allclose(before[key] + b @ a, value, rtol=0, atol=ATOL, err_msg=key)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa4", "qwen2-bias", "mistral", "phi3"])
-def test_peft_adapter_is_peft_merge(tiny_models, phi3_dir, tmp_path, name):
+@pytest.mark.parametrize("name", ["llama-gqa4", "qwen2-bias", "mistral", *OWN_FAMILIES])
+def test_peft_adapter_is_peft_merge(tiny_models, family_dirs, tmp_path, name):
     """Every projection adapted, alpha / r: W + B·A is PEFT's merged weight."""
-    base = base_dir(tiny_models, phi3_dir, name)
+    base = base_dir(tiny_models, family_dirs, name)
     cfg = hf_folder_config(base)
     folder = make_peft_adapter(base, tmp_path / "lora", rank=8, alpha=12, seed=1)
     adapter = load_lora_adapter("a", folder, cfg, max_rank=16)
@@ -166,14 +165,14 @@ def test_digest_is_the_weights(tiny_models, tmp_path):
     assert other.digest != again.digest and len(other.digest) == 64
 
 
-@pytest.mark.parametrize("name", ["llama-gqa4", "qwen2-bias", "phi3"])
-def test_gguf_round_trip_equals_peft_load(tiny_models, phi3_dir, tmp_path, name):
+@pytest.mark.parametrize("name", ["llama-gqa4", "qwen2-bias", *OWN_FAMILIES])
+def test_gguf_round_trip_equals_peft_load(tiny_models, family_dirs, tmp_path, name):
     """write_gguf_lora, from the PEFT folder (the converter's layout: B unscaled, Q/K rows
     permuted for Llama, Phi-3 fused) and from the loaded adapter (B scaled, alpha = r), reads
     back to the PEFT load's weights, bit for bit."""
     from gguf import GGUFReader
 
-    base = base_dir(tiny_models, phi3_dir, name)
+    base = base_dir(tiny_models, family_dirs, name)
     cfg = hf_folder_config(base)
     folder = make_peft_adapter(base, tmp_path / "lora", rank=4, alpha=8, seed=2)
     want = load_lora_adapter("a", folder, cfg, 8)
@@ -194,13 +193,13 @@ def test_gguf_round_trip_equals_peft_load(tiny_models, phi3_dir, tmp_path, name)
         assert not np.array_equal(raw["blk.0.attn_q.weight.lora_b"], want.weights[0, "q_proj"][1])
 
 
-def test_phi3_parts_with_different_a_fuse_block_diagonally(phi3_dir, tmp_path):
+def test_phi3_parts_with_different_a_fuse_block_diagonally(family_dirs, tmp_path):
     """A kvflow adapter whose Phi-3 q and v have their own A (and no k) is written as one
     fused attn_qkv pair of rank 2r (B block-diagonal, k's rows zero) and reads back to an
     adapter that computes the same: W + B·A equal, k's delta zero."""
-    cfg = hf_folder_config(phi3_dir)
+    cfg = hf_folder_config(family_dirs["phi3"])
     rng = np.random.default_rng(0)
-    q, kv, hidden = 4 * 8, 2 * 8, 32
+    (q, hidden), (kv, _) = module_shape(cfg, "q_proj"), module_shape(cfg, "v_proj")
 
     def rand(*shape):
         return rng.normal(0, 0.1, shape).astype(np.float32)
@@ -219,11 +218,11 @@ def test_phi3_parts_with_different_a_fuse_block_diagonally(phi3_dir, tmp_path):
 
 @pytest.mark.skipif(not (LLAMA_CPP / "convert_lora_to_gguf.py").is_file(),
                     reason="no llama.cpp checkout (KVFLOW_LLAMA_CPP_SRC)")
-@pytest.mark.parametrize("name", ["llama-gqa4", "phi3"])
-def test_llama_cpp_converter_output_equals_peft_load(tiny_models, phi3_dir, tmp_path, name):
+@pytest.mark.parametrize("name", ["llama-gqa4", "phi3", "gemma3"])
+def test_llama_cpp_converter_output_equals_peft_load(tiny_models, family_dirs, tmp_path, name):
     """llama.cpp's own convert_lora_to_gguf.py on the PEFT folder: the file reads back to the
     PEFT load's weights (its alpha / r scaling applied by kvflow, Q/K rows un-permuted)."""
-    base = base_dir(tiny_models, phi3_dir, name)
+    base = base_dir(tiny_models, family_dirs, name)
     cfg = hf_folder_config(base)
     folder = make_peft_adapter(base, tmp_path / "lora", rank=4, alpha=6, seed=4)
     out = tmp_path / "real.gguf"
