@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvflow.build.engine_config import EngineConfig  # noqa: E402
-from kvflow.model.llama import lora_linears  # noqa: E402
+from kvflow.model.lora_hooks import lora_linears  # noqa: E402
 from kvflow.plugins import ort_custom_ops  # noqa: E402
 from kvflow.runtime import lora_pool  # noqa: E402
 from kvflow.runtime.ort_runner import OnnxRuntimeRunner  # noqa: E402

@@ -20,8 +20,6 @@ The Llama layer, and what each family adds to it (all from :class:`ModelConfig`'
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -29,14 +27,7 @@ from kvflow.model.config import ModelConfig
 from kvflow.model.rope import apply_rope, local_rope_cache, rope_cache, uses_local_rope
 from kvflow.plugins import torch_op  # noqa: F401  (registers torch.ops.kvflow.paged_attention)
 
-__all__ = ["LlamaForCausalLM", "RMSNorm", "StepMetadata", "add_lora_hooks", "computed_buffers",
-           "lora_linears", "rope_cache"]
-
-# The linears a LoRA adapter may target (kvflow.lora.LORA_MODULES), by the submodule holding each.
-_LORA_PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-                 "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-# (layer, module, x, y) -> the linear's new output, or None to keep y.
-LoraDelta = Callable[[int, str, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+__all__ = ["LlamaForCausalLM", "RMSNorm", "StepMetadata", "computed_buffers", "rope_cache"]
 
 
 def computed_buffers(cfg: ModelConfig, max_positions: int) -> dict[str, torch.Tensor]:
@@ -256,23 +247,3 @@ class LlamaForCausalLM(nn.Module):
                 f"unexpected {unexpected[:5]}"
             )
         self.load_state_dict(state_dict, strict=False)
-
-
-def lora_linears(model: LlamaForCausalLM) -> dict[tuple[int, str], nn.Linear]:
-    """The linears a LoRA adapter may target, by ``(layer, module)`` (HF's module names)."""
-    return {(i, name): getattr(getattr(layer, parent), name)
-            for i, layer in enumerate(model.model.layers) for name, parent in _LORA_PARENTS.items()}
-
-
-def add_lora_hooks(model: LlamaForCausalLM,
-                   delta: LoraDelta) -> list[torch.utils.hooks.RemovableHandle]:
-    """Route every LoRA target linear's output through ``delta(layer, module, x, y)`` (a forward
-    hook; returning None keeps ``y``). Without hooks the model is exactly the exported one: the
-    hooks are the runner's, added when it enables LoRA and removed with the handles returned."""
-    handles = []
-    for (layer, module), linear in lora_linears(model).items():
-        def hook(_mod: nn.Module, args: tuple, y: torch.Tensor, layer: int = layer,
-                 module: str = module) -> torch.Tensor | None:
-            return delta(layer, module, args[0], y)
-        handles.append(linear.register_forward_hook(hook))
-    return handles

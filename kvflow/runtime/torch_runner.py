@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from kvflow.build.engine_config import EngineConfig
-from kvflow.model.llama import LlamaForCausalLM, add_lora_hooks
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.lora_hooks import add_lora_hooks
 from kvflow.plugins.lora_torch import Segments, lora_apply, slot_segments
 from kvflow.runtime.base import PoolRunner, StepInput, kv_cache_numpy_dtype
 from kvflow.runtime.kv_cache import HostKVPool

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from kvflow.build.engine_config import EngineConfig
-from kvflow.model.llama import LlamaForCausalLM, add_lora_hooks
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.lora_hooks import add_lora_hooks
 from kvflow.plugins import kv_registry
 from kvflow.runtime.base import PoolRunner, StepInput, engine_kv_cache_dtype
 from kvflow.runtime.cuda_graphs import DecodeGraphs, decode_batch_sizes
