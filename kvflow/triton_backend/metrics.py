@@ -29,9 +29,12 @@ class TritonMetrics:
         # so the families are kept here, and dropped after the metrics in close().
         self.families: dict[str, Any] = {}
         self.metrics: dict[str, Any] = {}  # by series key
+        self.model_name = model_name
         for name, m in METRICS.items():
             fam = self.families[name] = pb_utils.MetricFamily(
                 name=name, description=m.help, kind=kinds[m.kind])
+            if m.dynamic:  # its series come as their label values do (_metric)
+                continue
             for key, value in zip(m.series(), m.values or (None,), strict=True):
                 labels = {"model": model_name}
                 if m.label is not None:
@@ -68,22 +71,35 @@ class TritonMetrics:
             if snap.done is not None:
                 snap.done.set()
 
+    def _metric(self, key: str) -> Any:
+        """The backend metric of series ``key``; a dynamic family's (a LoRA adapter's gauge)
+        is made the first time its key comes."""
+        metric = self.metrics.get(key)
+        if metric is None:
+            name, _, labels = key.partition("{")
+            label, _, value = labels.rstrip("}").partition("=")
+            m = METRICS[name]
+            metric = self.metrics[key] = self.families[name].Metric(labels={
+                "model": self.model_name, label: value.strip('"')}, **(
+                    {"buckets": list(m.buckets)} if m.kind == "histogram" else {}))
+        return metric
+
     def _publish(self, snap: _Snapshot) -> None:
         for key, value in snap.increments.items():
-            self.metrics[key].increment(value)
+            self._metric(key).increment(value)
         update = snap.update
         if update is None:
             return
         for key, value in update.observations:
-            self.metrics[key].observe(value)
+            self._metric(key).observe(value)
         for key, value in update.gauges.items():
             if self._last_gauges.get(key) != value:
-                self.metrics[key].set(value)
+                self._metric(key).set(value)
                 self._last_gauges[key] = value
         for key, value in update.totals.items():
             delta = value - self._last_counts.get(key, 0)
             if delta > 0:
-                self.metrics[key].increment(delta)
+                self._metric(key).increment(delta)
                 self._last_counts[key] = value
 
     def flush(self, timeout_s: float = 5.0) -> None:

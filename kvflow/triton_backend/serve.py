@@ -19,7 +19,7 @@ from kvflow import envs
 from kvflow.openai_api import FrontendConfig, FrontendProcess
 from kvflow.openai_api.config import add_chat_format_args, add_console_args, add_responses_args
 from kvflow.orchestrator.options import add_engine_option_args, engine_overrides
-from kvflow.triton_backend.launcher import ServerConfig, TritonServer
+from kvflow.triton_backend.launcher import ServerConfig, TritonServer, served_model_name
 from kvflow.triton_backend.protocol import API_KEY_HEADER, MODEL_NAME
 from kvflow.utils.args import int_arg
 from kvflow.utils.procs import ServeError, is_loopback, url_host
@@ -61,6 +61,10 @@ def main(args: argparse.Namespace) -> int:
                            grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                            tritonserver=args.tritonserver, engine_args=engine_overrides(args),
                            log_verbose=args.log_verbose, api_key=args.api_key)
+        served = args.served_model_name or served_model_name(cfg.engine_dir)
+        if served in (cfg.engine_args.get("lora_modules") or {}):
+            raise ServeError(f"--lora-modules {served}=...: that is the served model's name "
+                             "(a request for it gets the base model); name the adapter apart")
         return serve_forever(cfg, openai_port=None if args.no_openai else args.openai_port,
                              served_model_name=args.served_model_name,
                              chat_format=(args.tool_call_parser, args.reasoning_parser),
