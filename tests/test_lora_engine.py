@@ -204,3 +204,27 @@ def test_metrics_and_console_show_the_adapters(adapters):
     text = reg.exposition({"model": "m"})
     assert 'kvflow_lora_requests_running{model="m",lora_name="y"} 0.0' in text
     assert 'kvflow_lora_evictions_total{model="m"} 1.0' in text
+
+
+def test_the_engine_loop_takes_lora_name_and_loads_through_call(adapters):
+    import queue
+
+    from kvflow.orchestrator.engine_loop import EngineLoop
+    from kvflow.orchestrator.outputs import ErrorCode
+
+    loop = EngineLoop(sim_engine())
+    try:
+        got: queue.SimpleQueue = queue.SimpleQueue()
+        loop.submit("early", [1, 2, 3], params(), got.put, lora_name="x")
+        early = got.get(timeout=30)
+        assert early.finished and early.error_code == ErrorCode.BAD_REQUEST
+        assert "model: no adapter 'x'" in early.error
+        loop.call(lambda e: e.add_lora("x", adapters["a0"]))
+        loop.submit("late", [1, 2, 3], params(), got.put, lora_name="x")
+        while not (out := got.get(timeout=30)).finished:
+            pass
+        assert out.error is None and len(out.outputs[0].token_ids) == 3
+        assert [a["name"] for a in loop.call(lambda e: e.list_loras())] == ["x"]
+        loop.call(lambda e: e.remove_lora("x"))
+    finally:
+        loop.shutdown()
