@@ -8,12 +8,15 @@ Served, a closed loop of 8 streams over Triton gRPC, on the default engine, each
 3. eight adapters spread over the requests, ``--max-loras 4`` (slots are swapped under load);
 4. the same with ``--max-loras 8`` (every adapter resident).
 
-Reported per run: output throughput, TTFT and TPOT p50/p99, the adapters' swaps and
-evictions over the load (``/metrics`` ``kvflow_lora_*``), tritonserver's peak RSS, and the CPU's
-ISA. Target: eight mixed adapters keep >= 0.8x the base's throughput and a median TPOT within
-1.25x. The adapters are random nonzero PEFT adapters (rank 16 on all seven projections by
-default) made with ``kvflow.lora.synthetic.make_peft_adapter`` on the model's HF weights (for
-the default GGUF, transformers' own dequantization of it), kept in ``--out``/adapters.
+Every run is served ``--rounds`` times (3), the order rotated from round to round, so that a
+change in the machine's load (it is often shared) falls on every run alike: figures are medians
+over the rounds, ratios to the base the median of each round's ratio. Reported per run: output
+throughput, TTFT and TPOT p50/p99, the adapters' swaps and evictions over the load
+(``/metrics`` ``kvflow_lora_*``), tritonserver's peak RSS, and the CPU's ISA. Target: eight
+mixed adapters keep >= 0.8x the base's throughput and a median TPOT within 1.25x. The adapters
+are random nonzero PEFT adapters (rank 16 on all seven projections by default) made with
+``kvflow.lora.synthetic.make_peft_adapter`` on the model's HF weights (for the default GGUF,
+transformers' own dequantization of it), kept in ``--out``/adapters.
 
     python benchmarks/lora.py [--engine engines/smollm2-135m] [--out reports/lora]
     python benchmarks/lora.py --smoke   # a few short requests: checks the report is complete
@@ -32,14 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.bench.lora_adapters import adapter_bytes, hf_folder, prepare_adapters
-from kvflow.bench.lora_report import write_lora_report
+from kvflow.bench.lora_report import combine_rounds, write_lora_report
 from kvflow.bench.lora_serve import served_run, standard_runs
 from kvflow.bench.machine import cpu_isa
 from kvflow.workloads.prompts import make_prompts
 from kvflow.workloads.specs import RequestSpec
 
-SMOKE = {"num_prompts": 8, "prompt_tokens": 16, "output_tokens": 4, "adapters": 2,
-         "rank": 4, "max_loras": "1,2"}
+SMOKE = {"num_prompts": 4, "prompt_tokens": 16, "output_tokens": 4, "adapters": 2,
+         "rank": 4, "max_loras": "1,2", "rounds": 2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the engine's checkpoint, for the adapters' HF weights (default: "
                         "'default' when the engine was built from the packaged model)")
     p.add_argument("--out", default="reports/lora")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=32, help="requests per run and round")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8)
@@ -62,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the mixed runs' --max-loras values, comma-separated")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="another engine option for every run (JSON value or string)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="serve every run this many times, the order rotated each round; "
+                        "figures are medians, ratios to the base paired by round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--machine-note", default="The machine was shared with other work while "
                                              "this ran: speeds are rough.",
@@ -72,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
-    for name in ("num_prompts", "prompt_tokens", "output_tokens", "concurrency", "rank"):
+    for name in ("num_prompts", "prompt_tokens", "output_tokens", "concurrency", "rank",
+                 "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     try:
@@ -124,16 +131,24 @@ def main(argv: list[str] | None = None) -> int:
              for _ in range(args.num_prompts)]
     prompts = make_prompts(specs, args.engine, args.seed)
     common = engine_args(args.engine_arg)
-    runs: list[dict[str, Any]] = []
-    for run in standard_runs(names, args.max_loras_values):
-        print(f"[bench lora] {run.name} ...", flush=True)
-        t0 = time.monotonic()
-        result = served_run(args.engine, run, adapters, specs, prompts, args.concurrency,
-                            max_lora_rank=args.rank, engine_args=common, seed=args.seed,
-                            log_path=out / f"server-{len(runs)}.log")
-        print(f"[bench lora] {run.name}: {result.get('error') or 'done'} "
-              f"({time.monotonic() - t0:.0f} s)", flush=True)
-        runs.append(result)
+    plan = standard_runs(names, args.max_loras_values)
+    rounds: list[list[dict[str, Any]]] = []
+    for i in range(args.rounds):
+        results: dict[int, dict[str, Any]] = {}
+        # NOTE: rotated, so that no run is always served first (or last) in a round.
+        for j in [(i + k) % len(plan) for k in range(len(plan))]:
+            run = plan[j]
+            print(f"[bench lora] round {i + 1}/{args.rounds}: {run.name} ...", flush=True)
+            t0 = time.monotonic()
+            results[j] = served_run(args.engine, run, adapters, specs, prompts,
+                                    args.concurrency, max_lora_rank=args.rank,
+                                    engine_args=common, seed=args.seed + i,
+                                    log_path=out / f"server-{i}-{j}.log")
+            print(f"[bench lora] round {i + 1}: {run.name}: "
+                  f"{results[j].get('error') or 'done'} ({time.monotonic() - t0:.0f} s)",
+                  flush=True)
+        rounds.append([results[j] for j in range(len(plan))])
+    runs = combine_rounds(rounds)
     from kvflow.lora import LORA_MODULES
 
     report = {
@@ -144,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                    "adapter_bytes": adapter_bytes(adapters[names[0]]),
                    "num_prompts": args.num_prompts, "prompt_tokens": args.prompt_tokens,
                    "output_tokens": args.output_tokens, "concurrency": args.concurrency,
-                   "seed": args.seed, "engine_args": common, "smoke": args.smoke},
+                   "rounds": args.rounds, "seed": args.seed, "engine_args": common,
+                   "smoke": args.smoke},
         "machine": cpu_isa(), "machine_note": args.machine_note, "runs": runs}
     report = write_lora_report(out, report)
     return 1 if report["missing"] else 0

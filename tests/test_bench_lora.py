@@ -79,6 +79,7 @@ def test_lora_counters_are_read_from_the_exposition():
 def _run(name, tok_s, tpot_p50, loaded=(), mix=(), max_loras=None, **extra):
     run = {"name": name, "loaded": list(loaded), "max_loras": max_loras, "mix": list(mix),
            "requests": 16, "completed": 16, "failed": 0, "duration_s": 10.0,
+           "output_tokens": 16 * 64, "itl_ms": {"p50": tpot_p50, "p99": 50.0, "mean": 21.0},
            "output_tok_s": tok_s, "ttft_ms": {"p50": 100.0, "p99": 300.0, "mean": 120.0},
            "tpot_ms": {"p50": tpot_p50, "p99": tpot_p50 * 1.5, "mean": tpot_p50},
            "peak_rss_bytes": 900 << 20, "errors": []}
@@ -121,6 +122,26 @@ def test_the_report_judges_the_targets_and_is_complete(tmp_path, capsys):
     runs[3] = _run("8 adapters, max_loras 8", 81.0, 24.9, names, names, 8)
     report = lora_report.write_lora_report(tmp_path, _report(runs), echo=False)
     assert next(t for t in report["targets"] if t["name"] == runs[3]["name"])["met"] is True
+
+
+def test_rounds_are_combined_by_median_and_ratios_paired_by_round():
+    names = ["lora-0", "lora-1"]
+    # The machine got twice as fast in round 2: each round's mixed run is 0.9x its base.
+    base = [_run("base", 100.0, 20.0), _run("base", 200.0, 10.0), _run("base", 150.0, 14.0)]
+    mixed = [_run("mixed", 90.0, 22.0, names, names, 2),
+             _run("mixed", 180.0, 11.0, names, names, 2),
+             {"name": "mixed", "loaded": names, "max_loras": 2, "mix": names,
+              "requests": 16, "error": "ServeError: killed"}]
+    runs = lora_report.combine_rounds([[b, m] for b, m in zip(base, mixed, strict=True)])
+    assert runs[0]["output_tok_s"] == 150.0 and runs[0]["completed"] == 48
+    assert runs[0]["tpot_ms"]["p50"] == 14.0 and runs[0]["peak_rss_bytes"] == 900 << 20
+    assert runs[1]["output_tok_s"] == 135.0 and runs[1]["requests"] == 32  # two rounds served
+    assert runs[1]["rounds"][2] == {"error": "ServeError: killed"}
+    target = lora_report.judge_targets(runs)[0]
+    assert target["throughput_ratio"] == pytest.approx(0.9)  # not 135 / 150
+    assert target["tpot_p50_ratio"] == pytest.approx(1.1)
+    assert lora_report.missing_figures({"machine": {"widest": "AVX2"}, "runs": runs}) == [
+        "mixed: 1 of 3 rounds did not run"]
 
 
 def test_an_incomplete_report_says_what_is_missing(tmp_path):
@@ -197,8 +218,9 @@ def test_a_smoke_run_serves_every_run_and_writes_a_complete_report(tiny_models, 
     assert runs["2 adapters, max_loras 1"]["lora"]["swaps"] >= 1
     assert runs["2 adapters, max_loras 2"]["lora"] == {"swaps": 0, "evictions": 0,
                                                        "resident": 2}
-    assert runs["2 adapters, max_loras 2"]["requests_per_adapter"] == {"lora-0": 4,
-                                                                       "lora-1": 4}
+    assert runs["2 adapters, max_loras 2"]["requests_per_adapter"] == {"lora-0": 2,
+                                                                       "lora-1": 2}
+    assert all(len(r["rounds"]) == 2 for r in runs.values())
     assert [t["name"] for t in report["targets"]] == list(runs)[1:]
 
 

@@ -36,6 +36,9 @@ def missing_figures(report: dict[str, Any]) -> list[str]:
         if r.get("error"):
             missing.append(f"{r['name']}: did not run (see Errors)")
             continue
+        lost = sum(1 for x in r.get("rounds", []) if x.get("error"))
+        if lost:
+            missing.append(f"{r['name']}: {lost} of {len(r['rounds'])} rounds did not run")
         if r.get("failed"):
             missing.append(f"{r['name']}: {r['failed']} failed requests")
         for key in RUN_FIGURES + (LORA_FIGURES if r.get("loaded") else ()):
@@ -44,18 +47,72 @@ def missing_figures(report: dict[str, Any]) -> list[str]:
     return missing
 
 
+# A round's figures kept beside the medians, for the per-round table.
+ROUND_FIGURES = ("output_tok_s", "ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50", "tpot_ms.p99",
+                 "lora.swaps", "lora.evictions", "peak_rss_bytes")
+
+
+def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One result per run from several rounds of all runs (``rounds[i][j]``: run ``j`` in round
+    ``i``): the median of each figure over the rounds it served in, requests and failures
+    summed, the peak RSS the highest; ``rounds`` keeps each round's figures (a round that did
+    not start: its ``error``), which :func:`judge_targets` pairs round by round."""
+    out = []
+    for j in range(len(rounds[0])):
+        results = [r[j] for r in rounds]
+        served = [r for r in results if not r.get("error")]
+        if not served:
+            out.append({**results[0], "rounds": [{"error": r["error"]} for r in results]})
+            continue
+        run = dict(served[0])
+        for key in ("requests", "completed", "failed", "output_tokens"):
+            run[key] = sum(r[key] for r in served)
+        run["output_tok_s"] = _median([r["output_tok_s"] for r in served])
+        run["duration_s"] = _median([r["duration_s"] for r in served])
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            run[key] = {p: _median([r[key][p] for r in served]) for p in ("p50", "p99", "mean")}
+        if run.get("lora") is not None:
+            run["lora"] = {k: _median([r["lora"][k] for r in served])
+                           for k in ("swaps", "evictions", "resident")}
+        run["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in served)
+        run["errors"] = [e for r in served for e in r["errors"]][:5]
+        run["rounds"] = [{"error": r["error"]} if r.get("error") else
+                         {k: _get(r, k) for k in ROUND_FIGURES} for r in results]
+        out.append(run)
+    return out
+
+
+def _median(values: list[Any]) -> float | None:
+    present = sorted(v for v in values if v is not None)
+    if not present:
+        return None
+    mid = len(present) // 2
+    return present[mid] if len(present) % 2 else (present[mid - 1] + present[mid]) / 2
+
+
+def _paired_ratio(run: dict[str, Any], base: dict[str, Any], key: str) -> float | None:
+    """The median over rounds of ``run``'s ``key`` over the same round's base (the two served
+    minutes apart, so a change in the machine's load cancels), else the plain ratio."""
+    pairs = list(zip(run.get("rounds") or [], base.get("rounds") or [], strict=False))
+    ratios = [_ratio(a.get(key), b.get(key)) for a, b in pairs]
+    if pairs and any(r is not None for r in ratios):
+        return _median(ratios)
+    return _ratio(_get(run, key), _get(base, key))
+
+
 def judge_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each LoRA run against the base run: throughput ratio, TPOT p50 and p99 ratios, and for
-    runs mixing several adapters (the target's case) whether both targets are met."""
+    """Each LoRA run against the base run: throughput ratio, TPOT p50 and p99 ratios (medians
+    of the rounds' ratios when there are rounds), and for runs mixing several adapters (the
+    target's case) whether both targets are met."""
     base = next((r for r in runs if r["name"] == "base" and not r.get("error")), None)
     out = []
     for r in runs:
         if not r.get("loaded") or r.get("error") or base is None:
             continue
         row: dict[str, Any] = {"name": r["name"], "mixed": len(r.get("mix", [])) > 1}
-        row["throughput_ratio"] = _ratio(r.get("output_tok_s"), base.get("output_tok_s"))
+        row["throughput_ratio"] = _paired_ratio(r, base, "output_tok_s")
         for p in ("p50", "p99"):
-            row[f"tpot_{p}_ratio"] = _ratio(_get(r, f"tpot_ms.{p}"), _get(base, f"tpot_ms.{p}"))
+            row[f"tpot_{p}_ratio"] = _paired_ratio(r, base, f"tpot_ms.{p}")
         if row["mixed"]:
             row["met"] = (row["throughput_ratio"] is not None
                           and row["throughput_ratio"] >= MIN_THROUGHPUT_RATIO
@@ -93,12 +150,13 @@ def write_lora_report(out: str | Path, report: dict[str, Any], echo: bool = True
 
 def _markdown(report: dict[str, Any]) -> list[str]:
     cfg, machine = report["config"], report["machine"]
-    base: dict[str, Any] = next((r for r in report["runs"]
-                                 if r["name"] == "base" and not r.get("error")), {})
+    ratios = {t["name"]: t["throughput_ratio"] for t in report["targets"]}
+    rounds = cfg.get("rounds", 1)
     lines = [
         "# Multi-LoRA serving: the base, one adapter, and mixed adapters", "",
         f"`{cfg['engine']}` served by `kvflow serve` (tritonserver), Triton gRPC streaming, a "
-        f"closed loop of {cfg['concurrency']} streams, {cfg['num_prompts']} requests of "
+        f"closed loop of {cfg['concurrency']} streams, {cfg['num_prompts']} requests (per run "
+        f"and round) of "
         f"{cfg['prompt_tokens']} prompt and {cfg['output_tokens']} output tokens (greedy, "
         "`ignore_eos`), prefix caching off (the same prompts under two adapters never share "
         "KV, so with it on the base would be favoured). Adapters: "
@@ -107,6 +165,11 @@ def _markdown(report: dict[str, Any]) -> list[str]:
         f"({_mb(cfg.get('adapter_bytes'), '.1f')} each on disk), made with "
         "`make_peft_adapter` on the model's HF weights; a mixed run spreads them over the "
         "requests in equal shares, in a seeded random order.", "",
+        *([f"{rounds} rounds: each round serves every run once (a fresh server each), the "
+           "order rotated from round to round; a figure is the median over the rounds, a "
+           "ratio to the base the median of each round's ratio to that round's base (so that "
+           "a change in the machine's load between rounds cancels).", ""] if rounds > 1
+          else []),
         f"Machine: {machine.get('model_name') or '?'}, {machine.get('cpus')} CPUs, widest ISA "
         f"{machine['widest']}, kvflow's native kernels: {machine.get('native_isa')}. "
         f"{report.get('machine_note', '')}".rstrip(), "",
@@ -120,7 +183,7 @@ def _markdown(report: dict[str, Any]) -> list[str]:
                          "did not run | - | - | - | - | - | - | - |")
             continue
         lora = r.get("lora") or {}
-        ratio = _ratio(r.get("output_tok_s"), base.get("output_tok_s"))
+        ratio = 1.0 if r["name"] == "base" else ratios.get(r["name"])
         lines.append(
             f"| {r['name']} | {len(r['loaded'])} | "
             f"{_f(r['max_loras'], 'd') if r['max_loras'] else '-'} | "
@@ -142,6 +205,15 @@ def _markdown(report: dict[str, Any]) -> list[str]:
                      f"{_f(t['tpot_p99_ratio'], '.2f', 'x')} of the base's.{verdict}")
     if not report["targets"]:
         lines.append("- not judged: no LoRA run completed beside the base")
+    if rounds > 1:
+        lines += ["", "Each round's output tok/s and TPOT p50 ms:", "",
+                  "| run | " + " | ".join(f"round {i + 1}" for i in range(rounds)) + " |",
+                  "|---|" + "---|" * rounds]
+        for r in report["runs"]:
+            cells = ["did not run" if x.get("error") else
+                     f"{_f(x.get('output_tok_s'))}, {_f(x.get('tpot_ms.p50'))}"
+                     for x in r.get("rounds", [])]
+            lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     errors = [r for r in report["runs"] if r.get("error") or r.get("errors")]
     if errors:
         lines += ["", "## Errors", ""]
