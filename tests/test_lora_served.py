@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import DEADLINE_S, post, wait_for
+from tests.helpers import DEADLINE_S, metric, post, scrape, wait_for
 
 pytestmark = pytest.mark.slow  # tritonserver, the frontend, the default model
 
@@ -119,6 +119,11 @@ def test_models_lists_the_base_and_each_adapter_with_its_parent(lora_server, ada
     assert [m.id for m in models] == [base, "a"]
     card = models[1].model_dump()
     assert card["parent"] == base and card["root"] == adapters["a"]
+    # The model config a Triton client reads names no path (serve.json holds them).
+    server, _ = lora_server
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/kvflow/config",
+                                timeout=DEADLINE_S) as r:
+        assert adapters["a"] not in r.read().decode()
 
 
 def test_openai_model_selects_the_adapter_and_equals_llm_generate(lora_server, sdk, reference):
@@ -241,19 +246,23 @@ def test_tritonclient_and_http_generate_select_the_adapter_by_lora_name(lora_ser
     assert status == 200 and body["text_output"] == reference["a", PROMPTS[1]]
 
 
-def test_the_console_state_shows_each_requests_adapter(lora_server, sdk):
-    _, frontend = lora_server
-    stream = sdk.completions.create(model="a", prompt=PROMPTS[0], max_tokens=200,
+def test_the_console_state_and_metrics_show_each_requests_adapter(lora_server, sdk):
+    server, frontend = lora_server
+    stream = sdk.completions.create(model="a", prompt=PROMPTS[0], max_tokens=400,
                                     temperature=0.0, stream=True,
                                     extra_body={"ignore_eos": True})
     next(iter(stream))
     try:
         status, text = _call(frontend, "/v1/kvflow/state")
+        running = wait_for(lambda: metric(scrape(server), "kvflow_lora_requests_running",
+                                          lora_name="a"), what="the adapter's running gauge")
     finally:
         stream.close()
     state = json.loads(text)["servers"][0]
     assert status == 200 and [a["name"] for a in state["loras"]] == ["a"]
     assert "a" in [r["lora_name"] for r in state["requests"]]
+    assert running == 1
+    assert metric(scrape(server), "kvflow_lora_swaps_total") >= 1  # into its slot at least once
 
 
 def test_without_lora_the_load_endpoint_says_how_to_turn_it_on(openai_frontend):

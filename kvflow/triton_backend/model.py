@@ -119,8 +119,9 @@ class KvflowTritonModel:
                       for key in model_config.get("parameters", {})}
         try:
             overrides = options_from_parameters(parameters, reserved=BACKEND_PARAMETERS)
-            if served.get("trace_steps"):  # a path: in serve.json, out of clients' sight
-                overrides["trace_steps"] = served["trace_steps"]
+            for path_option in ("trace_steps", "lora_modules"):  # paths: in serve.json, out
+                if served.get(path_option):  # of clients' sight
+                    overrides[path_option] = served[path_option]
             self.engine = create_engine(engine_dir, **overrides)
         except ValueError as e:
             raise pb_utils.TritonModelException(f"model parameters: {e}") from None
