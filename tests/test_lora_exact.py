@@ -133,3 +133,37 @@ def test_llm_load_unload_and_load_again(tiny_engines, adapters, reference):
         assert [a["name"] for a in llm.list_loras()] == ["mine"]
         with pytest.raises(ValueError, match="got 2 lora names for 1 prompts"):
             llm.generate([PROMPTS[0]], GREEDY, lora=["mine", None])
+
+
+@pytest.mark.slow
+def test_default_model_greedy_equals_hf_peft(default_engines, tmp_path):
+    """The default model (its ONNX Runtime engine, fp32 matmuls and KV) with two PEFT adapters
+    made on HF's own weights of the same GGUF: a batch mixing them and the base gives each
+    request HF + PEFT's greedy tokens."""
+    import transformers
+    from peft import PeftModel
+
+    from kvflow.bench.lora_adapters import hf_folder
+
+    base = hf_folder("default", tmp_path)
+    folders = {n: make_peft_adapter(base, tmp_path / n, rank=8, alpha=16, seed=s, scale=0.05)
+               for n, s in (("d1", 1), ("d2", 2))}
+    prompts = [[1, 504, 3458, 314, 260, 1345, 30], [1, 2683, 2130, 282, 4077, 314],
+               [1, 504, 3458, 314, 260, 1345, 30]]
+    loras = ["d1", "d2", None]
+    with LLM(default_engines["onnxruntime"], quantized_matmul="fp32", kv_cache_dtype="fp32",
+             lora_modules={n: str(p) for n, p in folders.items()}, max_lora_rank=8) as llm:
+        outputs = llm.generate(prompts, GREEDY, lora=loras)
+    for out, prompt, lora in zip(outputs, prompts, loras, strict=True):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(base),
+                                                                  dtype=torch.float32).eval()
+        if lora is not None:
+            model = PeftModel.from_pretrained(model, str(folders[lora])).eval()
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                 min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                 return_dict_in_generate=True, output_scores=True)
+        assert_same_or_near_tie(out.outputs[0].token_ids,
+                                ref.sequences[0, len(prompt):].tolist(),
+                                [s[0].numpy() for s in ref.scores])
+    assert outputs[0].outputs[0].token_ids != outputs[2].outputs[0].token_ids  # d1 vs base
