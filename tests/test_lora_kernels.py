@@ -27,6 +27,8 @@ from kvflow.runtime.lora_pool import LoraGroup, LoraPool, lora_reference
 
 QKV = LoraGroup("qkv", ("q_proj", "k_proj", "v_proj"), 64, (48, 16, 16))
 DOWN = LoraGroup("down", ("down_proj",), 96, (64,))
+# Parts whose widths and starts are no multiple of the kernel's column block.
+ODD = LoraGroup("gate_up", ("gate_proj", "up_proj"), 40, (21, 13))
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def make_adapter(name: str, rank: int, modules: dict[str, int], layers: int = 2,
                  seed: int = 0) -> Adapter:
     """Random A and B for ``modules`` (name -> rank: ranks may differ per module)."""
     rng = np.random.default_rng(seed)
-    shapes = {m: (g.in_features, n) for g in (QKV, DOWN)
+    shapes = {m: (g.in_features, n) for g in (QKV, DOWN, ODD)
               for m, n in zip(g.modules, g.out_features, strict=True)}
     weights = {}
     for layer in range(layers):
@@ -56,10 +58,10 @@ def make_adapter(name: str, rank: int, modules: dict[str, int], layers: int = 2,
 def make_pool(max_loras: int = 3, max_rank: int = 8) -> LoraPool:
     """Slot 0: every module at rank 8; slot 1: q and v only, rank 3 (k left out: rank 0);
     slot 2 (when there is one) stays empty."""
-    pool = LoraPool([QKV, DOWN], num_layers=2, max_loras=max_loras, max_rank=max_rank)
+    pool = LoraPool([QKV, DOWN, ODD], num_layers=2, max_loras=max_loras, max_rank=max_rank)
     pool.load(0, make_adapter("all", 8, {"q_proj": 8, "k_proj": 8, "v_proj": 8,
-                                         "down_proj": 8}, seed=1))
-    pool.load(1, make_adapter("qv", 3, {"q_proj": 3, "v_proj": 3}, seed=2))
+                                         "down_proj": 8, "gate_proj": 7, "up_proj": 5}, seed=1))
+    pool.load(1, make_adapter("qv", 3, {"q_proj": 3, "v_proj": 3, "up_proj": 6}, seed=2))
     return pool
 
 
@@ -100,7 +102,7 @@ def mixed_slots(t: int, seed: int = 3) -> np.ndarray:
 
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("parallel_min_work", [0, 2**31 - 1])
-@pytest.mark.parametrize(("group", "layer"), [(QKV, 1), (DOWN, 0)])
+@pytest.mark.parametrize(("group", "layer"), [(QKV, 1), (DOWN, 0), (ODD, 1)])
 def test_native_op_matches_the_reference(isa, parallel_min_work, group, layer):
     """Mixed slots (base, a full adapter, one with ranks below max and a module left out, an
     empty slot) over several parts: the op adds what the reference adds, threaded or not."""
@@ -155,7 +157,7 @@ def test_native_op_without_adapters_is_the_identity_and_refuses_bad_slots():
 def test_pool_checks_adapters_and_frees_what_it_registered():
     before = lora_pool.registered_arrays()
     pool = make_pool(max_loras=2, max_rank=4 + 4)
-    assert lora_pool.registered_arrays() == before + 3 * 2 * 2  # (A, Bt, ranks) x layers x groups
+    assert lora_pool.registered_arrays() == before + 3 * 2 * 3  # (A, Bt, ranks) x layers x groups
     assert pool.ranks["qkv"][0, 1].tolist() == [3, 0, 3]
     too_big = make_adapter("big", 9, {"q_proj": 9})
     with pytest.raises(ValueError, match="rank 9, above max_lora_rank 8"):

@@ -9,8 +9,9 @@
 // r = ranks[s, p] > 0: (A[s, p, :r] x_t) . Bt[s, :r, cols_p]. Attributes: module (the row of
 // lora_ptrs), part_cols (each part's column count; they sum to N), rank (R), num_slots (S),
 // parallel_min_work (optional: below it, multiply-adds of the step, run on the calling thread).
-// Work items are tokens (each writes its own output row), through ORT's intra-op pool. The op
-// may run in place (y_out the buffer of y_in, which only it reads): then nothing is copied.
+// Work items are tiles of up to kTile tokens of one slot (lora_matmul_kernel.h: the arithmetic),
+// through ORT's intra-op pool. The op may run in place (y_out the buffer of y_in, which only it
+// reads): then nothing is copied.
 #pragma once
 
 #include <onnxruntime_c_api.h>
@@ -21,6 +22,8 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "lora_matmul_kernel.h"
 
 namespace kvflow_ort {
 namespace lora_matmul {
@@ -64,49 +67,6 @@ inline std::string dims(const std::vector<int64_t>& shape) {
   return r + "]";
 }
 
-struct Step {
-  const Attrs* a;
-  const float* x;
-  float* y;
-  const float* pool_a;
-  const float* pool_bt;
-  const int32_t* ranks;
-  const int32_t* slots;
-  int64_t k, n;
-};
-
-// One token's LoRA rows: u = A x (r dot products over K), then y += u . Bt (r rows of N).
-inline void run_token(void* data, size_t index) {
-  const Step& st = *static_cast<const Step*>(data);
-  const Attrs& a = *st.a;
-  const int32_t s = st.slots[index];
-  if (s < 0) return;
-  const int64_t parts = (int64_t)a.part_cols.size() - 1, k = st.k, n = st.n, rmax = a.rank;
-  const float* x = st.x + (size_t)index * k;
-  float* y = st.y + (size_t)index * n;
-  float u[64];
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t r = std::min<int64_t>(st.ranks[s * parts + p], rmax);
-    if (r <= 0) continue;
-    const int64_t c0 = a.part_cols[p], c1 = a.part_cols[p + 1];
-    const float* pa = st.pool_a + ((size_t)(s * parts + p) * rmax) * k;
-    for (int64_t j0 = 0; j0 < r; j0 += 64) {
-      const int64_t j1 = std::min<int64_t>(r, j0 + 64);
-      for (int64_t j = j0; j < j1; ++j) {
-        const float* row = pa + (size_t)j * k;
-        float acc = 0.0f;
-        for (int64_t i = 0; i < k; ++i) acc += row[i] * x[i];
-        u[j - j0] = acc;
-      }
-      for (int64_t j = j0; j < j1; ++j) {
-        const float* bt = st.pool_bt + ((size_t)s * rmax + j) * n;
-        const float uj = u[j - j0];
-        for (int64_t c = c0; c < c1; ++c) y[c] += uj * bt[c];
-      }
-    }
-  }
-}
-
 inline OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   const void *yin = nullptr, *x = nullptr, *ptrs = nullptr, *slots = nullptr;
   std::vector<int64_t> ys, xs, ps, ss;
@@ -140,29 +100,44 @@ inline OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   const int32_t* sl = static_cast<const int32_t*>(slots);
   const int32_t* ranks = reinterpret_cast<const int32_t*>(row[2]);
   const int64_t parts = (int64_t)a.part_cols.size() - 1;
-  int64_t work = 0;
+  // Tokens by slot (a counting sort), then each slot's tokens in tiles of kTile.
+  std::vector<int32_t> count((size_t)a.num_slots + 1, 0);
   for (int64_t i = 0; i < t; ++i) {
     if (sl[i] < -1 || sl[i] >= a.num_slots)
       return error("lora_slots[" + std::to_string(i) + "] = " + std::to_string(sl[i]) +
                    " is outside -1 (base) .. " + std::to_string(a.num_slots - 1) +
                    " (num_slots - 1)");
-    if (sl[i] < 0) continue;
-    for (int64_t p = 0; p < parts; ++p)
-      work += std::min<int64_t>(ranks[sl[i] * parts + p], a.rank) *
-              (k + a.part_cols[p + 1] - a.part_cols[p]);
+    ++count[(size_t)sl[i] + 1];
   }
-  if (work == 0) return nullptr;
-  Step step{&a, static_cast<const float*>(x), static_cast<float*>(y),
+  std::vector<int32_t> start(count.size() + 1, 0), order((size_t)t);
+  for (size_t c = 0; c < count.size(); ++c) start[c + 1] = start[c] + count[c];
+  std::vector<int32_t> next(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < t; ++i) order[(size_t)next[(size_t)sl[i] + 1]++] = (int32_t)i;
+  std::vector<Tile> tiles;
+  int64_t work = 0;
+  for (int64_t s = 0; s < a.num_slots; ++s) {
+    const int32_t first = start[(size_t)s + 1], n_tokens = count[(size_t)s + 1];
+    int64_t per_token = 0;
+    for (int64_t p = 0; p < parts; ++p)
+      per_token += std::min<int64_t>(ranks[s * parts + p], a.rank) *
+                   (k + a.part_cols[p + 1] - a.part_cols[p]);
+    if (n_tokens == 0 || per_token <= 0) continue;
+    for (int32_t f = 0; f < n_tokens; f += kTile)
+      tiles.push_back({(int32_t)s, first + f, std::min<int32_t>(kTile, n_tokens - f)});
+    work += per_token * n_tokens;
+  }
+  if (tiles.empty()) return nullptr;
+  Step step{static_cast<const float*>(x), static_cast<float*>(y),
             reinterpret_cast<const float*>(row[0]), reinterpret_cast<const float*>(row[1]),
-            ranks, sl, k, n};
+            ranks, order.data(), tiles.data(), a.part_cols.data(), k, n, parts, a.rank};
   bool done = false;
-  if (work >= a.parallel_min_work && t > 1) {
-    OrtStatus* s = g_api->KernelContext_ParallelFor(ctx, run_token, (size_t)t, 0, &step);
+  if (work >= a.parallel_min_work && tiles.size() > 1) {
+    OrtStatus* s = g_api->KernelContext_ParallelFor(ctx, run_tile, tiles.size(), 0, &step);
     done = s == nullptr;
     if (s) g_api->ReleaseStatus(s);  // no pool to run on: run here
   }
   if (!done)
-    for (int64_t i = 0; i < t; ++i) run_token(&step, (size_t)i);
+    for (size_t i = 0; i < tiles.size(); ++i) run_tile(&step, i);
   return nullptr;
 }
 
@@ -171,7 +146,7 @@ inline OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*,
   Attrs a{};
   struct { const char* name; int64_t* field; bool required; int64_t fallback, min; } ints[] = {
       {"module", &a.module, true, 0, 0},
-      {"rank", &a.rank, true, 0, 1},
+      {"rank", &a.rank, true, 0, 1},  // at most kMaxRank: checked below
       {"num_slots", &a.num_slots, true, 0, 1},
       {"parallel_min_work", &a.parallel_min_work, false, kInlineWork, 0}};
   for (auto& f : ints) {
@@ -185,6 +160,9 @@ inline OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*,
                    " is outside [" + std::to_string(f.min) + ", " + std::to_string(INT32_MAX) +
                    "]");
   }
+  if (a.rank > kMaxRank)
+    return error("attribute rank = " + std::to_string(a.rank) + " is above the supported " +
+                 std::to_string(kMaxRank));
   size_t count = 0;
   OrtStatus* s = g_api->KernelInfoGetAttributeArray_int64(info, "part_cols", nullptr, &count);
   std::vector<int64_t> cols(count);

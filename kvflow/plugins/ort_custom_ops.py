@@ -51,7 +51,7 @@ SOURCES = (SOURCE, SOURCE.with_name("paged_attention_ort_kernel.h"),
            SOURCE.with_name("matmul_q_kernel.h"), SOURCE.with_name("matmul_q_gemm.h"),
            SOURCE.with_name("matmul_q_gemm_x86.h"), SOURCE.with_name("gather_q_ort.h"),
            SOURCE.with_name("matmul_q_gemv512.h"), SOURCE.with_name("isa.h"),
-           SOURCE.with_name("lora_matmul_ort.h"))
+           SOURCE.with_name("lora_matmul_ort.h"), SOURCE.with_name("lora_matmul_kernel.h"))
 API_HEADER = "onnxruntime_c_api.h"
 HEADERS_DIRNAME = "onnxruntime-headers"
 # Debian 13 (trixie) ships ONNX Runtime 1.21's headers (API 21) in this package.
