@@ -33,17 +33,18 @@ needs_native = pytest.mark.skipif(
 Seq = tuple[list[int], int, int, list[int]]  # tokens, start, new tokens, blocks
 
 
-def random_adapter(model, name: str, ranks: dict[str, int], seed: int) -> Adapter:
-    """Random nonzero A and B (scaled as the loader would have: B holds alpha / r) for the
-    modules of ``ranks`` in every layer."""
+def random_adapter(model, name: str, ranks: dict[str, int], seed: int,
+                   scale: float = 0.1) -> Adapter:
+    """Random nonzero A and B (normal, ``scale``; B as the loader leaves it, scaling folded in)
+    for the modules of ``ranks`` in every layer."""
     rng = np.random.default_rng(seed)
     weights = {}
     for (layer, module), linear in lora_linears(model).items():
         r = ranks.get(module, 0)
         if r:
             out_f, in_f = linear.weight.shape
-            weights[layer, module] = (rng.normal(0, 0.1, (r, in_f)).astype(np.float32),
-                                      rng.normal(0, 0.1, (out_f, r)).astype(np.float32))
+            weights[layer, module] = (rng.normal(0, scale, (r, in_f)).astype(np.float32),
+                                      rng.normal(0, scale, (out_f, r)).astype(np.float32))
     return Adapter(name, max(ranks.values()), weights)
 
 
@@ -166,6 +167,10 @@ def test_lora_off_is_bit_identical_and_the_pool_is_freed(tiny_engines):
             plain["onnxruntime"].execute(with_slots(seqs, [0, 0], 4))
         with pytest.raises(ValueError, match="pass max_loras and max_lora_rank to create_runner"):
             plain["onnxruntime"].enable_lora(2, 8)
+        ort_dir = tiny_engines["qwen2-bias", "onnxruntime"]
+        with pytest.raises(RuntimeError, match="needs its native op library"):
+            OnnxRuntimeRunner(ort_dir, EngineConfig.load(ort_dir), 64, attention="segmented",
+                              max_loras=2)
     finally:
         for r in (*plain.values(), *lora.values()):
             r.close()
