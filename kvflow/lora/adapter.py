@@ -11,9 +11,7 @@ linears split), which :func:`build_adapter` checks and folds. Nothing here impor
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -92,32 +90,6 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
     return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
             "o_proj": (hidden, q), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
             "down_proj": (hidden, inter)}[module]
-
-
-def load_lora_adapter(name: str, path: str | os.PathLike, config: ModelConfig,
-                      max_rank: int) -> LoraAdapter:
-    """Read the LoRA adapter at ``path`` for the base model ``config``.
-
-    ``path`` is a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``; a
-    pickled ``adapter_model.bin`` is refused by name) or a GGUF LoRA file as llama.cpp's
-    ``convert_lora_to_gguf.py`` writes it. Every shape is checked against ``config``;
-    refused with :class:`LoraAdapterError`, by name: rank > ``max_rank``, ``modules_to_save``,
-    target modules other than the attention and MLP projections (``embed_tokens``,
-    ``lm_head``), DoRA (``use_dora``), ``bias`` other than ``"none"``, and a tensor whose shape
-    does not fit the base. A fused module (Phi-3's ``qkv_proj`` / ``gate_up_proj``) is split
-    into its parts (A shared, B's rows split).
-    """
-    from kvflow.lora.gguf_format import read_gguf_lora
-    from kvflow.lora.peft_format import read_peft_folder
-
-    p = Path(path)
-    if p.is_dir():
-        modules, alpha, base_model = read_peft_folder(p, config)
-    elif p.is_file():
-        modules, alpha, base_model = read_gguf_lora(p, config)
-    else:
-        raise LoraAdapterError(f"lora path {str(p)!r}: no such file or folder")
-    return build_adapter(name, str(p), config, max_rank, modules, alpha, base_model)
 
 
 def build_adapter(name: str, path: str, config: ModelConfig, max_rank: int,

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvflow.lora.adapter import LoraAdapter, load_lora_adapter
+from kvflow.lora import LoraAdapter, load_lora_adapter
 from kvflow.orchestrator.outputs import EngineCounters, RequestError
 
 if TYPE_CHECKING:
