@@ -22,6 +22,8 @@ from kvflow.orchestrator.scheduler.registry import SCHEDULERS
 
 # A value for each option other than its default, valid on the tiny engines (limits 256/256/16).
 NON_DEFAULT = {
+    "enable_lora": True, "lora_modules": {"ad": "/tmp/kvflow-options-test-lora"}, "max_loras": 2,
+    "max_lora_rank": 8,
     "max_num_seqs": 3, "max_num_batched_tokens": 40, "max_step_ms": 0.0, "max_model_len": 100,
     "enable_chunked_prefill": False, "long_prefill_token_threshold": 8,
     "max_waiting_requests": 7, "policy": "priority", "priority_aging_s": 2.5,

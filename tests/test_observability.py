@@ -439,6 +439,8 @@ def test_prometheus_scrapes_every_series(triton_server, tmp_path):
     try:
         post(triton_server, {"text_input": "Hello", "max_tokens": 4})
         for m in METRICS.values():
+            if m.dynamic:  # a series per adapter name: none without one loaded
+                continue
             expr = f"{m.name}_count" if m.kind == "histogram" else m.name
             result = wait_for(lambda e=expr: (r := query(e))["status"] == "success"
                               and r["data"]["result"], what=f"a PromQL answer for {expr}")
