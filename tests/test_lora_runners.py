@@ -177,9 +177,12 @@ def test_lora_off_is_bit_identical_and_the_pool_is_freed(tiny_engines):
     assert lora_pool.registered_arrays() == before
 
 
-def test_triton_runner_adapter_equals_the_merged_model(tiny_engines):
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_triton_runner_adapter_equals_the_merged_model(tiny_engines, cuda_graphs):
     """The triton runner (Triton's interpreter without a GPU) with an adapter in slot 0 beside
-    a base sequence: the merged model's logits for the one, the base's for the other."""
+    a base sequence: the merged model's logits for the one, the base's for the other. With
+    ``cuda_graphs`` the decode step runs the LoRA decode graphs' static buffers (eagerly
+    without CUDA)."""
     pytest.importorskip("triton", reason="OpenAI Triton is not installed")
     from kvflow.runtime import create_runner
 
@@ -189,7 +192,7 @@ def test_triton_runner_adapter_equals_the_merged_model(tiny_engines):
     adapter = random_adapter(base, "some", SOME, seed=5)
     reference = TorchRunner(torch_dir, engine, 64, model=merged(base, adapter))
     plain = TorchRunner(torch_dir, engine, 64, model=base)
-    runner = create_runner("triton", torch_dir, 64, cuda_graphs=False, max_loras=2,
+    runner = create_runner("triton", torch_dir, 64, cuda_graphs=cuda_graphs, max_loras=2,
                            max_lora_rank=8)
     try:
         assert runner.supports_lora and runner.lora_pool_bytes > 0
@@ -203,6 +206,7 @@ def test_triton_runner_adapter_equals_the_merged_model(tiny_engines):
         got = runner.execute(with_slots(decode, [0, -1], 4))
         np.testing.assert_allclose(got[0], reference.execute(step(decode[:1], 4))[0], atol=TOL)
         np.testing.assert_allclose(got[1], plain.execute(step(decode[1:], 4))[0], atol=TOL)
+        assert (runner.lora_graphs is not None) == cuda_graphs  # type: ignore[attr-defined]
     finally:
         for r in (runner, reference, plain):
             r.close()

@@ -138,24 +138,39 @@ class TritonRunner(LoraSlots, PoolRunner):
         self._lora_dev: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._lora_hooks: list = []
         self._lora_slots: torch.Tensor | None = None  # the running step's, on the device
-        if max_loras:
-            self.enable_lora(max_loras, max_lora_rank)
         self.graphs: DecodeGraphs | None = None
+        # Decode graphs with the LoRA kernels in them, reading each row's slot from a static
+        # buffer (the step's slots, padding rows -1); base decode steps replay self.graphs.
+        self.lora_graphs: DecodeGraphs | None = None
+        if max_loras:
+            try:
+                self.enable_lora(max_loras, max_lora_rank)
+            except BaseException:
+                self.close()
+                raise
         if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
             lim = engine.limits
+            sizes = decode_batch_sizes(lim.max_batch_size)
+            self._graph_slots = torch.full((sizes[-1],), -1, dtype=torch.int32,
+                                           device=self.device)
             try:
                 with torch.inference_mode():
-                    self.graphs = DecodeGraphs(self._forward, self.device,
-                                               decode_batch_sizes(lim.max_batch_size),
+                    self.graphs = DecodeGraphs(self._forward, self.device, sizes,
                                                -(-lim.max_model_len // lim.block_size),
                                                capture=self.device.type == "cuda")
+                    if self.lora is not None:
+                        self.lora_graphs = DecodeGraphs(
+                            self._lora_graph_forward, self.device, sizes,
+                            -(-lim.max_model_len // lim.block_size),
+                            capture=self.device.type == "cuda")
             except BaseException:
                 self.close()  # the pools are not leaked by a failed capture
                 raise
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """A slot pool (one group per module) mirrored on the device, and the hooks that apply
-        it. Decode graphs captured before stay valid: steps with adapters run eagerly."""
+        it. Called after the runner was made (no ``max_loras``), its decode graphs stay
+        base-only and steps with adapters run eagerly."""
         if self.lora is not None:
             if (self.lora.max_loras, self.lora.max_rank) == (max_loras, max_rank):
                 return
@@ -201,9 +216,24 @@ class TritonRunner(LoraSlots, PoolRunner):
         return self.model(input_ids, positions, self.pool.ptrs, slot_mapping, block_tables,
                           seq_lens, query_start_loc, logits_indices)
 
+    def _lora_graph_forward(self, input_ids: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        # NOTE: under capture this runs once per bucket: its kernels keep reading the buffer.
+        self._lora_slots = self._graph_slots[: input_ids.shape[0]]
+        try:
+            return self._forward(input_ids, *rest)
+        finally:
+            self._lora_slots = None
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> np.ndarray:
         self.check_lora_step(step)
+        if step.lora_slots is not None and self.lora_graphs is not None:
+            bucket = self.lora_graphs.bucket(step)
+            if bucket is not None:
+                n = step.num_seqs
+                self._graph_slots[:n].copy_(torch.from_numpy(step.lora_slots.astype(np.int32)))
+                self._graph_slots[n:].fill_(-1)
+                return self.lora_graphs.run(step, bucket).cpu().numpy()
         if step.lora_slots is not None:
             self._lora_slots = torch.from_numpy(step.lora_slots.astype(np.int32)).to(self.device)
             try:
@@ -232,9 +262,10 @@ class TritonRunner(LoraSlots, PoolRunner):
         return logits.float().cpu().numpy()
 
     def close(self) -> None:
-        if self.graphs is not None:
-            self.graphs.close()
-            self.graphs = None
+        for graphs in (self.graphs, self.lora_graphs):
+            if graphs is not None:
+                graphs.close()
+        self.graphs = self.lora_graphs = None
         for handle in self._lora_hooks:
             handle.remove()
         self._lora_hooks, self._lora_dev = [], {}
