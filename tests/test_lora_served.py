@@ -265,7 +265,26 @@ def test_the_console_state_and_metrics_show_each_requests_adapter(lora_server, s
     assert metric(scrape(server), "kvflow_lora_swaps_total") >= 1  # into its slot at least once
 
 
-def test_without_lora_the_load_endpoint_says_how_to_turn_it_on(openai_frontend):
-    status, text = _call(openai_frontend, "/v1/load_lora_adapter",
-                         {"lora_name": "x", "lora_path": "/tmp"}, key=None)
-    assert status == 400 and "--enable-lora" in json.loads(text)["error"]["message"]
+def test_a_keyless_frontend_refuses_to_load_adapters_at_run_time(openai_frontend):
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "x"})):
+        status, text = _call(openai_frontend, path, body, key=None)
+        assert status == 403 and "--api-key" in json.loads(text)["error"]["message"]
+
+
+def test_without_lora_a_load_command_says_how_to_turn_it_on(triton_server):
+    import tritonclient.grpc as grpcclient
+
+    from kvflow.triton_backend.protocol import LORA_PARAMETER, MODEL_NAME
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer(MODEL_NAME, [], parameters={LORA_PARAMETER: json.dumps(
+            {"op": "load", "lora_name": "x", "lora_path": "/tmp"})})
+        _, error = answers.get(timeout=DEADLINE_S)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is not None and "--enable-lora" in str(error)

@@ -2,7 +2,11 @@
 ``POST /v1/unload_lora_adapter`` (``{"lora_name"}``), behind the API key: a 200 whose text says
 what was done, or OpenAI's error: 400 naming the problem (LoRA off, a bad path or adapter, a
 name in use, requests that still use the adapter), 404 for an adapter no server holds. The
-servers do the work (:class:`~kvflow.openai_api.lora.LoraCatalog`)."""
+servers do the work (:class:`~kvflow.openai_api.lora.LoraCatalog`).
+
+Both read or drop files on the server's disk at a client's word, so they need the API key to
+exist: a frontend started without ``--api-key`` answers them 403, saying so (vLLM keeps them
+behind ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` for the same reason)."""
 
 from __future__ import annotations
 
@@ -24,13 +28,23 @@ UNLOAD = "/v1/unload_lora_adapter"
 _FIELD = re.compile(r"^(lora_name|lora_path)\b")
 
 
+def _authorize(fe: Frontend, request: Request) -> None:
+    """A 403 on a keyless frontend (module doc), else the key's 401."""
+    if not fe.cfg.api_key:
+        raise OpenAIError(403, "loading and unloading LoRA adapters reads the server's files: "
+                          "start kvflow with --api-key (or KVFLOW_API_KEY) to allow it; "
+                          "--lora-modules loads adapters at start without one", None,
+                          code="forbidden")
+    fe.authorize(request)
+
+
 def router(fe: Frontend) -> APIRouter:
     routes = APIRouter()
 
     @routes.post(LOAD)
     async def load(request: Request) -> Any:
         async def work() -> Any:
-            fe.authorize(request)
+            _authorize(fe, request)
             body = await fe.in_worker(load_body, await fe.read_body(request))
             name, path = load_request(body, await fe.model_name())
             try:
@@ -44,7 +58,7 @@ def router(fe: Frontend) -> APIRouter:
     @routes.post(UNLOAD)
     async def unload(request: Request) -> Any:
         async def work() -> Any:
-            fe.authorize(request)
+            _authorize(fe, request)
             name = unload_request(await fe.in_worker(load_body, await fe.read_body(request)))
             try:
                 if await fe.loras.find(name) is None:
