@@ -71,7 +71,8 @@ def lora_server(default_engines, adapters, tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora-served")
     cfg = ServerConfig.on_free_ports(default_engines["onnxruntime"],
                                      {"lora_modules": {"a": adapters["a"]}, "max_loras": 2,
-                                      "debug_checks": True, **FP32}, ready_timeout_s=300)
+                                      "debug_checks": True, **FP32}, ready_timeout_s=300,
+                                     api_key=KEY)  # a keyed server loads adapters at run time
     with TritonServer(cfg, log_path=folder / "tritonserver.log") as server:
         frontend = FrontendProcess(FrontendConfig((server.grpc_url,), port=free_port(),
                                                   metrics_urls=(server.metrics_url,),
@@ -121,8 +122,9 @@ def test_models_lists_the_base_and_each_adapter_with_its_parent(lora_server, ada
     assert card["parent"] == base and card["root"] == adapters["a"]
     # The model config a Triton client reads names no path (serve.json holds them).
     server, _ = lora_server
-    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/kvflow/config",
-                                timeout=DEADLINE_S) as r:
+    config = urllib.request.Request(f"http://{server.http_url}/v2/models/kvflow/config",
+                                    headers={"x-api-key": KEY})
+    with urllib.request.urlopen(config, timeout=DEADLINE_S) as r:
         assert adapters["a"] not in r.read().decode()
 
 
@@ -210,13 +212,19 @@ def test_tritonclient_and_http_generate_select_the_adapter_by_lora_name(lora_ser
     import tritonclient.grpc as grpcclient
 
     from kvflow.client import build_inputs
-    from kvflow.triton_backend.protocol import LORA_PARAMETER, MODEL_NAME
+    from kvflow.triton_backend.protocol import (
+        API_KEY_HEADER,
+        GRPC_API_KEY_HEADER,
+        LORA_PARAMETER,
+        MODEL_NAME,
+    )
 
     server, _ = lora_server
     sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                        headers={GRPC_API_KEY_HEADER: KEY})
     try:
         def ask(parameters: dict, inputs: list | None = None) -> tuple:
             if inputs is None:
@@ -242,7 +250,8 @@ def test_tritonclient_and_http_generate_select_the_adapter_by_lora_name(lora_ser
         client.close()
     status, body = post(server, {"text_input": PROMPTS[1], "lora_name": "a",
                                  "exclude_input_in_output": True,
-                                 "sampling_parameters": json.dumps(sampling)})
+                                 "sampling_parameters": json.dumps(sampling)},
+                        headers={API_KEY_HEADER: KEY})
     assert status == 200 and body["text_output"] == reference["a", PROMPTS[1]]
 
 

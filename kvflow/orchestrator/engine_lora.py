@@ -45,9 +45,15 @@ class LoraEngine:
             except ValueError as e:
                 raise ValueError(f"lora_modules: adapter {name!r} ({path}): {e}") from e
 
-    def add_lora(self, name: str, path: str | os.PathLike[str]) -> LoraAdapter:
-        """Load an adapter at run time (:meth:`LoraManager.add`); requests may name it at
-        once."""
+    def read_lora(self, name: str, path: str | os.PathLike[str]) -> LoraAdapter:
+        """An adapter's files read and checked for this engine (:meth:`LoraManager.read`),
+        on the caller's thread: what a server does before :meth:`add_lora`, so that the engine
+        loop never waits on a disk."""
+        return self._loras().read(name, path)
+
+    def add_lora(self, name: str, path: str | os.PathLike[str] | LoraAdapter) -> LoraAdapter:
+        """Load an adapter at run time (:meth:`LoraManager.add`: a path, or what
+        :meth:`read_lora` returned); requests may name it at once."""
         return self._loras().add(name, path)
 
     def remove_lora(self, name: str) -> None:

@@ -16,6 +16,7 @@ load. Requests under an adapter key their prefix-cache blocks by its digest
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
@@ -64,8 +65,16 @@ class LoraManager:
         runner.enable_lora(max_loras, max_rank)
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def add(self, name: str, path: str | os.PathLike[str]) -> LoraAdapter:
-        """Load the adapter at ``path`` as ``name`` (a PEFT folder or a GGUF LoRA file).
+    def read(self, name: str, path: str | os.PathLike[str]) -> LoraAdapter:
+        """The adapter at ``path`` read and checked for this model, changing nothing: safe on
+        any thread, so that a server reads a large adapter off the engine's thread and hands
+        :meth:`add` the result (:class:`~kvflow.lora.adapter.LoraAdapterError` if it does
+        not fit)."""
+        return load_lora_adapter(name, path, self.config, self.max_rank)
+
+    def add(self, name: str, path: str | os.PathLike[str] | LoraAdapter) -> LoraAdapter:
+        """Load the adapter at ``path`` as ``name`` (a PEFT folder or a GGUF LoRA file; or one
+        :meth:`read` returned).
 
         Refused with a ValueError naming the problem: a name loaded already, an empty one, or
         an adapter that does not fit (:class:`~kvflow.lora.adapter.LoraAdapterError`: its
@@ -77,7 +86,8 @@ class LoraManager:
         if name in self.adapters:
             raise ValueError(f"lora_name {name!r} is loaded already (from "
                              f"{self.adapters[name].path}); unload it first")
-        adapter = load_lora_adapter(name, path, self.config, self.max_rank)
+        adapter = (dataclasses.replace(path, name=name) if isinstance(path, LoraAdapter)
+                   else self.read(name, path))
         if None in self._slots:
             self._load(self._slots.index(None), adapter)
         self.adapters[name] = adapter

@@ -171,7 +171,9 @@ def prepare_workspace(cfg: ServerConfig, workspace: Path) -> tuple[list[str], di
     trace_steps = engine_args.pop("trace_steps", None)
     (model_dir / SERVE_FILE).write_text(json.dumps(
         {"engine_dir": str(cfg.engine_dir), "python_paths": _environment_paths(),
-         "trace_steps": trace_steps, "lora_modules": engine_args.pop("lora_modules", None)}))
+         "trace_steps": trace_steps, "lora_modules": engine_args.pop("lora_modules", None),
+         # Adapters load at run time only behind a key (triton_backend/lora_control.py).
+         "lora_updates": bool(cfg.api_key)}))
     # The name the OpenAI frontend serves, then one model parameter per engine option given,
     # generated from EngineOptions.
     parameters = {SERVED_MODEL_NAME_PARAMETER: served_model_name(cfg.engine_dir),

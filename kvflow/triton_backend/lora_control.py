@@ -33,6 +33,10 @@ LOAD_TIMEOUT_S = 600.0
 LORA_OFF = ("LoRA is off: the server was started without --enable-lora / --lora-modules "
             "(engine options enable_lora, lora_modules)")
 
+UPDATES_OFF = ("loading and unloading LoRA adapters reads the server's files: start kvflow "
+               "with --api-key (or KVFLOW_API_KEY) to allow it; --lora-modules loads adapters "
+               "at start without one")
+
 
 @dataclass(frozen=True)
 class LoraCommand:
@@ -100,10 +104,13 @@ def absolute_lora_paths(modules: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def run_lora_command(loop: Any, command: LoraCommand, served_model_name: str = "") -> dict:
+def run_lora_command(loop: Any, command: LoraCommand, served_model_name: str = "",
+                     updates_allowed: bool = True) -> dict:
     """Carry out ``command`` on the engine of ``loop`` (an EngineLoop) and return the answer
     (module doc). ``served_model_name``: the name the OpenAI frontend serves the base model
-    as, which no adapter may take (a request for it would get the base).
+    as, which no adapter may take (a request for it would get the base). ``updates_allowed``
+    False (a server without an API key): load and unload are refused, as they make the
+    server read its disk at a client's word.
 
     Raises:
         BadRequestError: the command was refused; the message says why.
@@ -113,14 +120,17 @@ def run_lora_command(loop: Any, command: LoraCommand, served_model_name: str = "
         if command.op == "list":
             return {"enabled": False, "loras": []}
         raise BadRequestError(LORA_OFF)
+    if command.op != "list" and not updates_allowed:
+        raise BadRequestError(UPDATES_OFF)
     name = command.lora_name
     try:
         if command.op == "load":
             if served_model_name and name == served_model_name:
                 raise BadRequestError(f"lora_name {name!r} is the served model's name; an "
                                       "adapter needs a name of its own")
-            path = command.lora_path
-            loop.call(lambda engine: engine.add_lora(name, path), timeout_s=LOAD_TIMEOUT_S)
+            # Read here, on the answer worker: the engine's thread only takes the result.
+            adapter = loop.engine.read_lora(name, command.lora_path)
+            loop.call(lambda engine: engine.add_lora(name, adapter), timeout_s=LOAD_TIMEOUT_S)
         elif command.op == "unload":
             loop.call(lambda engine: engine.remove_lora(name))
         loras = loop.call(lambda engine: engine.list_loras())

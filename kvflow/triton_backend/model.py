@@ -110,6 +110,7 @@ class KvflowTritonModel:
             # seconds to load), it must not end the stub, as its default action would.
             with contextlib.suppress(ValueError):
                 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        self.lora_updates = bool(served.get("lora_updates"))
         engine_dir = served.get("engine_dir") or _parameter(model_config, "engine_dir")
         if not engine_dir or not (Path(engine_dir) / "engine_config.json").is_file():
             raise pb_utils.TritonModelException(
@@ -259,7 +260,7 @@ class KvflowTritonModel:
                 elif LORA_PARAMETER in parameters:
                     done = run_lora_command(self.loop,
                                             parse_lora_command(parameters[LORA_PARAMETER]),
-                                            self.served_model_name)
+                                            self.served_model_name, self.lora_updates)
                     answer = {LORA_OUTPUT: np.array([json.dumps(done).encode()],
                                                     dtype=np.object_)}
                 else:
