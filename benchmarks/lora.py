@@ -42,7 +42,7 @@ from kvflow.workloads.prompts import make_prompts
 from kvflow.workloads.specs import RequestSpec
 
 SMOKE = {"num_prompts": 4, "prompt_tokens": 16, "output_tokens": 4, "adapters": 2,
-         "rank": 4, "max_loras": "1,2", "rounds": 2}
+         "rank": 4, "max_loras": "1,2", "rounds": 2, "step_repeats": 2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3,
                    help="serve every run this many times, the order rotated each round; "
                         "figures are medians, ratios to the base paired by round")
+    p.add_argument("--step-repeats", type=int, default=20,
+                   help="time one step on the runner alone, base against adapters, this many "
+                        "times per case (kvflow/bench/lora_step.py); 0: skip")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--machine-note", default="The machine was shared with other work while "
                                              "this ran: speeds are rough.",
@@ -131,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
              for _ in range(args.num_prompts)]
     prompts = make_prompts(specs, args.engine, args.seed)
     common = engine_args(args.engine_arg)
+    step = None
+    if args.step_repeats > 0:
+        from kvflow.bench.lora_step import step_costs
+
+        step = step_costs(args.engine, adapters, max_lora_rank=args.rank,
+                          batch=args.concurrency, context=args.prompt_tokens + 32,
+                          prompt=args.prompt_tokens, repeats=args.step_repeats)
     plan = standard_runs(names, args.max_loras_values)
     rounds: list[list[dict[str, Any]]] = []
     for i in range(args.rounds):
@@ -161,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                    "output_tokens": args.output_tokens, "concurrency": args.concurrency,
                    "rounds": args.rounds, "seed": args.seed, "engine_args": common,
                    "smoke": args.smoke},
-        "machine": cpu_isa(), "machine_note": args.machine_note, "runs": runs}
+        "machine": cpu_isa(), "machine_note": args.machine_note, "runs": runs, "step": step}
     report = write_lora_report(out, report)
     return 1 if report["missing"] else 0
 

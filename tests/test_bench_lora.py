@@ -104,7 +104,12 @@ def test_the_report_judges_the_targets_and_is_complete(tmp_path, capsys):
             _run("1 adapter", 90.0, 22.0, names[:1], names[:1], 4),
             _run("8 adapters, max_loras 4", 70.0, 24.0, names, names, 4),
             _run("8 adapters, max_loras 8", 85.0, 26.0, names, names, 8)]
-    report = lora_report.write_lora_report(tmp_path, _report(runs))
+    step = {"batch": 8, "context": 160, "prompt": 128, "repeats": 20, "adapters": 8,
+            "rank": 16, "quantized_matmul": "fp32",
+            "cases": {name: {k: {"p50_ms": ms * f, "p10_ms": ms * f - 1, "p90_ms": ms * f + 1}
+                             for k, f in (("decode", 1), ("prefill", 40))}
+                      for name, ms in (("base graph", 50.0), ("8 adapters", 60.0))}}
+    report = lora_report.write_lora_report(tmp_path, {**_report(runs), "step": step})
     assert {p.name for p in tmp_path.iterdir()} == {"report.md", "report.json", "lora.png"}
     assert report["missing"] == []
     targets = {t["name"]: t for t in report["targets"]}
@@ -117,6 +122,7 @@ def test_the_report_judges_the_targets_and_is_complete(tmp_path, capsys):
     assert md in capsys.readouterr().out
     assert "| 8 adapters, max_loras 4 | 8 | 4 | 16 / 0 | 70.0 | 0.70x |" in md
     assert cpu_isa()["widest"] in md and "**not met**" in md
+    assert "| 8 adapters | 60.0 (59.0-61.0) | 1.20x | 2400.0 (2399.0-2401.0) | 1.20x |" in md
     assert json.loads((tmp_path / "report.json").read_text())["targets"] == report["targets"]
 
     runs[3] = _run("8 adapters, max_loras 8", 81.0, 24.9, names, names, 8)
@@ -222,6 +228,9 @@ def test_a_smoke_run_serves_every_run_and_writes_a_complete_report(tiny_models, 
                                                                        "lora-1": 2}
     assert all(len(r["rounds"]) == 2 for r in runs.values())
     assert [t["name"] for t in report["targets"]] == list(runs)[1:]
+    step = report["step"]["cases"]
+    assert list(step) == ["base graph", "LoRA graph, base requests", "1 adapter", "2 adapters"]
+    assert all(c[k]["p50_ms"] > 0 for c in step.values() for k in ("decode", "prefill"))
 
 
 def test_bench_quality_lora_equals_hf_with_peft(tiny_models, tiny_engines, tmp_path):

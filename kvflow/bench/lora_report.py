@@ -205,6 +205,7 @@ def _markdown(report: dict[str, Any]) -> list[str]:
                      f"{_f(t['tpot_p99_ratio'], '.2f', 'x')} of the base's.{verdict}")
     if not report["targets"]:
         lines.append("- not judged: no LoRA run completed beside the base")
+    lines += _step_lines(report.get("step"))
     if rounds > 1:
         lines += ["", "Each round's output tok/s and TPOT p50 ms:", "",
                   "| run | " + " | ".join(f"round {i + 1}" for i in range(rounds)) + " |",
@@ -224,6 +225,31 @@ def _markdown(report: dict[str, Any]) -> list[str]:
     if report["missing"]:
         lines += ["", "Incomplete: " + "; ".join(report["missing"])]
     lines += ["", f"Command: `{report.get('command', '')}`", "", f"Plot: {report['plot']}."]
+    return lines
+
+
+def _step_lines(step: dict[str, Any] | None) -> list[str]:
+    """The runner-alone table (:mod:`kvflow.bench.lora_step`), when it ran."""
+    if not step:
+        return []
+    cases = step["cases"]
+    base = cases.get("base graph", {})
+    lines = ["", f"## One step on the runner alone ({step['batch']} sequences)", "",
+             f"Decode: {step['batch']} sequences at {step['context']} tokens of context; "
+             f"prefill: {step['batch']} prompts of {step['prompt']} tokens; "
+             f"`quantized_matmul={step['quantized_matmul']}`; the cases interleaved, "
+             f"{step['repeats']} repeats of the decode step and "
+             f"{max(3, step['repeats'] // 4)} of the prefill; median ms (p10-p90).", "",
+             "| case | decode ms | vs base graph | prefill ms | vs base graph |",
+             "|---|---|---|---|---|"]
+    for name, kinds in cases.items():
+        cells = []
+        for kind in ("decode", "prefill"):
+            k = kinds.get(kind, {})
+            cells += [f"{_f(k.get('p50_ms'))} ({_f(k.get('p10_ms'))}-{_f(k.get('p90_ms'))})",
+                      _f(_ratio(k.get("p50_ms"), base.get(kind, {}).get("p50_ms")), ".2f",
+                         "x")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
