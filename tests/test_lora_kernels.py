@@ -55,10 +55,11 @@ def make_adapter(name: str, rank: int, modules: dict[str, int], layers: int = 2,
     return Adapter(name, rank, weights)
 
 
-def make_pool(max_loras: int = 3, max_rank: int = 8) -> LoraPool:
+def make_pool(max_loras: int = 3, max_rank: int = 8, dtype=np.float32) -> LoraPool:
     """Slot 0: every module at rank 8; slot 1: q and v only, rank 3 (k left out: rank 0);
     slot 2 (when there is one) stays empty."""
-    pool = LoraPool([QKV, DOWN, ODD], num_layers=2, max_loras=max_loras, max_rank=max_rank)
+    pool = LoraPool([QKV, DOWN, ODD], num_layers=2, max_loras=max_loras, max_rank=max_rank,
+                    dtype=dtype)
     pool.load(0, make_adapter("all", 8, {"q_proj": 8, "k_proj": 8, "v_proj": 8,
                                          "down_proj": 8, "gate_proj": 7, "up_proj": 5}, seed=1))
     pool.load(1, make_adapter("qv", 3, {"q_proj": 3, "v_proj": 3, "up_proj": 6}, seed=2))
@@ -103,13 +104,15 @@ def mixed_slots(t: int, seed: int = 3) -> np.ndarray:
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("parallel_min_work", [0, 2**31 - 1])
 @pytest.mark.parametrize(("group", "layer"), [(QKV, 1), (DOWN, 0), (ODD, 1)])
-def test_native_op_matches_the_reference(isa, parallel_min_work, group, layer):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_native_op_matches_the_reference(isa, parallel_min_work, group, layer, dtype):
     """Mixed slots (base, a full adapter, one with ranks below max and a module left out, an
-    empty slot) over several parts: the op adds what the reference adds, threaded or not."""
+    empty slot) over several parts, the pool in float32 or float16: the op adds what the
+    reference adds (from the pool's values), threaded or not."""
     library = ort_custom_ops.library(isa=isa)
     if library is None:
         pytest.skip(f"no {isa} library: {ort_custom_ops.unavailable_reason(isa=isa)}")
-    pool = make_pool()
+    pool = make_pool(dtype=dtype)
     try:
         rng = np.random.default_rng(4)
         t = 37
@@ -117,8 +120,8 @@ def test_native_op_matches_the_reference(isa, parallel_min_work, group, layer):
         x = rng.normal(size=(t, group.in_features)).astype(np.float32)
         slots = mixed_slots(t)
         row = pool.row(layer, group.name)
-        sess = session(library, lora_model(group, row, 8, 3,
-                                           parallel_min_work=parallel_min_work))
+        sess = session(library, lora_model(group, row, 8, 3, parallel_min_work=parallel_min_work,
+                                           weight_dtype=int(dtype == np.float16)))
         out = sess.run(["y"], {"y_in": y, "x": x, "lora_ptrs": pool.ptrs,
                                "lora_slots": slots})[0]
         want = lora_reference(y, x, pool.a[group.name][layer], pool.bt[group.name][layer],

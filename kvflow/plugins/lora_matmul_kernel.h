@@ -7,12 +7,15 @@
 //    products side by side (NT independent sums per row of A, vectorized along K);
 // 2. expand: y_t[cols_p] += sum_j u[t][j] Bt[s, j, cols_p], kColumnChunk columns at a time so
 //    that the chunk's r rows of Bt stay in L1 across the tile's tokens.
-// fp32 throughout.
+// Sums in fp32; the pool's A and Bt are float32, or float16 (weight_dtype 1: half the bytes a
+// decode step reads) converted as they load.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "paged_attention_ort_simd.h"
 
 namespace kvflow_ort {
 namespace lora_matmul {
@@ -20,10 +23,7 @@ namespace lora_matmul {
 constexpr int kTile = 8;
 constexpr int64_t kColumnChunk = 256;
 constexpr int64_t kMaxRank = 512;
-constexpr int kRows = 4;   // expand's rows of Bt per pass
-constexpr int kLanes = 8;  // expand's register block of columns (GCC vector extension: one
-                           // 256-bit register with AVX2, two 128-bit ones in the portable build)
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int kRows = 4;  // expand's rows of Bt per pass
 
 struct Tile {
   int32_t slot, first, count;  // first: index into the step's token order
@@ -32,59 +32,64 @@ struct Tile {
 struct Step {
   const float* x;
   float* y;
-  const float* pool_a;   // [S, P, R, K]
-  const float* pool_bt;  // [S, R, N]
+  const void* pool_a;   // [S, P, R, K], float or float16 (weight_dtype)
+  const void* pool_bt;  // [S, R, N], the same type
   const int32_t* ranks;  // [S, P]
   const int32_t* order;  // tokens sorted by slot
   const Tile* tiles;
   const int64_t* part_cols;  // P + 1 boundaries
-  int64_t k, n, parts, rmax;
+  int64_t k, n, parts, rmax, weight_dtype;
 };
 
-template <int NT>
-inline void shrink(const float* __restrict a_rows, int64_t r, int64_t k,
-                   const float* const* xs, float (*u)[kMaxRank]) {
+// u[t][j] = A row j . x_t: 8 lanes at a time (v8f: paged_attention_ort_simd.h; float16 rows
+// converted as they load), the tile's NT sums side by side so that each load of A serves all.
+template <int NT, typename W>
+inline void shrink(const W* a_rows, int64_t r, int64_t k, const float* const* xs,
+                   float (*u)[kMaxRank]) {
   for (int64_t j = 0; j < r; ++j) {
-    const float* __restrict row = a_rows + j * k;
-    float acc[NT] = {};
-    for (int64_t i = 0; i < k; ++i) {
-      const float w = row[i];
-      for (int t = 0; t < NT; ++t) acc[t] += w * xs[t][i];
+    const W* row = a_rows + j * k;
+    v8f acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = splat(0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+      const v8f w = load8(row + i);
+      for (int t = 0; t < NT; ++t) acc[t] += w * load8(xs[t] + i);
     }
-    for (int t = 0; t < NT; ++t) u[t][j] = acc[t];
+    for (int t = 0; t < NT; ++t) {
+      float sum = hsum(acc[t]);
+      for (int64_t c = i; c < k; ++c) sum += to_float(row[c]) * xs[t][c];
+      u[t][j] = sum;
+    }
   }
 }
 
-// y += u . Bt over columns [c0, c1): kRows rows of Bt at a time, summed into a register of
-// kLanes columns before y is stored (fewer stores than one axpy per row), but no more rows at
-// once: Bt's rows lie N floats apart, often a multiple of 4 KiB, where many rows at a time
-// would fight over the same L1 sets.
-inline void expand(const float* __restrict bt, int64_t r, int64_t n, int64_t c0, int64_t c1,
-                   int nt, const float (*u)[kMaxRank], float* const* ys) {
+// y += u . Bt over columns [c0, c1): kRows rows of Bt at a time, summed in a register of 8
+// columns before y is stored (fewer stores than one axpy per row), but no more rows at once:
+// Bt's rows lie N elements apart, often a multiple of 4 KiB, where many rows at a time would
+// fight over the same L1 sets.
+template <typename W>
+inline void expand(const W* bt, int64_t r, int64_t n, int64_t c0, int64_t c1, int nt,
+                   const float (*u)[kMaxRank], float* const* ys) {
   for (int64_t cc = c0; cc < c1; cc += kColumnChunk) {
     const int64_t ce = std::min(c1, cc + kColumnChunk);
     for (int64_t j0 = 0; j0 < r; j0 += kRows) {
       const int64_t rows = std::min<int64_t>(kRows, r - j0);
-      const float* __restrict b = bt + j0 * n;
+      const W* b = bt + j0 * n;
       for (int t = 0; t < nt; ++t) {
-        float* __restrict y = ys[t];
+        float* y = ys[t];
         const float* ut = u[t] + j0;
         int64_t c = cc;
         if (rows == kRows) {
-          for (; c + kLanes <= ce; c += kLanes) {
-            Lanes acc, b0, b1, b2, b3;
-            std::memcpy(&acc, y + c, sizeof acc);
-            std::memcpy(&b0, b + c, sizeof b0);
-            std::memcpy(&b1, b + n + c, sizeof b1);
-            std::memcpy(&b2, b + 2 * n + c, sizeof b2);
-            std::memcpy(&b3, b + 3 * n + c, sizeof b3);
-            acc += ut[0] * b0 + ut[1] * b1 + ut[2] * b2 + ut[3] * b3;
-            std::memcpy(y + c, &acc, sizeof acc);
+          for (; c + 8 <= ce; c += 8) {
+            v8f acc = load8(y + c);
+            acc += ut[0] * load8(b + c) + ut[1] * load8(b + n + c) +
+                   ut[2] * load8(b + 2 * n + c) + ut[3] * load8(b + 3 * n + c);
+            store8(y + c, acc);
           }
         }
         for (; c < ce; ++c) {
           float acc = y[c];
-          for (int64_t j = 0; j < rows; ++j) acc += ut[j] * b[j * n + c];
+          for (int64_t j = 0; j < rows; ++j) acc += ut[j] * to_float(b[j * n + c]);
           y[c] = acc;
         }
       }
@@ -92,9 +97,8 @@ inline void expand(const float* __restrict bt, int64_t r, int64_t n, int64_t c0,
   }
 }
 
-inline void run_tile(void* data, size_t index) {
-  const Step& st = *static_cast<const Step*>(data);
-  const Tile& tile = st.tiles[index];
+template <typename W>
+inline void run_tile_as(const Step& st, const Tile& tile) {
   const int64_t s = tile.slot;
   const float* xs[kTile];
   float* ys[kTile];
@@ -104,10 +108,11 @@ inline void run_tile(void* data, size_t index) {
     ys[t] = st.y + token * st.n;
   }
   float u[kTile][kMaxRank];
+  const W* pool_a = static_cast<const W*>(st.pool_a);
   for (int64_t p = 0; p < st.parts; ++p) {
     const int64_t r = std::min<int64_t>(st.ranks[s * st.parts + p], st.rmax);
     if (r <= 0) continue;
-    const float* a_rows = st.pool_a + ((s * st.parts + p) * st.rmax) * st.k;
+    const W* a_rows = pool_a + ((s * st.parts + p) * st.rmax) * st.k;
     switch (tile.count) {
       case 1: shrink<1>(a_rows, r, st.k, xs, u); break;
       case 2: shrink<2>(a_rows, r, st.k, xs, u); break;
@@ -118,9 +123,17 @@ inline void run_tile(void* data, size_t index) {
       case 7: shrink<7>(a_rows, r, st.k, xs, u); break;
       default: shrink<kTile>(a_rows, r, st.k, xs, u); break;
     }
-    expand(st.pool_bt + s * st.rmax * st.n, r, st.n, st.part_cols[p], st.part_cols[p + 1],
-           tile.count, u, ys);
+    expand(static_cast<const W*>(st.pool_bt) + s * st.rmax * st.n, r, st.n, st.part_cols[p],
+           st.part_cols[p + 1], tile.count, u, ys);
   }
+}
+
+inline void run_tile(void* data, size_t index) {
+  const Step& st = *static_cast<const Step*>(data);
+  if (st.weight_dtype == 1)
+    run_tile_as<uint16_t>(st, st.tiles[index]);
+  else
+    run_tile_as<float>(st, st.tiles[index]);
 }
 
 }  // namespace lora_matmul

@@ -8,7 +8,8 @@
 // Output: y_out float [T, N] = y_in + for each token t of slot s >= 0 and each part p of rank
 // r = ranks[s, p] > 0: (A[s, p, :r] x_t) . Bt[s, :r, cols_p]. Attributes: module (the row of
 // lora_ptrs), part_cols (each part's column count; they sum to N), rank (R), num_slots (S),
-// parallel_min_work (optional: below it, multiply-adds of the step, run on the calling thread).
+// weight_dtype (optional: 0 float32 A and Bt, the default; 1 float16), parallel_min_work
+// (optional: below it, multiply-adds of the step, run on the calling thread).
 // Work items are tiles of up to kTile tokens of one slot (lora_matmul_kernel.h: the arithmetic),
 // through ORT's intra-op pool. The op may run in place (y_out the buffer of y_in, which only it
 // reads): then nothing is copied.
@@ -33,7 +34,7 @@ constexpr int64_t kInlineWork = 1 << 16;  // multiply-adds below which threads c
 constexpr int kMaxParts = 8;
 
 struct Attrs {
-  int64_t module, rank, num_slots, parallel_min_work;
+  int64_t module, rank, num_slots, parallel_min_work, weight_dtype;
   std::vector<int64_t> part_cols;  // each part's first column, then N
 };
 
@@ -128,8 +129,9 @@ inline OrtStatus* compute(const Attrs& a, OrtKernelContext* ctx) {
   }
   if (tiles.empty()) return nullptr;
   Step step{static_cast<const float*>(x), static_cast<float*>(y),
-            reinterpret_cast<const float*>(row[0]), reinterpret_cast<const float*>(row[1]),
-            ranks, order.data(), tiles.data(), a.part_cols.data(), k, n, parts, a.rank};
+            reinterpret_cast<const void*>(row[0]), reinterpret_cast<const void*>(row[1]),
+            ranks, order.data(), tiles.data(), a.part_cols.data(), k, n, parts, a.rank,
+            a.weight_dtype};
   bool done = false;
   if (work >= a.parallel_min_work && tiles.size() > 1) {
     OrtStatus* s = g_api->KernelContext_ParallelFor(ctx, run_tile, tiles.size(), 0, &step);
@@ -148,7 +150,8 @@ inline OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*,
       {"module", &a.module, true, 0, 0},
       {"rank", &a.rank, true, 0, 1},  // at most kMaxRank: checked below
       {"num_slots", &a.num_slots, true, 0, 1},
-      {"parallel_min_work", &a.parallel_min_work, false, kInlineWork, 0}};
+      {"parallel_min_work", &a.parallel_min_work, false, kInlineWork, 0},
+      {"weight_dtype", &a.weight_dtype, false, 0, 0}};
   for (auto& f : ints) {
     if (OrtStatus* s = g_api->KernelInfoGetAttribute_int64(info, f.name, f.field)) {
       g_api->ReleaseStatus(s);
@@ -160,6 +163,9 @@ inline OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*,
                    " is outside [" + std::to_string(f.min) + ", " + std::to_string(INT32_MAX) +
                    "]");
   }
+  if (a.weight_dtype > 1)
+    return error("weight_dtype " + std::to_string(a.weight_dtype) +
+                 " is none of 0 (float32), 1 (float16)");
   if (a.rank > kMaxRank)
     return error("attribute rank = " + std::to_string(a.rank) + " is above the supported " +
                  std::to_string(kMaxRank));

@@ -7,12 +7,14 @@ matmul each (:mod:`kvflow.runtime.ort_graph_linear`), so its groups are ``qkv = 
 ``o``, ``gate_up = (gate, up)`` and ``down`` (:func:`fused_groups`); the PyTorch runners' linears
 are separate, one group per module (:func:`module_groups`). Per layer and group:
 
-- ``A``: float32 ``[slots, parts, max_rank, in_features]``, each part's LoRA A;
-- ``Bt``: float32 ``[slots, max_rank, out_features]``, the parts' B (scaling folded in by the
-  adapter loader) transposed and side by side, in the group's column order;
+- ``A``: ``[slots, parts, max_rank, in_features]``, each part's LoRA A;
+- ``Bt``: ``[slots, max_rank, out_features]``, the parts' B (scaling folded in by the adapter
+  loader) transposed and side by side, in the group's column order;
 - ``ranks``: int32 ``[slots, parts]``, each part's rank (0: the slot leaves that module alone).
 
-Rows past a part's rank are zero. The product a token of slot ``s`` adds to its output row is
+A and Bt are float32, or float16 where the runner's matmuls round anyway (the onnxruntime
+runner with int8 activations: half the bytes each decode step reads). Rows past a part's rank
+are zero. The product a token of slot ``s`` adds to its output row is
 ``sum_p (A[s, p] x) . Bt[s, :, cols_p]`` (``kvflow::LoraMatMul``, the reference
 :func:`lora_reference`). The native op reads the arrays through their addresses
 (:attr:`LoraPool.ptrs`, one row ``(A, Bt, ranks)`` per layer and group), so, as the KV pool's,
@@ -109,14 +111,18 @@ def _register(array: np.ndarray) -> int:
 
 class LoraPool:
     """``max_loras`` LoRA slots over ``groups`` of every one of ``num_layers`` layers (see the
-    module doc for the layout). Slots start empty (zeros: rank 0 everywhere)."""
+    module doc for the layout), A and Bt in ``dtype`` (float32 or float16). Slots start empty
+    (zeros: rank 0 everywhere)."""
 
     def __init__(self, groups: list[LoraGroup], num_layers: int, max_loras: int,
-                 max_rank: int) -> None:
+                 max_rank: int, dtype: np.dtype | type = np.float32) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         if max_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {max_rank}")
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
+            raise ValueError(f"a LoRA pool holds float32 or float16, got {self.dtype}")
         self.groups = {g.name: g for g in groups}
         self.num_layers, self.max_loras, self.max_rank = num_layers, max_loras, max_rank
         self._where = {(m): (g.name, p) for g in groups for p, m in enumerate(g.modules)}
@@ -126,8 +132,8 @@ class LoraPool:
         for g in groups:
             parts = len(g.modules)
             self.a[g.name] = np.zeros((num_layers, max_loras, parts, max_rank, g.in_features),
-                                      np.float32)
-            self.bt[g.name] = np.zeros((num_layers, max_loras, max_rank, g.columns), np.float32)
+                                      self.dtype)
+            self.bt[g.name] = np.zeros((num_layers, max_loras, max_rank, g.columns), self.dtype)
             self.ranks[g.name] = np.zeros((num_layers, max_loras, parts), np.int32)
         self._arrays = [x for g in groups for arr in (self.a, self.bt, self.ranks)
                         for x in arr[g.name]]
@@ -188,7 +194,7 @@ class LoraPool:
             start, end = self.groups[name].part_columns()[part]
             r = a.shape[0]
             self.a[name][layer, slot, part, :r] = a
-            self.bt[name][layer, slot, :r, start:end] = np.asarray(b, np.float32).T
+            self.bt[name][layer, slot, :r, start:end] = np.asarray(b).T
             self.ranks[name][layer, slot, part] = r
         self.slot_names[slot] = adapter.name
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -101,7 +102,8 @@ def add_lora_nodes(model: onnx.ModelProto, pool: LoraPool) -> int:
         node = helper.make_node(LORA_OP_TYPE, [out, x, PTRS_INPUT, slots], [lora_out],
                                 name=f"kvflow_lora_{group}_{layer}", domain=ONNX_DOMAIN,
                                 module=pool.row(layer, group), part_cols=list(g.out_features),
-                                rank=pool.max_rank, num_slots=pool.max_loras)
+                                rank=pool.max_rank, num_slots=pool.max_loras,
+                                weight_dtype=int(pool.dtype == np.float16))
         inserts.append((order[id(producer[out])], node))
     for position, node in sorted(inserts, key=lambda p: p[0], reverse=True):
         graph.node.insert(position + 1, node)

@@ -97,8 +97,9 @@ class OnnxRuntimeRunner(LoraSlots, PoolRunner):
     intra-op thread count instead of the measured policy. ``max_loras`` > 0: a LoRA slot pool
     of that many adapters of rank up to ``max_lora_rank``, applied by ``kvflow::LoraMatMul``
     nodes inserted into the graph at load (:mod:`kvflow.runtime.ort_graph_lora`; needs the
-    native op library). The pool's size is fixed with the sessions: :meth:`enable_lora` only
-    confirms it.
+    native op library; A and B in float16 on a quantized engine without
+    ``quantized_matmul=fp32``). The pool's size is fixed with the sessions: :meth:`enable_lora`
+    only confirms it.
     """
 
     pool: HostKVPool
@@ -134,8 +135,11 @@ class OnnxRuntimeRunner(LoraSlots, PoolRunner):
         self.lora: LoraPool | None = None
         try:
             if max_loras:
+                # float16 A and B where the matmuls round anyway (int8 activations): half the
+                # bytes per decode step; the fp32 path keeps them exact.
+                exact = engine.quantization is None or quantized_matmul == "fp32"
                 self.lora = LoraPool(fused_groups(m), m.num_hidden_layers, max_loras,
-                                     max_lora_rank)
+                                     max_lora_rank, np.float32 if exact else np.float16)
             self._load(path, engine, threads, quantized_matmul, kv_dtype, attention)
         except BaseException:
             self.close()
