@@ -17,7 +17,7 @@ import numpy as np
 from kvflow.build.engine_config import EngineConfig
 
 if TYPE_CHECKING:
-    from kvflow.runtime.lora_pool import LoraWeights
+    from kvflow.lora import LoraAdapter
 
 RUNNERS = ("onnxruntime", "torch", "triton", "tensorrt")
 # How the onnxruntime runner multiplies by a quantized engine's weights (EngineOptions).
@@ -200,7 +200,7 @@ class ModelRunner(ABC):
         all zeros. Runners without LoRA refuse it, naming themselves."""
         raise ValueError(f"the {self.name} runner does not serve LoRA adapters")
 
-    def load_lora(self, slot: int, adapter: LoraWeights) -> None:
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         """Write ``adapter`` into pool slot ``slot`` (the modules it leaves out are zeroed)."""
         raise ValueError(f"the {self.name} runner does not serve LoRA adapters")
 

@@ -25,27 +25,17 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from kvflow.lora.adapter import LORA_MODULES, LoraAdapter, module_shape
 
 if TYPE_CHECKING:
     from kvflow.model.config import ModelConfig
 
-# kvflow.lora's LORA_MODULES (the contract of issue 46), in the same order.
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 _lock = threading.Lock()
 _registered: dict[int, np.ndarray] = {}
-
-
-class LoraWeights(Protocol):
-    """What the pool reads of an adapter (``kvflow.lora.LoraAdapter`` has it): ``weights`` maps
-    ``(layer, module)`` to ``(A [r, in_features], B [out_features, r])``, float32, B scaled."""
-
-    name: str
-    rank: int
-    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -68,10 +58,8 @@ class LoraGroup:
 
 
 def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-    kv, inter = cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    """Each target module's ``(in_features, out_features)``."""
+    return {m: module_shape(cfg, m)[::-1] for m in LORA_MODULES}
 
 
 def fused_groups(cfg: ModelConfig) -> list[LoraGroup]:
@@ -165,7 +153,7 @@ class LoraPool:
             self.ranks[name][:, slot] = 0
         self.slot_names[slot] = None
 
-    def load(self, slot: int, adapter: LoraWeights) -> None:
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write ``adapter`` into ``slot``; what it leaves out is zeroed. Every shape is checked
         first (nothing is written for a bad adapter): an error names the adapter, the
         ``(layer, module)``, and the limit."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvflow.lora import LoraAdapter
 from kvflow.runtime.base import StepInput
-from kvflow.runtime.lora_pool import LoraPool, LoraWeights
+from kvflow.runtime.lora_pool import LoraPool
 from kvflow.runtime.ort_graph_lora import LOGIT_SLOTS_INPUT, PTRS_INPUT, SLOTS_INPUT
 
 _NO_SLOTS = np.zeros(0, np.int32)  # lora_slots of a step without adapters: LoraMatMul is a no-op
@@ -18,7 +19,7 @@ class LoraSlots:
     name: str
     lora: LoraPool | None = None
 
-    def load_lora(self, slot: int, adapter: LoraWeights) -> None:
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         """Write ``adapter`` into pool slot ``slot`` (the modules it leaves out are zeroed)."""
         if self.lora is None:
             raise ValueError(f"the {self.name} runner has no LoRA pool: make it with "

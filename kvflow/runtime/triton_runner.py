@@ -23,12 +23,13 @@ import numpy as np
 import torch
 
 from kvflow.build.engine_config import EngineConfig
+from kvflow.lora import LoraAdapter
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.lora_hooks import add_lora_hooks
 from kvflow.plugins import kv_registry
 from kvflow.runtime.base import PoolRunner, StepInput, engine_kv_cache_dtype
 from kvflow.runtime.cuda_graphs import DecodeGraphs, decode_batch_sizes
-from kvflow.runtime.lora_pool import LoraPool, LoraWeights, module_groups
+from kvflow.runtime.lora_pool import LoraPool, module_groups
 from kvflow.runtime.lora_runner import LoraSlots
 from kvflow.runtime.torch_runner import load_model
 
@@ -194,7 +195,7 @@ class TritonRunner(LoraSlots, PoolRunner):
 
         self._lora_hooks = add_lora_hooks(self.model, delta)
 
-    def load_lora(self, slot: int, adapter: LoraWeights) -> None:
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         super().load_lora(slot, adapter)
         assert self.lora is not None
         for g, (a, bt, ranks) in self._lora_dev.items():
