@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="another engine option for every run (JSON value or string)")
     p.add_argument("--rounds", type=int, default=3,
                    help="serve every run this many times, the order rotated each round; "
-                        "figures are medians, ratios to the base paired by round")
+                        "figures are medians, ratios to the base paired by round (0: only "
+                        "the step on the runner alone)")
     p.add_argument("--step-repeats", type=int, default=20,
                    help="time one step on the runner alone, base against adapters, this many "
                         "times per case (kvflow/bench/lora_step.py); 0: skip")
@@ -81,10 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
-    for name in ("num_prompts", "prompt_tokens", "output_tokens", "concurrency", "rank",
-                 "rounds"):
+    for name in ("num_prompts", "prompt_tokens", "output_tokens", "concurrency", "rank"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.rounds < 0 or (args.rounds == 0 and args.step_repeats < 1):
+        p.error(f"--rounds must be >= 1, or 0 with --step-repeats >= 1, got {args.rounds}")
     try:
         args.max_loras_values = [int(v) for v in args.max_loras.split(",") if v]
     except ValueError:
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{results[j].get('error') or 'done'} ({time.monotonic() - t0:.0f} s)",
                   flush=True)
         rounds.append([results[j] for j in range(len(plan))])
-    runs = combine_rounds(rounds)
+    runs = combine_rounds(rounds) if rounds else []
     from kvflow.lora import LORA_MODULES
 
     report = {

@@ -182,7 +182,9 @@ def test_bad_options_are_refused_by_name():
     script = _script()
     for argv, field in ((["--max-loras", "4,x"], "--max-loras"),
                         (["--max-loras", "0"], "--max-loras"),
-                        (["--concurrency", "0"], "--concurrency")):
+                        (["--concurrency", "0"], "--concurrency"),
+                        (["--rounds", "0", "--step-repeats", "0"], "--rounds"),
+                        (["--rounds", "-1"], "--rounds")):
         with pytest.raises(SystemExit) as e:
             script.parse_args(argv)
         assert e.value.code == 2, field

@@ -27,10 +27,12 @@ def _get(run: dict[str, Any], dotted: str) -> Any:
 
 def missing_figures(report: dict[str, Any]) -> list[str]:
     """What the report lacks, ``run: figure`` each: a run that did not start or had failed
-    requests, a figure that is None, the base run, the machine's ISA. Empty: complete."""
+    requests, a figure that is None, the base run (unless the served runs were skipped,
+    ``rounds`` 0, and the step ran), the machine's ISA. Empty: complete."""
     missing = [] if report.get("machine", {}).get("widest") else ["machine: widest ISA"]
     runs = report.get("runs", [])
-    if not any(r["name"] == "base" for r in runs):
+    step_only = report.get("config", {}).get("rounds") == 0 and report.get("step")
+    if not step_only and not any(r["name"] == "base" for r in runs):
         missing.append("base: no run")
     for r in runs:
         if r.get("error"):
@@ -267,9 +269,9 @@ def _plot(out: Path, runs: list[dict[str, Any]], concurrency: int) -> str:
                 label="p50", color="tab:green")
         ax.barh([y + 0.2 for y in ys], [_get(r, f"{key}.p99") or 0 for r in served], 0.4,
                 label="p99", color="tab:orange")
-        ax.set_yticks(list(ys), names if ax is ax_tpot else [""] * len(served))
+        ax.set_yticks(list(ys), [""] * len(served))  # the names are on the first plot
         ax.set_xlabel(f"{label} (lower is better)")
-        ax.legend(loc="lower right")
+        ax.legend(loc="best")
     for ax in axes:
         ax.invert_yaxis()
     fig.suptitle(f"kvflow multi-LoRA, served, {concurrency} concurrent streams")
