@@ -26,15 +26,17 @@ import numpy as np
 from kvflow.runtime.base import ModelRunner, StepInput
 
 
-def _step(block_size: int, num_blocks: int, batch: int, start: int, num_new: int) -> StepInput:
-    """``batch`` sequences each computing ``num_new`` tokens after ``start`` cached ones."""
+def _step(block_size: int, num_blocks: int, vocab: int, batch: int, start: int,
+          num_new: int) -> StepInput:
+    """``batch`` sequences each computing ``num_new`` tokens (ids below ``vocab``) after
+    ``start`` cached ones."""
     from kvflow.kv_manager import KVCacheManager
     from kvflow.runtime.step_builder import SeqChunk, build_step
 
     kv = KVCacheManager(num_blocks, block_size)
     chunks = []
     for i in range(batch):
-        ids = [(7 * i + 13 * p) % 1000 + 3 for p in range(start + num_new)]
+        ids = [(7 * i + 13 * p) % (min(vocab, 1000) - 3) + 3 for p in range(start + num_new)]
         assert kv.allocate_slots(i, start + num_new), "the step's KV does not fit"
         chunks.append(SeqChunk(i, ids, start, num_new, True))
     return build_step(kv, chunks)
@@ -78,8 +80,9 @@ def step_costs(engine_dir: str | Path, adapters: Mapping[str, Path], *, max_lora
             ("base graph", base, None), ("LoRA graph, base requests", lora, None),
             ("1 adapter", lora, [0] * batch), (f"{n} adapters", lora, [i % n
                                                                      for i in range(batch)])]
-        steps = {"decode": _step(block, num_blocks, batch, context, 1),
-                 "prefill": _step(block, num_blocks, batch, 0, prompt)}
+        vocab = cfg.model.vocab_size
+        steps = {"decode": _step(block, num_blocks, vocab, batch, context, 1),
+                 "prefill": _step(block, num_blocks, vocab, batch, 0, prompt)}
         out: dict[str, Any] = {"batch": batch, "context": context, "prompt": prompt,
                                "repeats": repeats, "adapters": n, "rank": max_lora_rank,
                                "quantized_matmul": quantized_matmul, "cases": {}}
