@@ -72,10 +72,7 @@ def step_costs(engine_dir: str | Path, adapters: Mapping[str, Path], *, max_lora
                          max_loras=n, max_lora_rank=max_lora_rank)
     try:
         for slot, (name, path) in enumerate(adapters.items()):
-            # NOTE: the pool's LoraWeights protocol declares settable members and LoraAdapter
-            # is frozen; the runner only reads them.
-            lora.load_lora(slot, load_lora_adapter(  # type: ignore[arg-type]
-                name, path, cfg.model, max_lora_rank))
+            lora.load_lora(slot, load_lora_adapter(name, path, cfg.model, max_lora_rank))
         cases: list[tuple[str, ModelRunner, list[int] | None]] = [
             ("base graph", base, None), ("LoRA graph, base requests", lora, None),
             ("1 adapter", lora, [0] * batch), (f"{n} adapters", lora, [i % n
