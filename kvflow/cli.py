@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from kvflow import client
-from kvflow.bench import compare, quality, step
+from kvflow.bench import compare, quality, quality_lora, step
 from kvflow.bench import serve as bench_serve
 from kvflow.build import check_engine
 from kvflow.build import command as build_command
@@ -47,6 +47,11 @@ def _module(sub: argparse._SubParsersAction, name: str, help: str,  # noqa: A002
     return _command(sub, name, help, module.add_args, module.main)
 
 
+def _quality_main(args: argparse.Namespace) -> int:
+    """``kvflow bench quality``: an adapter's run with ``--lora``, else the engines'."""
+    return quality_lora.main(args) if args.lora else quality.main(args)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,9 +73,10 @@ def make_parser() -> argparse.ArgumentParser:
     _module(bench_sub, "compare", "serve one engine with static batching, continuous batching "
                                   "and chunked prefill; sweep request rates against each; HF "
                                   "generate as the baseline", compare)
-    _module(bench_sub, "quality", "sliding-window perplexity, KL divergence and top-1 "
-                                  "agreement per engine and quantized_matmul mode, beside HF "
-                                  "transformers and llama.cpp", quality)
+    _command(bench_sub, "quality", "sliding-window perplexity, KL divergence and top-1 "
+                                   "agreement per engine and quantized_matmul mode, beside HF "
+                                   "transformers and llama.cpp (--lora: an adapter's, beside "
+                                   "HF + PEFT)", quality.add_args, _quality_main)
 
     p = _command(sub, "dynamo-worker", "run an engine as an NVIDIA Dynamo worker (behind "
                                        "python -m dynamo.frontend)",

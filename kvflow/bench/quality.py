@@ -306,10 +306,6 @@ def main(args: argparse.Namespace) -> int:
     from kvflow.reports.quality_report import write_quality_report
     from kvflow.runtime.base import check_kv_cache_dtype
 
-    if args.lora:
-        from kvflow.bench.quality_lora import main as lora_main
-
-        return lora_main(args)
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
