@@ -127,6 +127,8 @@ def polygraphy_runner(name: str, make: Callable[[], ModelRunner]) -> Any:
         def get_input_metadata_impl(self) -> TensorMetadata:
             meta = TensorMetadata()
             for f in StepInput.__dataclass_fields__:
+                if f not in INPUT_DTYPES:  # lora_slots: optional, no input of the engine graph
+                    continue
                 meta.add(f, INPUT_DTYPES[f], (-1, -1) if f == "block_tables" else (-1,))
             return meta
 
