@@ -228,3 +228,26 @@ def test_the_engine_loop_takes_lora_name_and_loads_through_call(adapters):
         loop.call(lambda e: e.remove_lora("x"))
     finally:
         loop.shutdown()
+
+
+def test_static_batches_start_adapters_a_step_may_not_reach(adapters):
+    """The static scheduler starts a batch whose requests a token-bound step may not all reach:
+    an adapter started but not yet run need not be in a slot (it is loaded on its step), and
+    the invariants hold every step (debug_checks)."""
+    engine = sim_engine(policy="static", max_num_batched_tokens=8, max_loras=1)
+    engine.add_lora("x", adapters["a0"])  # x takes the one slot
+    engine.add_lora("y", adapters["a1"])
+    engine.add_request(list(range(1, 9)), params(2), "base")
+    engine.add_request([1, 2, 3], params(2), "lora", lora_name="y")
+    done = run(engine)
+    assert sorted(done) == ["base", "lora"] and all(len(t) == 2 for t in done.values())
+
+
+@pytest.mark.parametrize("name", ['a"', "a}", "{a", "a\\b", "a b", "a=b", "", "x" * 257])
+def test_an_adapter_name_that_labels_or_flags_would_misread_is_refused(adapters, name):
+    engine = sim_engine()
+    with pytest.raises(ValueError, match="lora_name"):
+        engine.add_lora(name, adapters["a0"])
+    with pytest.raises(ValueError, match="lora_modules"):
+        EngineOptions(lora_modules={name: str(adapters["a0"])})
+    assert engine.list_loras() == []

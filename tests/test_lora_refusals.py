@@ -156,3 +156,20 @@ def test_gguf_writer_refuses_what_the_format_cannot_carry(llama, good, tmp_path)
     back = load_lora_adapter("rs", write_gguf_lora(adapter, tmp_path / "ok.gguf", llama[1]),
                              llama[1], 8)
     assert back.digest == adapter.digest
+
+
+@pytest.mark.parametrize("header, words", [
+    ([], "not a JSON object"),
+    ({"w.lora_A.weight": 5}, "tensor w.lora_A.weight is 5"),
+    ({"w.lora_A.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 8]}},
+     "bad data_offsets or shape"),
+    ({"w.lora_A.weight": {"dtype": "F32", "shape": [2]}}, "bad data_offsets or shape"),
+])
+def test_a_safetensors_header_of_the_wrong_shape_is_refused_by_name(
+        llama, good, tmp_path, header, words):
+    folder = tmp_path / "spoilt"
+    shutil.copytree(good, folder)
+    text = json.dumps(header).encode()
+    (folder / "adapter_model.safetensors").write_bytes(
+        len(text).to_bytes(8, "little") + text + b"\0" * 8)
+    refused(folder, llama[1], "adapter_model.safetensors", words)

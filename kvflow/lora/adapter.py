@@ -82,6 +82,25 @@ class ModuleLora:
     source: str
 
 
+MAX_LORA_NAME_CHARS = 256
+_NAME_FORBIDDEN = frozenset('"{}\\=')
+
+
+def check_lora_name(name: object) -> str:
+    """An adapter's name, refused (ValueError naming ``lora_name``) unless it is 1 to 256
+    printable characters without spaces or any of ``" { } \\ =``: it travels in metric labels,
+    ``NAME=PATH`` flags and JSON, where those would be misread."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
+    if len(name) > MAX_LORA_NAME_CHARS:
+        raise ValueError(f"lora_name is {len(name)} characters; the limit is "
+                         f"{MAX_LORA_NAME_CHARS}")
+    if not name.isprintable() or any(c.isspace() or c in _NAME_FORBIDDEN for c in name):
+        raise ValueError(f"lora_name {name[:60]!r} must be printable, without spaces or any of "
+                         f"\" {{ }} \\ =")
+    return name
+
+
 def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
     """``(out_features, in_features)`` of the base model's linear ``module``."""
     q = config.num_attention_heads * config.head_dim

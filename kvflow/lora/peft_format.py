@@ -217,16 +217,23 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             data = fh.read()
     except (OSError, ValueError) as e:
         raise LoraAdapterError(f"{path}: not a safetensors file: {e}") from e
+    if not isinstance(header, dict):
+        raise LoraAdapterError(f"{path}: not a safetensors file: its header is not a JSON object")
     out = {}
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
-            raise LoraAdapterError(f"{path.name}: tensor {key} is {info['dtype']}; kvflow reads "
+        if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+            dtype = info.get("dtype") if isinstance(info, dict) else info
+            raise LoraAdapterError(f"{path.name}: tensor {key} is {dtype!r}; kvflow reads "
                                    f"{sorted(_DTYPES)}")
-        begin, end = info["data_offsets"]
-        values = np.frombuffer(data[begin:end], dtype=_DTYPES[info["dtype"]])
-        if info["dtype"] == "BF16":  # bf16 is fp32's upper half: exact
-            values = (values.astype(np.uint32) << 16).view(np.float32)
-        out[key] = values.astype(np.float32).reshape(info["shape"])
+        try:
+            begin, end = info["data_offsets"]
+            values = np.frombuffer(data[begin:end], dtype=_DTYPES[info["dtype"]])
+            if info["dtype"] == "BF16":  # bf16 is fp32's upper half: exact
+                values = (values.astype(np.uint32) << 16).view(np.float32)
+            out[key] = values.astype(np.float32).reshape(info["shape"])
+        except (KeyError, TypeError, ValueError) as e:  # offsets or shape that do not fit
+            raise LoraAdapterError(f"{path.name}: tensor {key}: bad data_offsets or shape "
+                                   f"({e})") from None
     return out

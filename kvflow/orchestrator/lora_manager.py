@@ -23,6 +23,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvflow.lora import LoraAdapter, load_lora_adapter
+from kvflow.lora.adapter import check_lora_name
 from kvflow.orchestrator.outputs import EngineCounters, RequestError
 
 if TYPE_CHECKING:
@@ -81,8 +82,7 @@ class LoraManager:
         rank over ``max_rank``, a shape of another model...). Nothing changes then. Into a
         free slot at once, if there is one (so a runner's refusal shows here, not mid-step).
         """
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
+        check_lora_name(name)
         if name in self.adapters:
             raise ValueError(f"lora_name {name!r} is loaded already (from "
                              f"{self.adapters[name].path}); unload it first")
@@ -194,9 +194,13 @@ class LoraManager:
         self.counters.lora_swaps += 1
 
     def check_integrity(self) -> None:
-        """The slot table and the LRU agree; every running adapter is loaded and resident."""
+        """The slot table and the LRU agree; every running adapter is loaded, and they fit the
+        slots. (A running adapter need not be resident yet: the static scheduler starts
+        requests a step may not reach; :meth:`slots_for` loads it on the step that runs it.)"""
         assert {n: s for s, n in enumerate(self._slots) if n is not None} == dict(self._lru), \
             (self._slots, self._lru)
         assert set(self._lru) <= set(self.adapters), "a resident adapter is not loaded"
         running = {n for n, k in self.running.items() if k}
-        assert running <= set(self._lru), f"running adapters not resident: {running}"
+        assert running <= set(self.adapters), f"running adapters not loaded: {running}"
+        assert len(running) <= len(self._slots), \
+            f"{len(running)} adapters running, {len(self._slots)} slots"

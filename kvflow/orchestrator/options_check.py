@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
+from kvflow.lora.adapter import check_lora_name
 from kvflow.runtime.base import check_kv_cache_dtype
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ def check_options(o: EngineOptions) -> None:
 
 def check_lora_options(o: EngineOptions) -> None:
     """The LoRA options: ``max_loras`` >= 1, ``max_lora_rank`` in [1, 256], adapter names
-    non-empty and without spaces, and a runner that can apply adapters."""
+    as :func:`~kvflow.lora.adapter.check_lora_name` allows, and a runner that can apply
+    adapters."""
     if isinstance(o.max_loras, bool) or not isinstance(o.max_loras, int) or o.max_loras < 1:
         raise ValueError(f"max_loras must be an integer >= 1, got {o.max_loras!r}")
     if not (isinstance(o.max_lora_rank, int) and not isinstance(o.max_lora_rank, bool)
@@ -90,10 +92,10 @@ def check_lora_options(o: EngineOptions) -> None:
         raise ValueError(f"max_lora_rank must be an integer in [1, {MAX_LORA_RANK}], got "
                          f"{o.max_lora_rank!r}")
     for name, path in o.lora_modules.items():
-        if not isinstance(name, str) or not name or any(c.isspace() for c in name) or \
-                "=" in name:
-            raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty, without "
-                             "spaces or '='")
+        try:
+            check_lora_name(name)
+        except ValueError as e:
+            raise ValueError(f"lora_modules: {e}") from None
         if not isinstance(path, str) or not path:
             raise ValueError(f"lora_modules: adapter {name!r} needs a path, got {path!r}")
     if o.lora_enabled and o.runner in NO_LORA_RUNNERS:

@@ -148,7 +148,9 @@ class ContinuousScheduler(Scheduler):
                 # It waits for a LoRA slot, not for KV or budget: others may go, but no
                 # adapter's request after it (lora_gate: it is not starved).
                 self.loras.blocked = True
-                skip.add(request)
+                # Every later adapter request is refused now: skip them all at once, or each
+                # pick would scan past the others (quadratic in a long queue).
+                skip.update(r for r in self.waiting if r.lora_name is not None)
                 continue
             if num_new == 0:
                 break
