@@ -82,3 +82,22 @@ def test_plan_sizes_a_real_engine_and_describes_it(tiny_engines):
     assert small.num_blocks == seq_blocks + 1 and small.budget.sized_by == "memory"
     with pytest.raises(ValueError, match="kv_cache_memory_fraction must be in"):
         plan_engine(engine, kv_cache_memory_fraction=1.5)
+
+
+def test_the_lora_slot_pool_is_set_aside_before_the_kv_pool():
+    from kvflow.runtime.lora_pool import LoraPool, fused_groups, module_groups, pool_bytes
+    from kvflow.sim.runner import sim_engine_config
+
+    cfg = sim_engine_config(4, 256, 64, 8).model
+    for groups in (fused_groups(cfg), module_groups(cfg)):  # the ORT and the torch layouts
+        pool = LoraPool(groups, cfg.num_hidden_layers, max_loras=3, max_rank=8)
+        try:
+            held = sum(x.nbytes for arrays in (pool.a, pool.bt) for x in arrays.values())
+        finally:
+            pool.close()
+        assert pool_bytes(cfg, 3, 8) == held
+    plain, lora = _size(available=4 * GB), _size(available=4 * GB, lora_bytes=1 * GB)
+    assert lora.sized_by == plain.sized_by == "memory"
+    assert lora.num_blocks < plain.num_blocks and "LoRA slots" in lora.describe()
+    with pytest.raises(MemoryBudgetError, match="LoRA slots"):
+        _size(available=2 * GB, lora_bytes=1 * GB)

@@ -22,6 +22,7 @@ from kvflow.orchestrator.options_check import NO_LORA_RUNNERS
 from kvflow.orchestrator.outputs import RequestOutput
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.runtime.base import kv_bytes_per_block, resolve_kv_cache_dtype
+from kvflow.runtime.lora_pool import pool_bytes
 from kvflow.text.tokenizer import ChatPrompt, EngineTokenizer, Prompt
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def memory_budget(engine_dir: str | Path, engine: EngineConfig, options: EngineO
     (:mod:`kvflow.orchestrator.memory_budget`): ``num_kv_blocks``, or what ``kv_cache_bytes``
     holds, or what ``max_num_seqs`` full-length sequences could use capped by
     ``kv_cache_memory_fraction`` of the memory the weights leave; in ``kv_dtype`` (the
-    resolved ``kv_cache_dtype``)."""
+    resolved ``kv_cache_dtype``). With LoRA on, the slot pool's bytes are set aside first."""
     per_block = kv_bytes_per_block(engine, kv_dtype)
     host = (options.runner or engine.backend) in HOST_RUNNERS
     return size_pool(weights=weights_bytes(engine_dir, engine.files),
@@ -41,7 +42,9 @@ def memory_budget(engine_dir: str | Path, engine: EngineConfig, options: EngineO
                      max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
                      fraction=options.kv_cache_memory_fraction,
                      kv_cache_bytes=options.kv_cache_bytes, num_kv_blocks=options.num_kv_blocks,
-                     swap_bytes=options.swap_space_bytes)
+                     swap_bytes=options.swap_space_bytes,
+                     lora_bytes=pool_bytes(engine.model, options.max_loras,
+                                           options.max_lora_rank) if options.lora_enabled else 0)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ class MemoryBudget:
     num_blocks: int
     num_host_blocks: int
     sized_by: str
+    lora_bytes: int = 0  # the LoRA slot pool, beside the weights (0: LoRA off)
 
     @property
     def pool_tokens(self) -> int:
@@ -64,7 +65,8 @@ class MemoryBudget:
         return (f"memory budget: weights {_size(self.weights_bytes)}, KV pool "
                 f"{_size(self.num_blocks * self.bytes_per_block)} ({self.pool_tokens} tokens, "
                 f"{self.num_blocks} blocks, sized by {self.sized_by}), swap "
-                f"{_size(self.num_host_blocks * self.bytes_per_block)}{avail}")
+                f"{_size(self.num_host_blocks * self.bytes_per_block)}"
+                f"{f', LoRA slots {_size(self.lora_bytes)}' if self.lora_bytes else ''}{avail}")
 
 
 def _size(n: int) -> str:
@@ -109,23 +111,24 @@ def weights_bytes(engine_dir: str | Path, files: dict[str, str]) -> int:
 def size_pool(*, weights: int, available: int | None, bytes_per_block: int, block_size: int,
               max_model_len: int, max_num_seqs: int, fraction: float,
               kv_cache_bytes: int | None, num_kv_blocks: int | None,
-              swap_bytes: int) -> MemoryBudget:
+              swap_bytes: int, lora_bytes: int = 0) -> MemoryBudget:
     """The pool's size in blocks, and why (see the module doc).
 
     ``available``: host bytes available before the weights load, or None for a device pool
     (sized by ``kv_cache_bytes``, default :data:`DEFAULT_KV_CACHE_BYTES`). Raises
     :class:`MemoryBudgetError` when ``weights`` plus one ``max_model_len`` sequence (and the
-    swap space) exceed ``available``.
+    swap space, and the LoRA slot pool's ``lora_bytes``) exceed ``available``.
     """
     host_blocks = swap_bytes // bytes_per_block
     seq_blocks = -(-max_model_len // block_size)
     needed = max_num_seqs * seq_blocks + 1
     if available is not None:
         one_seq = (seq_blocks + 1) * bytes_per_block
-        if weights + one_seq + swap_bytes > available:
+        if weights + lora_bytes + one_seq + swap_bytes > available:
             per_token = bytes_per_block // block_size
+            lora = f" + LoRA slots {_size(lora_bytes)}" if lora_bytes else ""
             raise MemoryBudgetError(
-                f"the engine does not fit in memory: weights {_size(weights)} + one "
+                f"the engine does not fit in memory: weights {_size(weights)}{lora} + one "
                 f"max_model_len={max_model_len} sequence's KV {_size(one_seq)} "
                 f"({_size(per_token)} per token) + swap_space_bytes {_size(swap_bytes)} > "
                 f"{_size(available)} available; lower max_model_len or swap_space_bytes, or "
@@ -133,7 +136,7 @@ def size_pool(*, weights: int, available: int | None, bytes_per_block: int, bloc
 
     def budget(blocks: int, sized_by: str) -> MemoryBudget:
         return MemoryBudget(weights, available, bytes_per_block, block_size, blocks,
-                            host_blocks, sized_by)
+                            host_blocks, sized_by, lora_bytes)
 
     if num_kv_blocks is not None:
         return budget(num_kv_blocks, "num_kv_blocks")
@@ -145,7 +148,7 @@ def size_pool(*, weights: int, available: int | None, bytes_per_block: int, bloc
         if by_bytes < needed:
             return budget(by_bytes, "kv_cache_bytes" if kv_cache_bytes else "device")
         return budget(needed, "max_num_seqs")
-    free = max(0, available - weights - swap_bytes)
+    free = max(0, available - weights - lora_bytes - swap_bytes)
     cap = int(free * fraction) // bytes_per_block
     if cap >= needed:
         return budget(needed, "max_num_seqs")

@@ -62,6 +62,14 @@ def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {m: module_shape(cfg, m)[::-1] for m in LORA_MODULES}
 
 
+def pool_bytes(cfg: ModelConfig, max_loras: int, max_rank: int, itemsize: int = 4) -> int:
+    """What a slot pool of ``max_loras`` x ``max_rank`` holds for ``cfg`` at ``itemsize`` bytes
+    an element (fp32 by default: an upper bound for the fp16 pools), whatever its grouping:
+    each module's A and B rows, every layer (the engine's memory budget counts it)."""
+    per_rank = sum(k + n for k, n in _module_shapes(cfg).values())
+    return cfg.num_hidden_layers * max_loras * max_rank * per_rank * itemsize
+
+
 def fused_groups(cfg: ModelConfig) -> list[LoraGroup]:
     """The ONNX Runtime runner's groups: its graph's fused Q/K/V and gate/up matmuls."""
     shapes = _module_shapes(cfg)
