@@ -310,3 +310,12 @@ def test_put_and_get_from_two_threads_keep_the_store_whole(tmp_path, medium):
     if isinstance(store, DiskBlockStore):
         files = block_files(store)
         assert set(files) == set(store.hashes()) and sum(files.values()) == store.stats.bytes
+
+
+def test_a_write_the_disk_refuses_is_not_stored(tmp_path):
+    store = make_disk(tmp_path)
+    blocker = store.path(block_hash(0)).parent
+    blocker.write_text("not a folder")  # what a full or broken disk looks like to os.open
+    assert not store.put(block_hash(0), payload(0))
+    assert store.hashes() == [] and store.stats.bytes == 0 and store.stats.stores == 0
+    assert store.put(block_hash(1), payload(1)) and store.get(block_hash(1)) == payload(1)

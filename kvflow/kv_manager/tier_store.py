@@ -284,9 +284,10 @@ class HostBlockStore(BlockStore):
 
 def tier_namespace(parts: Mapping[str, str]) -> bytes:
     """A 32-byte name for everything that makes a block's KV bytes differ beyond its hash
-    (model digest, engine build id, KV dtype, block size, layout): SHA-256 over the sorted
-    ``key=value`` pairs. The disk tier keeps each namespace in its own folder and checks it in
-    every file, so a tier written by another build is ignored, never misread."""
+    (model digest, engine build id, KV dtype, block size, layout): SHA-256 over the
+    ``(key, value)`` pairs, sorted, so their order does not matter. The disk tier keeps each
+    namespace in its own folder and checks it in every file, so a tier written by another
+    build is ignored, never misread."""
     if not parts:
         raise ValueError("tier_namespace needs at least one part (model digest, build, ...)")
     for key, value in parts.items():
