@@ -274,6 +274,13 @@ class ContinuousScheduler(Scheduler):
         Returns 0, changing nothing, when the request does not fit this step.
         """
         rid = request.request_id
+        if self.kv.tiers is not None and not request.num_transferred_tokens \
+                and not self.kv.is_swapped(rid):
+            # The prefix continues in the host / disk tiers: back into the pool first, as
+            # cached blocks (written by the engine before the step), then hit like any other.
+            self.kv.restore_prefix(rid, request.token_ids, request.cache_key,
+                                   self.kv.num_free_blocks - reserve - 1,
+                                   bool(request.cache_salt), request.lora_id)
         num_new, hits, num_cached = self._admission_chunk(request, budget)
         if self.kv.is_swapped(rid):
             # A swapped group comes back together: its parked swapped members with it.
