@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvflow import LLM, SamplingParams
+from kvflow.observability.metrics import EngineMetrics
 from kvflow.runtime.kv_cache import HostKVPool
 
 pytestmark = pytest.mark.slow  # greedy runs of a tiny engine, seconds each
@@ -64,6 +65,11 @@ def test_a_prefix_restored_from_disk_after_a_restart_gives_the_cold_output(engin
         tiers = disk_tier(llm)
         assert tiers.counters["disk"].hits == 40 // 4  # the 10 full blocks of ``first``
         llm.engine.kv.check_integrity()
+        gauges, totals = EngineMetrics.state(llm.engine)
+    assert totals['kvflow_kv_tier_hits_total{medium="disk"}'] == 10
+    assert totals['kvflow_kv_tier_loaded_bytes_total{medium="disk"}'] > 0
+    assert totals['kvflow_kv_tier_hits_total{medium="cpu"}'] == 0
+    assert gauges['kvflow_kv_tier_usage_bytes{medium="disk"}'] > 0
     assert out.cached_tokens == 40
     assert out.token_ids == cold(engine_dir, [returning])[0]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvflow.kv_manager.block_pool import BlockHash, BlockPool
 
@@ -191,9 +191,9 @@ class KVTiers:
         for s in self.stores:
             s.close()
 
-    def state(self) -> list[dict[str, object]]:
+    def state(self) -> list[dict[str, Any]]:
         """Each tier's figures, top first (for the console and the metrics)."""
-        out: list[dict[str, object]] = []
+        out: list[dict[str, Any]] = []
         for s in self.stores:
             c = self.counters[s.medium]
             out.append({"medium": s.medium, "capacity_bytes": s.capacity_bytes,
