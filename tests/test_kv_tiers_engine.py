@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvflow import LLM, SamplingParams
+from kvflow.console.state import engine_state
 from kvflow.observability.metrics import EngineMetrics
 from kvflow.runtime.kv_cache import HostKVPool
 
@@ -90,6 +91,9 @@ def test_eviction_to_the_tiers_and_back_under_a_small_pool(engine_dir, tmp_path)
         assert tiers.counters["cpu"].stored_blocks > 0 and tiers.counters["disk"].stored_blocks > 0
         assert tiers.counters["cpu"].hits + tiers.counters["disk"].hits > 0
         llm.engine.kv.check_integrity()
+        shown = engine_state(llm.engine)["tiers"]
+    assert [t["medium"] for t in shown] == ["cpu", "disk"]
+    assert shown[0]["capacity_bytes"] == 12 * 1024 and 0 < shown[0]["bytes"] <= 12 * 1024
     assert all(o.cached_tokens == 20 for o in outs)
     assert [o.token_ids for o in outs] == cold(engine_dir, again)
 
