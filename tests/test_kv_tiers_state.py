@@ -11,6 +11,7 @@ from __future__ import annotations
 import tempfile
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -112,3 +113,17 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tiers():
     assert m.restored > 0
     m.every_block_holds_its_own_content()
     m.teardown()
+
+
+def test_a_runner_that_cannot_copy_blocks_out_is_refused_at_start():
+    from kvflow.orchestrator.engine import LLMEngine
+    from kvflow.orchestrator.options import EngineOptions
+    from kvflow.sim.cost_model import FixedCostModel
+    from kvflow.sim.runner import SimClock, SimRunner, sim_engine_config
+
+    runner = SimRunner(sim_engine_config(BLOCK, 128, 32, 8), 40, FixedCostModel(1.0),
+                       SimClock())
+    with pytest.raises(ValueError, match="kv_offload_bytes / kv_disk_dir: the sim"):
+        LLMEngine(runner, None, EngineOptions(kv_offload_bytes=1 << 20), clock=runner.clock)
+    # Without tiers the same runner serves as before.
+    LLMEngine(runner, None, EngineOptions(), clock=runner.clock).close()

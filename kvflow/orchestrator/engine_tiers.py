@@ -39,6 +39,11 @@ def make_tiers(options: EngineOptions, runner: ModelRunner) -> KVTiers | None:
     if not options.enable_prefix_caching or not (options.kv_offload_bytes or
                                                  options.kv_disk_dir):
         return None
+    try:  # refuse at start, not at the first eviction
+        runner.read_blocks([])
+    except NotImplementedError as e:
+        raise ValueError(f"kv_offload_bytes / kv_disk_dir: {e}; use the onnxruntime or torch "
+                         "runner, or turn the tiers off") from None
     stores: list[BlockStore] = []
     if options.kv_offload_bytes:
         stores.append(HostBlockStore(options.kv_offload_bytes))
