@@ -65,6 +65,7 @@ def test_a_prefix_restored_from_disk_after_a_restart_gives_the_cold_output(engin
         (out,) = llm.generate([returning], GREEDY)
         tiers = disk_tier(llm)
         assert tiers.counters["disk"].hits == 40 // 4  # the 10 full blocks of ``first``
+        assert tiers.num_prefetched == 10  # loaded off the engine thread, while it waited
         llm.engine.kv.check_integrity()
         gauges, totals = EngineMetrics.state(llm.engine)
     assert totals['kvflow_kv_tier_hits_total{medium="disk"}'] == 10

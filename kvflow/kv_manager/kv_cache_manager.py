@@ -160,6 +160,16 @@ class KVCacheManager(SwapMixin):
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def prefetch_prefix(self, request_id: Hashable, token_ids: Sequence[int],
+                        salt: bytes = b"") -> bool:
+        """Start loading the tier blocks that continue the sequence's cached prefix off the
+        engine thread; whether some are still loading (:meth:`KVTiers.prefetch`)."""
+        if self.tiers is None or not self.enable_caching or self.sliding_window is not None:
+            return False
+        hits, _ = self.get_computed_blocks(request_id, token_ids, salt)
+        limit = (len(token_ids) - 1) // self.block_size
+        return self.tiers.prefetch(self._hashes[request_id][len(hits):limit])
+
     def restore_prefix(self, request_id: Hashable, token_ids: Sequence[int], salt: bytes,
                        max_blocks: int, salted: bool = False, lora_id: int | None = None) -> int:
         """Load the tier blocks that continue the sequence's cached prefix into the pool, as

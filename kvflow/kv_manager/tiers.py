@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from kvflow.kv_manager.block_pool import BlockHash, BlockPool
 if TYPE_CHECKING:
     from kvflow.kv_manager.tier_store import BlockStore
 
+MAX_PREFETCHED = 4096  # blocks loaded ahead and not yet restored, before unclaimed ones go
 ReadBlocks = Callable[[list[int]], list[bytes]]
 WriteBlocks = Callable[[list[int], list[bytes]], None]
 
@@ -59,6 +61,10 @@ class KVTiers:
     # Restored blocks whose payloads the runner has not written yet: block -> payload.
     pending: dict[int, bytes] = field(default_factory=dict)
     write_s: float = 0.0  # seconds writing restored blocks into the pool (all tiers)
+    # Loads off the engine thread (prefetch); None: restore() loads on the caller's thread.
+    loader: ThreadPoolExecutor | None = None
+    num_prefetched: int = 0  # loads started on the loader thread
+    _loads: dict[BlockHash, Future[bytes | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.stores:
@@ -109,6 +115,28 @@ class KVTiers:
             n += 1
         return n
 
+    def prefetch(self, hashes: Sequence[BlockHash]) -> bool:
+        """Start loading the run of ``hashes`` (a request's, after its pool hits) that the
+        tiers hold, on the loader thread; whether some of it is still loading (the request
+        then waits, while the engine runs the others). False without a loader."""
+        if self.loader is None:
+            return False
+        if len(self._loads) > MAX_PREFETCHED:  # loads no request took (aborted, evicted)
+            self._loads = {h: f for h, f in self._loads.items() if not f.done()}
+        busy = False
+        for h in hashes[:self.num_hits(hashes)]:
+            load = self._loads.get(h)
+            if load is None:
+                load = self._loads[h] = self.loader.submit(self._load, h)
+                self.num_prefetched += 1
+            busy = busy or not load.done()
+        return busy
+
+    def _take(self, block_hash: BlockHash) -> bytes | None:
+        """The payload prefetched for ``block_hash``, or loaded now."""
+        load = self._loads.pop(block_hash, None)
+        return load.result() if load is not None else self._load(block_hash)
+
     def restore(self, pool: BlockPool, hits: Sequence[int], hashes: Sequence[BlockHash],
                 max_blocks: int, describe: Callable[[int], tuple] | None = None) -> int:
         """Load tier blocks for ``hashes`` (the request's block hashes right after its pool
@@ -116,20 +144,23 @@ class KVTiers:
         returns how many. It stops at a block no tier holds, or a corrupt one (then
         recomputed). ``describe(i)``: the ``cache_block`` event fields of ``hashes[i]``
         (parent, token ids, salted, lora id)."""
-        n = min(self.num_hits(hashes), max_blocks, pool.num_free_blocks)
+        n = min(self.num_hits(hashes), max_blocks)
         if n <= 0:
             return 0
         # NOTE: the pool hits leave the free queue while this allocates, or it could evict
-        # the very prefix it extends.
+        # the very prefix it extends (and so they no longer count as free).
         live = [b for b in hits if b != BlockPool.NULL_BLOCK]
         pool.touch(live)
         try:
+            n = min(n, pool.num_free_blocks)
             blocks = pool.allocate(n)
         finally:
             pool.free(live)
+        if not blocks:
+            return 0
         done = 0
         for i, block in enumerate(blocks):
-            payload = self._load(hashes[i])
+            payload = self._take(hashes[i])
             if payload is None:
                 break
             parent, token_ids, salted, lora_id = describe(i) if describe else (None, (), False,
@@ -188,6 +219,9 @@ class KVTiers:
         return written
 
     def close(self) -> None:
+        if self.loader is not None:
+            self.loader.shutdown(wait=True, cancel_futures=True)
+        self._loads.clear()
         for s in self.stores:
             s.close()
 

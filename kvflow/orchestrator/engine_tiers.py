@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 from kvflow.kv_manager import KVCacheManager
 from kvflow.kv_manager.tier_disk import DiskBlockStore
@@ -50,7 +51,9 @@ def make_tiers(options: EngineOptions, runner: ModelRunner) -> KVTiers | None:
     if options.kv_disk_dir is not None:
         stores.append(DiskBlockStore(options.kv_disk_dir, options.kv_disk_bytes,
                                      runner_namespace(runner)))
-    return KVTiers(stores, runner.read_blocks)
+    # One loader thread: a tier read (a file, a host copy) leaves the engine thread free.
+    return KVTiers(stores, runner.read_blocks,
+                   loader=ThreadPoolExecutor(1, thread_name_prefix="kvflow-kv-tiers"))
 
 
 def close_tiers(kv: KVCacheManager) -> None:

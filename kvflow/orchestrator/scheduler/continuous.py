@@ -141,6 +141,9 @@ class ContinuousScheduler(Scheduler):
             if long and cap is not None and num_long >= cap:
                 skip.add(request)  # a shorter prompt may go first
                 continue
+            if self.kv.tiers is not None and self._prefix_loading(request):
+                skip.add(request)  # its prefix loads from a tier off this thread: others go
+                continue
             num_new = self._try_admit(request, budget, out)
             if num_new == 0:
                 num_new = self._preempt_for(request, out)
@@ -160,6 +163,12 @@ class ContinuousScheduler(Scheduler):
             admitted.add(request)
             num_long += long
         return admitted
+
+    def _prefix_loading(self, request: Request) -> bool:
+        """Whether ``request``'s prefix is still loading from the KV tiers (started here)."""
+        return (not request.num_transferred_tokens and not self.kv.is_swapped(request.request_id)
+                and self.kv.prefetch_prefix(request.request_id, request.token_ids,
+                                            request.cache_key))
 
     def _try_admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """Admit ``request`` if seats and KV allow; the tokens it runs (0: it does not fit)."""
