@@ -207,9 +207,11 @@ class KVTiers:
         bottom = self.stores[-1]
         written = 0
         cached = [(b, h) for h, b in pool.cached.items() if not bottom.contains(h)]
-        for (block, h), payload in zip(cached, self.read_blocks([b for b, _ in cached]),
-                                       strict=True):
-            written += bottom.put(h, self.pending.get(block, payload))
+        for i in range(0, len(cached), 256):  # in chunks: a copy of the whole pool is not free
+            chunk = cached[i:i + 256]
+            for (block, h), payload in zip(chunk, self.read_blocks([b for b, _ in chunk]),
+                                           strict=True):
+                written += bottom.put(h, self.pending.get(block, payload))
         for upper in self.stores[:-1]:
             for h in upper.hashes():
                 if not bottom.contains(h):
