@@ -40,6 +40,8 @@ NON_DEFAULT = {
     "speculative": "draft", "num_speculative_tokens": 3, "speculative_draft_length": "fixed",
     "draft_engine": "/tmp/kvflow-options-test-draft",
     "debug_checks": True,
+    "kv_offload_bytes": 1 << 20, "kv_disk_dir": "/tmp/kvflow-options-test-tiers",
+    "kv_disk_bytes": 1 << 22,
 }
 
 
@@ -217,3 +219,15 @@ def test_debug_checks_default_comes_from_one_environment_variable(monkeypatch):
     assert EngineOptions().debug_checks is False
     monkeypatch.delenv("KVFLOW_DEBUG_CHECKS")
     assert EngineOptions().debug_checks is False
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"kv_offload_bytes": -1}, "kv_offload_bytes"),
+    ({"kv_disk_bytes": -5, "kv_disk_dir": "/tmp/x"}, "kv_disk_bytes"),
+    ({"kv_disk_dir": "/tmp/x"}, "kv_disk_bytes"),
+    ({"kv_disk_bytes": 1 << 20}, "kv_disk_dir"),
+])
+def test_kv_tier_options_are_checked_by_name(bad, field):
+    with pytest.raises(ValueError, match=field):
+        EngineOptions(**bad)
+    assert EngineOptions().kv_offload_bytes == 0 and EngineOptions().kv_disk_dir is None

@@ -28,7 +28,10 @@ The snapshot (JSON):
 * ``counters``: the engine's running totals (tokens, steps, preemptions, prefix-cache queries
   and hits, LoRA swaps and evictions);
 * ``loras``: the LoRA adapters loaded (``name``, ``path``, ``rank``, ``lora_id``,
-  ``resident``, ``slot``, ``running``); [] with LoRA off.
+  ``resident``, ``slot``, ``running``); [] with LoRA off;
+* ``tiers``: the KV tiers below the pool, top first (``medium`` cpu or disk,
+  ``capacity_bytes``, ``bytes``, ``blocks``, ``hits``, ``loaded_bytes``, ``stored_blocks``,
+  ``stored_bytes``, ``load_s``, ``store_s``, ``corrupt``, ``evictions``); [] with none.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def engine_state(engine: LLMEngine, max_requests: int = MAX_REQUESTS,
             "prompt_tokens", "generation_tokens", "steps", "preemptions",
             "prefix_cache_queries", "prefix_cache_hits", "lora_swaps", "lora_evictions")},
         "loras": engine.list_loras(),
+        "tiers": engine.kv.tiers.state() if engine.kv.tiers is not None else [],
     }
 
 

@@ -105,6 +105,9 @@ class BlockPool:
         self.events: list[KVEvent] | None = None  # None: not recorded
         # Told each evicted hash (what is kept beside a cached block goes with it).
         self.on_evict: Callable[[BlockHash], None] | None = None
+        # Told each evicted (block, hash) before the block is handed out, its content still
+        # intact (the KV tiers copy it out).
+        self.on_evict_block: Callable[[int, BlockHash], None] | None = None
 
     def record_events(self) -> None:
         """Start recording :class:`BlockStored` / :class:`BlockRemoved` events."""
@@ -157,6 +160,8 @@ class BlockPool:
                 self.num_evictions += 1
                 if self.events is not None:
                     self.events.append(BlockRemoved(h))
+                if self.on_evict_block is not None:
+                    self.on_evict_block(b, h)
                 if self.on_evict is not None:
                     self.on_evict(h)
             self.ref_counts[b] = 1

@@ -35,6 +35,7 @@ from kvflow.kv_manager.fragmentation import fragmentation
 from kvflow.kv_manager.prompt_logprobs_cache import PromptLogprobsCache
 from kvflow.kv_manager.spec import KVCacheSpec
 from kvflow.kv_manager.swap import SwapMixin
+from kvflow.kv_manager.tiers import KVTiers
 
 __all__ = ["KVCacheManager", "KVCacheSpec"]
 
@@ -76,6 +77,11 @@ class KVCacheManager(SwapMixin):
         self.host_tables: dict[Hashable, list[int]] = {}
         # Copy-on-write copies (src, dst) decided since the scheduler last took them.
         self.pending_copies: list[tuple[int, int]] = []
+        self.tiers: KVTiers | None = None  # host / disk tiers below the pool (attach_tiers)
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Keep the cached blocks the pool evicts in ``tiers``, for :meth:`restore_prefix`."""
+        self.tiers, self.pool.on_evict_block = tiers, tiers.evicted
 
     @property
     def num_free_blocks(self) -> int:
@@ -153,6 +159,34 @@ class KVCacheManager(SwapMixin):
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def prefetch_prefix(self, request_id: Hashable, token_ids: Sequence[int],
+                        salt: bytes = b"") -> bool:
+        """Start loading the tier blocks that continue the sequence's cached prefix off the
+        engine thread; whether some are still loading (:meth:`KVTiers.prefetch`)."""
+        if self.tiers is None or not self.enable_caching or self.sliding_window is not None:
+            return False
+        hits, _ = self.get_computed_blocks(request_id, token_ids, salt)
+        limit = (len(token_ids) - 1) // self.block_size
+        return self.tiers.prefetch(self._hashes[request_id][len(hits):limit])
+
+    def restore_prefix(self, request_id: Hashable, token_ids: Sequence[int], salt: bytes,
+                       max_blocks: int, salted: bool = False, lora_id: int | None = None) -> int:
+        """Load the tier blocks that continue the sequence's cached prefix into the pool, as
+        cached blocks (:meth:`~kvflow.kv_manager.tiers.KVTiers.restore`); returns how many.
+        Not under a window (a windowed hit need not be a prefix run)."""
+        if self.tiers is None or not self.enable_caching or self.sliding_window is not None:
+            return 0
+        hits, _ = self.get_computed_blocks(request_id, token_ids, salt)
+        hashes, n, bs = self._hashes[request_id], len(hits), self.block_size
+
+        def describe(i: int) -> tuple:
+            j = n + i
+            return (hashes[j - 1] if j else None, token_ids[j * bs:(j + 1) * bs], salted,
+                    lora_id)
+
+        return self.tiers.restore(self.pool, hits, hashes[n:(len(token_ids) - 1) // bs],
+                                  max_blocks, describe)
 
     def trim_hit(self, hits: Sequence[int], num_blocks: int) -> list[int]:
         """A hit of :meth:`get_computed_blocks` cut to at most ``num_blocks`` blocks that is

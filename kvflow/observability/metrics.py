@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvflow.observability.tier_metrics import TIER_COUNTERS, TIER_MEDIA, TIER_USAGE, tier_figures
 from kvflow.orchestrator.outputs import REJECT_CAUSES, TIMEOUT_PHASES, RequestOutput
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ class Metric:
     """One metric family: ``kind`` is counter, gauge or histogram; ``label`` and ``values``
     name its one label and every value it takes (each series exists from the start, at 0).
     A counter mirrors the :class:`EngineCounters` field ``source`` (a Counter by label value
-    when labeled; ``serving_time_s`` is the engine loop's, not the engine's). ``dynamic``: the
+    when labeled; ``serving_time_s`` is the engine loop's, not the engine's; ``tier:X``: the
+    KV tiers' figure X by medium, :mod:`~kvflow.observability.tier_metrics`). ``dynamic``: the
     label's values appear at run time (LoRA adapter names): no series until one does, and a
     reader makes each as it first sees its key."""
 
@@ -84,6 +86,7 @@ METRICS: dict[str, Metric] = dict((
        "Sequences running under each LoRA adapter (every adapter loaded since the start)",
        label="lora_name", dynamic=True),
     _m("kvflow_lora_resident", "gauge", "LoRA adapters resident in the runner's slot pool"),
+    _m(TIER_USAGE[0], "gauge", TIER_USAGE[1], label="medium", values=TIER_MEDIA),
     # --- per-request histograms ---
     _m("kvflow_time_to_first_token_seconds", "histogram", "Time to first token",
        buckets=LATENCY_BUCKETS),
@@ -166,6 +169,9 @@ METRICS: dict[str, Metric] = dict((
     _m("kvflow_lora_evictions_total", "counter", "LoRA adapter loads that displaced a resident "
        "adapter no running request used (least recently used first)",
        source="lora_evictions"),
+    # The KV tiers' (KVTiers.state()'s figures, not EngineCounters fields: "tier:" sources).
+    *(_m(name, "counter", text, label="medium", values=TIER_MEDIA, source="tier:" + figure)
+      for name, figure, text in TIER_COUNTERS),
     _m("kvflow_engine_steps_total", "counter", "Engine steps run", source="steps"),
     _m("kvflow_engine_step_seconds_total", "counter",
        "Engine-thread seconds inside engine steps", source="step_time_s"),
@@ -287,12 +293,16 @@ class EngineMetrics:
             for name in lora.known_names():
                 gauges[series_key("kvflow_lora_requests_running", "lora_name", name)] = float(
                     running.get(name, 0))
+        tiers = tier_figures(kv)
+        for medium, t in tiers.items():
+            gauges[series_key(TIER_USAGE[0], "medium", medium)] = float(t["bytes"])
         counters = engine.counters
         totals: dict[str, float] = {}
         for key, field, value in _COUNTER_KEYS:
-            # A counter's field: a number, or a Counter by label (``value``).
+            # A counter's field: a number, a Counter by label (``value``), or a tier's figure.
             total: Any = (serving_time_s if field == "serving_time_s"
-                          else getattr(counters, field))
+                          else {m: t[field[5:]] for m, t in tiers.items()}
+                          if field.startswith("tier:") else getattr(counters, field))
             totals[key] = total if value is None else total.get(value, 0)
         return gauges, totals
 

@@ -21,6 +21,7 @@ import numpy as np
 from kvflow.kv_manager import KVCacheManager
 from kvflow.observability.trace import StepTimes, StepTracer
 from kvflow.orchestrator.engine_lora import LoraEngine
+from kvflow.orchestrator.engine_tiers import attach_tiers, close_tiers
 from kvflow.orchestrator.input_processor import InputProcessor, PreparedPrompt
 from kvflow.orchestrator.memory_budget import MemoryBudget
 from kvflow.orchestrator.options import EngineOptions
@@ -32,12 +33,7 @@ from kvflow.orchestrator.outputs import (
     StepStats,
     error_code_of,
 )
-from kvflow.orchestrator.request import (
-    Request,
-    RequestStatus,
-    SequenceGroup,
-    fan_out_first_tokens,
-)
+from kvflow.orchestrator.request import Request, RequestStatus, SequenceGroup, fan_out_first_tokens
 from kvflow.orchestrator.sampling.params import SamplingParams
 from kvflow.orchestrator.sampling.sampler import Sampler
 from kvflow.orchestrator.scheduler.output import Clock, SchedulerOutput
@@ -88,6 +84,7 @@ class LLMEngine(LoraEngine):
                                  num_host_blocks=runner.num_host_blocks,
                                  bytes_per_block=runner.kv_bytes_per_block,
                                  sliding_window=runner.sliding_window)
+        attach_tiers(self.kv, options, runner)  # host / disk tiers below the pool, if asked
         self.scheduler = make_scheduler(options, self.kv, clock)
         self.sampler = Sampler(runner.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()  # written by this engine (and its output processor)
@@ -253,6 +250,8 @@ class LLMEngine(LoraEngine):
                 self.runner.swap_out(pairs)
             else:
                 self.runner.swap_in(pairs)
+        if self.kv.tiers is not None:  # restored prefixes, after the transfers that free blocks
+            self.kv.tiers.flush_restores(self.runner.write_blocks)
         self.counters.preemptions += len(sched.preempted)  # NOTE: the one count of them
         return sched
 
@@ -386,6 +385,7 @@ class LLMEngine(LoraEngine):
         model's)."""
         try:
             self.write_trace()
+            close_tiers(self.kv)  # the disk tier keeps the pool's cache for the next process
         finally:
             try:
                 if self.speculation is not None:

@@ -163,6 +163,11 @@ class EngineOptions:
                                                    "memory left after weights and swap")
     num_kv_blocks: int | None = _option(None, "KV pool blocks (overrides kv_cache_bytes)")
     swap_space_bytes: int = _option(256 << 20, "host swap pool for preemption by swap (0: none)")
+    kv_offload_bytes: int = _option(0, "host KV tier: bytes keeping prefix-cache blocks the "
+                                       "pool evicts, restored on a later hit (0: off)")
+    kv_disk_dir: str | None = _option(None, "disk KV tier: a folder (mode 0700) of evicted "
+                                            "prefix-cache blocks, kept across restarts")
+    kv_disk_bytes: int = _option(0, "disk KV tier: its byte budget (LRU; with kv_disk_dir)")
     runner: str | None = _option(None, "runner (default: the engine's backend)",
                                  choices=lambda: RUNNERS)
     cuda_graphs: bool | None = _option(None, "the triton runner's decode CUDA graphs (default: "

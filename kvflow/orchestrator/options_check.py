@@ -79,6 +79,20 @@ def check_options(o: EngineOptions) -> None:
                          f"speculative={o.speculative!r}, "
                          f"draft_engine={o.draft_engine!r}")
     check_lora_options(o)
+    check_tier_options(o)
+
+
+def check_tier_options(o: EngineOptions) -> None:
+    """The KV tiers: byte budgets >= 0, and a disk folder exactly when a disk budget."""
+    for name in ("kv_offload_bytes", "kv_disk_bytes"):
+        value = getattr(o, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
+    if o.kv_disk_dir is not None and not o.kv_disk_dir:
+        raise ValueError("kv_disk_dir must be a folder path (or none), got ''")
+    if (o.kv_disk_dir is None) != (o.kv_disk_bytes == 0):
+        raise ValueError("the disk KV tier needs both kv_disk_dir and kv_disk_bytes > 0; got "
+                         f"kv_disk_dir={o.kv_disk_dir!r}, kv_disk_bytes={o.kv_disk_bytes}")
 
 
 def check_lora_options(o: EngineOptions) -> None:

@@ -222,6 +222,15 @@ class ModelRunner(ABC):
         forked sequences share)."""
         raise NotImplementedError(f"the {self.name} runner cannot copy blocks")
 
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's KV (every layer's K and V, the pool's dtype) as bytes, for the KV
+        tiers: what :meth:`write_blocks` puts back."""
+        raise NotImplementedError(f"the {self.name} runner cannot read KV blocks (KV tiers)")
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Write :meth:`read_blocks` payloads into device blocks (a tier's restored prefix)."""
+        raise NotImplementedError(f"the {self.name} runner cannot write KV blocks (KV tiers)")
+
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release the KV pool and any device resources."""
 
@@ -259,6 +268,18 @@ class PoolRunner(ModelRunner):
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.pool.copy_blocks(pairs)
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        read = getattr(self.pool, "read_blocks", None)
+        if read is None:  # a device pool without a copy out yet
+            return super().read_blocks(block_ids)
+        return read(block_ids)
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        write = getattr(self.pool, "write_blocks", None)
+        if write is None:
+            return super().write_blocks(block_ids, payloads)
+        write(block_ids, payloads)
 
     def close(self) -> None:
         self.pool.close()

@@ -61,6 +61,33 @@ class HostKVPool:
             k[dst] = k[src]
             v[dst] = v[src]
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block's payload: every layer's K and V (:meth:`read_blocks`)."""
+        return 2 * sum(k[0].nbytes for k in self.k)
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's KV as bytes, in the pool's dtype: layer 0's K, layer 0's V, layer 1's
+        K, ... (each ``[block_size, num_kv_heads, head_dim]``, C order)."""
+        return [b"".join(a[b].tobytes() for k, v in zip(self.k, self.v, strict=True)
+                         for a in (k, v)) for b in block_ids]
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Write :meth:`read_blocks` payloads into ``block_ids`` (every layer, K and V)."""
+        if len(block_ids) != len(payloads):
+            raise ValueError(f"write_blocks: {len(block_ids)} blocks but {len(payloads)} "
+                             "payloads")
+        size = self.block_nbytes
+        for b, payload in zip(block_ids, payloads, strict=True):
+            if len(payload) != size:
+                raise ValueError(f"write_blocks: block {b}'s payload is {len(payload)} bytes, "
+                                 f"the pool's blocks hold {size}")
+            per_layer = np.frombuffer(payload, dtype=self.k[0].dtype).reshape(
+                2 * len(self.k), *self.k[0].shape[1:])
+            for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+                k[b] = per_layer[2 * i]
+                v[b] = per_layer[2 * i + 1]
+
     def close(self) -> None:
         for a in (*self.k, *self.v):
             kv_registry.unregister(a)

@@ -67,6 +67,7 @@ function draw(state) {
   while (ttfts.length && ttfts[0][0] < now - WINDOW_S * 1e3) ttfts.shift();
   drawCounters(state);
   drawLoras(state.loras || []);
+  drawTiers(state.tiers || []);
   drawRequests(state);
   drawKV(state.kv);
   drawSteps(state.steps);
@@ -125,6 +126,17 @@ function drawRequests(state) {
     row.innerHTML = `<td colspan="8" class="muted">and ${more} more</td>`;
     body.append(row);
   }
+}
+
+// The KV tiers below the pool (host "cpu", "disk"): fill, blocks restored, corrupt files.
+function drawTiers(tiers) {
+  const line = $("tiers");
+  line.hidden = tiers.length === 0;
+  const mib = (b) => (b / 1048576).toFixed(1);
+  line.textContent = "KV tiers: " + tiers.map((t) =>
+    `${t.medium} ${mib(t.bytes)}/${mib(t.capacity_bytes)} MiB, ${t.blocks} blocks, ` +
+    `${t.hits} restored` + (t.corrupt ? `, ${t.corrupt} corrupt` : "")
+  ).join("; ");
 }
 
 // The LoRA adapters loaded (name, slot, running sequences), and the chat's model choices: the
