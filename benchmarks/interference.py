@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from kvflow.bench.machine import tree_rss_bytes
 from kvflow.openai_api import FrontendConfig, FrontendProcess
 from kvflow.reports.writers import pyplot, save_figure, write_report
 from kvflow.triton_backend.launcher import ServerConfig, TritonServer
@@ -119,34 +120,12 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.wait(0.05):
             for name, pid in self.roots.items():
-                self.peak_mb[name] = max(self.peak_mb[name], _tree_rss_mb(pid))
+                self.peak_mb[name] = max(self.peak_mb[name], tree_rss_bytes(pid) / (1 << 20))
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join(timeout=5)
         return self.peak_mb
-
-
-def _tree_rss_mb(root: int) -> float:
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-        pid, ppid = int(entry), int(fields.get("PPid", "0"))
-        children.setdefault(ppid, []).append(pid)
-        rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0])
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        total += rss.get(pid, 0)
-        todo.extend(children.get(pid, ()))
-    return total / 1024
 
 
 def probes(model: str, max_model_len: int, seed: int) -> list[tuple[str, str, dict[str, Any]]]:
