@@ -132,6 +132,28 @@ class BuiltOnFirstUse(Mapping[K, V]):
         return len(self._keys)
 
 
+@pytest.fixture
+def browser():
+    """Headless Chromium (tests/browser_support.py: skip without it)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    from tests.browser_support import CHROMEDRIVER, CHROMIUM
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1000", "--no-first-run", "--disable-extensions",
+                "--disable-background-networking", "--disable-component-update"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Mapping[str, tuple[Path, object]]:
     """name -> (HF folder, HF model) for every tiny model (each made when first read)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import urllib.error
 import urllib.request
@@ -16,31 +15,9 @@ from typing import Any
 
 import pytest
 
+from tests.browser_support import needs_browser
+
 pytestmark = pytest.mark.slow  # tritonserver, the frontend and a browser
-
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-needs_browser = pytest.mark.skipif(
-    not (CHROMIUM and CHROMEDRIVER),
-    reason="Debian's chromium and chromium-driver are not installed (make browser)")
-
-
-@pytest.fixture
-def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,1000", "--no-first-run", "--disable-extensions",
-                "--disable-background-networking", "--disable-component-update"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def wait_until(what: str, condition, timeout_s: float = 120.0):
