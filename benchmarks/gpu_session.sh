@@ -10,6 +10,10 @@
 # 2. The GPU tests: the Triton kernels compiled against the reference, the CUDA runner
 #    against the torch runner, decode CUDA graphs captured and replayed against eager steps,
 #    and the TensorRT engine when TensorRT is importable (it skips, saying why, when not).
+#    Then the KV tiers on the device pools (tests/test_kv_tiers_device.py, seconds): the
+#    Triton runner's and the cuda-python (TensorRT runner's) pools copy blocks out and back
+#    as the host pool's bytes, and a prefix restored from the disk tier gives the cold
+#    prefill's greedy tokens. Log: $OUT/kv_tiers_device.log.
 # 3. benchmarks/gpu_check.py: kernel errors, decode-attention bandwidth, the CUDA runner's
 #    step times and throughput against HF generate.
 #
@@ -43,6 +47,9 @@ timeout 120 python3 benchmarks/gpu_check.py --parts tensorrt --out "$OUT/tensorr
 echo "== GPU tests"
 timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/test_triton_kernels.py tests/test_gpu_path.py 2>&1 | tee "$OUT/pytest.log" || status=1
+echo "== KV tiers on the device pools"
+timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" \
+    tests/test_kv_tiers_device.py 2>&1 | tee "$OUT/kv_tiers_device.log" || status=1
 echo "== gpu_check"
 timeout 270 python3 benchmarks/gpu_check.py --parts kernels,bandwidth,runner \
     --out "$OUT/gpu_check.json" 2>&1 \

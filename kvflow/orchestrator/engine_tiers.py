@@ -43,8 +43,8 @@ def make_tiers(options: EngineOptions, runner: ModelRunner) -> KVTiers | None:
     try:  # refuse at start, not at the first eviction
         runner.read_blocks([])
     except NotImplementedError as e:
-        raise ValueError(f"kv_offload_bytes / kv_disk_dir: {e}; use the onnxruntime or torch "
-                         "runner, or turn the tiers off") from None
+        raise ValueError(f"kv_offload_bytes / kv_disk_dir: {e}; use the onnxruntime, torch, "
+                         "triton or tensorrt runner, or turn the tiers off") from None
     stores: list[BlockStore] = []
     if options.kv_offload_bytes:
         stores.append(HostBlockStore(options.kv_offload_bytes))

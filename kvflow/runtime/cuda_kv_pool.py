@@ -6,7 +6,8 @@ pinned host memory of the same layout. The plugin reaches the pool by address
 (``kv_cache_ptrs``): every K and V is registered in :mod:`kvflow.plugins.kv_registry` as a
 :class:`~kvflow.plugins.kv_registry.DeviceArray`. Swaps and block copies are queued on the
 runner's stream, the one its steps run on, so they are ordered with the steps without a wait;
-runs of consecutive blocks move in one copy.
+runs of consecutive blocks move in one copy. The KV tiers' block copies (``read_blocks``,
+``write_blocks``) go through a pinned staging area on the same stream, and wait for it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class CudaKVPool:
         self.device: list[tuple[DeviceBuffer, DeviceBuffer]] = []
         self.host: list[tuple[PinnedBuffer, PinnedBuffer]] = []
         self.arrays: list[kv_registry.DeviceArray] = []
+        self._staging: PinnedBuffer | None = None  # the KV tiers' (read_blocks, write_blocks)
         try:
             for _ in range(num_layers):
                 kv = (DeviceBuffer(num_blocks * self.block_nbytes),
@@ -130,6 +132,72 @@ class CudaKVPool:
         finally:
             staging.close()
 
+    def _staging_for(self, nbytes: int) -> PinnedBuffer:
+        # One pinned staging area for the tiers' copies, grown as needed: a cudaMallocHost per
+        # evicted block would cost more than the copy.
+        if self._staging is None or self._staging.nbytes < nbytes:
+            if self._staging is not None:
+                self._staging.close()
+                self._staging = None
+            self._staging = PinnedBuffer(nbytes)
+        return self._staging
+
+    def _tier_runs(self, block_ids: list[int]) -> list[tuple[int, int, int]]:
+        """``(pool block, staging slot, count)`` runs of ``block_ids``, checked."""
+        if not self.device:
+            raise RuntimeError("this KV pool is closed")
+        num_blocks = self.device[0][0].nbytes // self.block_nbytes
+        for b in block_ids:  # NOTE: an address past the pool would be a silent bad copy
+            if not 0 <= b < num_blocks:
+                raise ValueError(f"block {b} is not in the pool's {num_blocks} blocks")
+        return block_runs([(b, i) for i, b in enumerate(block_ids)], same_pool=False)
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's KV as bytes, in the pool's type: layer 0's K, layer 0's V, layer 1's
+        K, ... (the host pool's payload). Copies every layer's K and V runs into pinned
+        staging on the steps' stream and waits for them, so the block may be overwritten as
+        soon as this returns."""
+        if not block_ids:
+            return []
+        runs = self._tier_runs(block_ids)
+        n, bn = len(block_ids), self.block_nbytes
+        buffers = [buf for pair in self.device for buf in pair]
+        staging = self._staging_for(len(buffers) * n * bn)
+        for j, buf in enumerate(buffers):  # staging: [K/V of each layer, block, bytes]
+            for src, slot, count in runs:
+                self.stream.copy_to_host(staging.ptr + (j * n + slot) * bn,
+                                         buf.ptr + src * bn, count * bn)
+        self.stream.synchronize()
+        per_buffer = staging.array[: len(buffers) * n * bn].reshape(len(buffers), n, bn)
+        return [per_buffer[:, i].tobytes() for i in range(n)]
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Write :meth:`read_blocks` payloads into ``block_ids`` (every layer, K and V),
+        through pinned staging, queued on the steps' stream so the next step reads them."""
+        if len(block_ids) != len(payloads):
+            raise ValueError(f"write_blocks: {len(block_ids)} blocks but {len(payloads)} "
+                             "payloads")
+        if not block_ids:
+            return
+        runs = self._tier_runs(block_ids)
+        buffers = [buf for pair in self.device for buf in pair]
+        size = len(buffers) * self.block_nbytes
+        for b, payload in zip(block_ids, payloads, strict=True):
+            if len(payload) != size:
+                raise ValueError(f"write_blocks: block {b}'s payload is {len(payload)} bytes, "
+                                 f"the pool's blocks hold {size}")
+        n, bn = len(block_ids), self.block_nbytes
+        staging = self._staging_for(len(buffers) * n * bn)
+        per_buffer = staging.array[: len(buffers) * n * bn].reshape(len(buffers), n, bn)
+        for i, payload in enumerate(payloads):
+            per_buffer[:, i] = np.frombuffer(payload, dtype=np.uint8).reshape(len(buffers), bn)
+        for j, buf in enumerate(buffers):
+            for dst, slot, count in runs:
+                self.stream.copy_to_device(buf.ptr + dst * bn,
+                                           staging.ptr + (j * n + slot) * bn, count * bn)
+        # NOTE: the staging area is reused by the next call: the copies must have read it.
+        self.stream.synchronize()
+
     def close(self) -> None:
         """Wait for queued copies, then unregister and free everything (idempotent). Frees
         all it can even after a CUDA error, then raises the first."""
@@ -139,5 +207,7 @@ class CudaKVPool:
             self.stream.handle is not None and (self.device or self.host)) else []
         steps += [buf.close for pair in self.device for buf in pair]
         steps += [buf.close for pinned in self.host for buf in pinned]
-        self.arrays, self.device, self.host = [], [], []
+        if self._staging is not None:
+            steps.append(self._staging.close)
+        self.arrays, self.device, self.host, self._staging = [], [], [], None
         close_all(steps)

@@ -41,7 +41,9 @@ KV_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.b
 class DeviceKVPool:
     """Per-layer K and V tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` on a
     device, registered by address; a host swap space of the same layout and type (pinned on
-    CUDA). The Triton kernels cast new K/V to the pool's type as they write it."""
+    CUDA). The Triton kernels cast new K/V to the pool's type as they write it. Blocks leave
+    and return as bytes for the KV tiers (:meth:`read_blocks`, :meth:`write_blocks`) in the
+    host pool's payload layout."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -85,6 +87,76 @@ class DeviceKVPool:
             s, d = src.to(k.device), dst.to(k.device)
             k[d] = k[s]
             v[d] = v[s]
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block's payload: every layer's K and V (:meth:`read_blocks`)."""
+        return 2 * sum(k[0].nbytes for k in self.k)
+
+    def _block_index(self, block_ids: list[int]) -> torch.Tensor:
+        if not self.k:
+            raise RuntimeError("this KV pool is closed")
+        num_blocks = self.k[0].shape[0]
+        for b in block_ids:  # NOTE: an index past the pool is a device-side assert on CUDA
+            if not 0 <= b < num_blocks:
+                raise ValueError(f"block {b} is not in the pool's {num_blocks} blocks")
+        return torch.tensor(block_ids, dtype=torch.int64, device=self.k[0].device)
+
+    def _steps_stream_sync(self) -> None:
+        # The steps run on the current stream: waiting for it means every queued copy is done.
+        if self.k[0].device.type == "cuda":
+            torch.cuda.current_stream(self.k[0].device).synchronize()
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's KV as bytes, in the pool's dtype: layer 0's K, layer 0's V, layer 1's
+        K, ... (each ``[block_size, num_kv_heads, head_dim]``, C order): the host pool's
+        payload. One gather per layer's K and V and one copy to (pinned) host memory, waited
+        for before returning, so the block may be overwritten as soon as this returns."""
+        if not block_ids:
+            return []
+        idx = self._block_index(block_ids)
+        gathered = torch.stack([a.index_select(0, idx) for k, v in zip(self.k, self.v,
+                                                                       strict=True)
+                                for a in (k, v)], dim=1)  # [blocks, 2 * layers, ...]
+        if gathered.device.type == "cuda":
+            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            host.copy_(gathered, non_blocking=True)
+            self._steps_stream_sync()
+        else:
+            host = gathered
+        # NOTE: bytes through uint8: NumPy has no bfloat16.
+        rows = host.reshape(len(block_ids), -1).view(torch.uint8).numpy()
+        return [row.tobytes() for row in rows]
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Write :meth:`read_blocks` payloads into ``block_ids`` (every layer, K and V): one
+        copy to the device, then one indexed write per layer's K and V, queued on the steps'
+        stream (so the next step reads them)."""
+        if len(block_ids) != len(payloads):
+            raise ValueError(f"write_blocks: {len(block_ids)} blocks but {len(payloads)} "
+                             "payloads")
+        if not block_ids:
+            return
+        size = self.block_nbytes
+        for b, payload in zip(block_ids, payloads, strict=True):
+            if len(payload) != size:
+                raise ValueError(f"write_blocks: block {b}'s payload is {len(payload)} bytes, "
+                                 f"the pool's blocks hold {size}")
+        idx = self._block_index(block_ids)
+        device = self.k[0].device
+        host = torch.empty((len(payloads), size), dtype=torch.uint8,
+                           pin_memory=device.type == "cuda")
+        rows = host.numpy()
+        for row, payload in zip(rows, payloads, strict=True):
+            row[:] = np.frombuffer(payload, dtype=np.uint8)
+        # NOTE: the host allocator keeps pinned memory until the queued copy from it is done.
+        staged = host.to(device, non_blocking=True).view(self.k[0].dtype).reshape(
+            len(payloads), 2 * len(self.k), *self.k[0].shape[1:])
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            k.index_put_((idx,), staged[:, 2 * i])
+            v.index_put_((idx,), staged[:, 2 * i + 1])
 
     def close(self) -> None:
         for t in (*self.k, *self.v):
