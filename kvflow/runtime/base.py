@@ -242,8 +242,8 @@ class ModelRunner(ABC):
 
 
 class KVPool(Protocol):
-    """What a runner's KV pool does besides holding the cache: block swaps, block copies and
-    release
+    """What a runner's KV pool does besides holding the cache: block swaps, block copies,
+    blocks' bytes in and out (the KV tiers) and release
     (:class:`HostKVPool` on the host, ``DeviceKVPool`` on a GPU)."""
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None: ...
@@ -251,6 +251,10 @@ class KVPool(Protocol):
     def swap_in(self, pairs: list[tuple[int, int]]) -> None: ...
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]: ...
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -270,16 +274,10 @@ class PoolRunner(ModelRunner):
         self.pool.copy_blocks(pairs)
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
-        read = getattr(self.pool, "read_blocks", None)
-        if read is None:  # a device pool without a copy out yet
-            return super().read_blocks(block_ids)
-        return read(block_ids)
+        return self.pool.read_blocks(block_ids)
 
     def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
-        write = getattr(self.pool, "write_blocks", None)
-        if write is None:
-            return super().write_blocks(block_ids, payloads)
-        write(block_ids, payloads)
+        self.pool.write_blocks(block_ids, payloads)
 
     def close(self) -> None:
         self.pool.close()
