@@ -2,15 +2,12 @@
 host tier and a disk tier, and a later prefix hit loads them back. Pure Python.
 
 The pool tells :meth:`KVTiers.evicted` each cached block it evicts, before anything overwrites
-it (the engine is synchronous: a block allocated in ``schedule()`` is written only by the step
-after it), and the block's bytes are copied out at once (``read_blocks``, the runner's, on the
-engine thread). Storing them (a host copy, or the disk tier's checksum and file write) happens
-on the writer thread: into the host tier, or the disk tier without one. A host tier full of
-blocks passes its least recently used down to the disk tier (if any) before it takes a new one.
-Until a write is done its payload stays visible to lookups and loads, so a block in flight is
-neither missed nor stored twice; the bytes in flight are bounded (``max_writing_bytes``), and
-past the bound :meth:`KVTiers.evicted` waits for the writer (backpressure) rather than hold an
-unbounded copy of the evictions.
+it (a block allocated in ``schedule()`` is written only by the step after it), and the block's
+bytes are copied out at once (``read_blocks``, on the engine thread); the writer thread stores
+them in the top tier. A full host tier passes its least recently used blocks down to the disk
+tier (if any). A write in flight stays visible to lookups and loads (never missed, never
+stored twice); past ``max_writing_bytes`` in flight, ``evicted`` waits for the writer
+(backpressure) rather than hold an unbounded copy of the evictions.
 
 A restore (:meth:`KVTiers.restore`) allocates pool blocks for the tier hits that continue a
 request's pool hits, indexes them under their hashes (they are then ordinary cached blocks)
@@ -37,20 +34,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvflow.kv_manager.block_pool import BlockHash, BlockPool
+from kvflow.kv_manager.window import windowed_hit
 
 if TYPE_CHECKING:
     from kvflow.kv_manager.tier_store import BlockStore
 
 MAX_PREFETCHED = 4096  # blocks loaded ahead and not yet restored, before unclaimed ones go
-# Evicted bytes queued for the writer before evicted() waits for it: a few hundred blocks of a
-# small model, a few of a large one; enough to ride out a burst of evictions.
-MAX_WRITING_BYTES = 64 << 20
-# How long an engine with nothing to run waits for a load: short, so that new arrivals and
-# aborts are taken soon, long enough that it does not spin.
-LOAD_WAIT_S = 0.03
+MAX_WRITING_BYTES = 64 << 20  # evicted bytes the writer may lag behind (hundreds of blocks)
+LOAD_WAIT_S = 0.03  # an idle engine's wait for a load: short, so arrivals and aborts go in
 ReadBlocks = Callable[[list[int]], list[bytes]]
 WriteBlocks = Callable[[list[int], list[bytes]], None]
 Loaded = tuple[bytes, str]  # a block's payload and the medium it came from
+IN_TIER = -1  # extend_hit's mark of a block a tier holds (never a pool block)
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +68,9 @@ class TierCounters:
 @dataclass
 class KVTiers:
     """The secondary tiers of one KV pool, highest first (host, then disk), and the runner's
-    block copies (``read_blocks``, ``write_blocks``).
-
-    ``loader`` and ``writer`` (one thread each) take the tier reads and writes off the engine
-    thread; without them the caller's thread does them. Everything else is called from the
-    engine thread.
-    """
+    block copies (``read_blocks``, ``write_blocks``). ``loader`` and ``writer`` (one thread
+    each) take tier reads and writes off the engine thread (None: the caller's thread does
+    them); the rest is the engine thread's."""
 
     stores: Sequence[BlockStore]
     read_blocks: ReadBlocks
@@ -88,21 +80,19 @@ class KVTiers:
     pending: dict[int, bytes] = field(default_factory=dict)
     write_s: float = 0.0  # engine-thread seconds writing restored blocks into the pool
     read_s: float = 0.0  # engine-thread seconds copying evicted blocks out of the pool
-    # Loads off the engine thread (prefetch); None: restore() loads on the caller's thread.
-    loader: ThreadPoolExecutor | None = None
-    # Stores off the engine thread; None: evicted() stores on the caller's thread.
-    writer: ThreadPoolExecutor | None = None
+    loader: ThreadPoolExecutor | None = None  # prefetch's loads
+    writer: ThreadPoolExecutor | None = None  # evicted()'s stores and demotions
     max_writing_bytes: int = MAX_WRITING_BYTES
     load_wait_s: float = LOAD_WAIT_S
     num_prefetched: int = 0  # loads started on the loader thread
     writer_wait_s: float = 0.0  # engine-thread seconds evicted() waited for the writer
-    _loads: dict[BlockHash, Future[Loaded | None]] = field(default_factory=dict)
+    _loads: dict[BlockHash, Future[Loaded | None]] = field(default_factory=dict, repr=False)
     # Writes not done yet: hash -> (payload, the tier level it goes to). Guarded by _cond,
     # which also guards the counters (three threads add to them) and the figures below.
-    _writing: dict[BlockHash, tuple[bytes, int]] = field(default_factory=dict)
-    _writing_bytes: int = 0  # evicted payloads queued or being written
-    _num_writes: int = 0  # evicted() writes submitted and not done
-    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _writing: dict[BlockHash, tuple[bytes, int]] = field(default_factory=dict, repr=False)
+    _writing_bytes: int = field(default=0, repr=False)  # evicted payloads in flight
+    _num_writes: int = field(default=0, repr=False)  # evicted() writes not done
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     def __post_init__(self) -> None:
         if not self.stores:
@@ -112,7 +102,7 @@ class KVTiers:
         for s in self.stores:
             self.counters.setdefault(s.medium, TierCounters())
 
-    def _holds(self, block_hash: BlockHash) -> bool:
+    def holds(self, block_hash: BlockHash) -> bool:
         """Whether some tier holds ``block_hash``, or a write of it is in flight."""
         with self._cond:
             if block_hash in self._writing:
@@ -125,7 +115,7 @@ class KVTiers:
         keep it in the top tier (unless a tier already holds it), on the writer thread. With
         ``max_writing_bytes`` already in flight this waits for the writer first."""
         payload = self.pending.pop(block, None)
-        if self._holds(block_hash):
+        if self.holds(block_hash):
             return
         t0 = self.clock()
         if payload is None:
@@ -201,10 +191,31 @@ class KVTiers:
         """How many of ``hashes``, from the first, some tier holds (or is writing)."""
         n = 0
         for h in hashes:
-            if not self._holds(h):
+            if not self.holds(h):
                 break
             n += 1
         return n
+
+    def extend_hit(self, pool: BlockPool, hits: list[int], hashes: Sequence[BlockHash],
+                   window: int | None, block_size: int) -> tuple[list[int], list[int]]:
+        """The longest prefix hit the pool and the tiers together give over ``hashes`` (a
+        sequence's candidate blocks, whose pool hit is ``hits``): the pool blocks it keeps and
+        the indexes of those to load from the tiers (none: the pool's hit is as long). Under
+        a ``window`` it ends with the blocks the next token's window reaches, as a pool hit
+        does (:func:`~kvflow.kv_manager.window.windowed_hit`), wherever each one lives."""
+        if window is None:
+            n = len(hits)
+            return hits, list(range(n, n + self.num_hits(hashes[n:])))
+
+        def lookup(h: BlockHash) -> int | None:
+            block = pool.lookup(h)
+            return block if block is not None else IN_TIER if self.holds(h) else None
+
+        both = windowed_hit(lookup, hashes, len(hashes), window, block_size)
+        if len(both) <= len(hits):
+            return hits, []
+        return ([b for b in both if b > BlockPool.NULL_BLOCK],
+                [i for i, b in enumerate(both) if b == IN_TIER])
 
     def prefetch(self, hashes: Sequence[BlockHash]) -> bool:
         """Start loading the run of ``hashes`` (a request's, after its pool hits) that the
@@ -239,14 +250,17 @@ class KVTiers:
         return load.result() if load is not None else self._load(block_hash)
 
     def restore(self, pool: BlockPool, hits: Sequence[int], hashes: Sequence[BlockHash],
-                max_blocks: int, describe: Callable[[int], tuple] | None = None) -> int:
-        """Load tier blocks for ``hashes`` (the request's block hashes right after its pool
-        ``hits``), at most ``max_blocks``, into fresh pool blocks indexed under those hashes;
-        returns how many (each counted once, in its tier's ``hits``). It stops at a block no
-        tier holds, or a corrupt one (then recomputed). ``describe(i)``: the ``cache_block``
-        event fields of ``hashes[i]`` (parent, token ids, salted, lora id)."""
+                max_blocks: int, describe: Callable[[int], tuple] | None = None,
+                whole: bool = False) -> int:
+        """Load tier blocks for ``hashes`` (those :meth:`extend_hit` found to lengthen the
+        request's pool ``hits``), at most ``max_blocks`` (``whole``: all or none, as under a
+        window: a part of the blocks the next token's window reaches is no hit), into fresh
+        pool blocks indexed under those hashes; returns how many (each counted once, in its
+        tier's ``hits``). It stops at a block no tier holds, or a corrupt one (then
+        recomputed). ``describe(i)``: the ``cache_block`` event fields of ``hashes[i]``
+        (parent, token ids, salted, lora id)."""
         n = min(self.num_hits(hashes), max_blocks)
-        if n <= 0:
+        if n <= 0 or (whole and n < len(hashes)):
             return 0
         # NOTE: the pool hits leave the free queue while this allocates, or it could evict
         # the very prefix it extends (and so they no longer count as free).
@@ -254,7 +268,7 @@ class KVTiers:
         pool.touch(live)
         try:
             n = min(n, pool.num_free_blocks)
-            blocks = pool.allocate(n)
+            blocks = pool.allocate(n) if n == len(hashes) or not whole else []
         finally:
             pool.free(live)
         if not blocks:
