@@ -133,10 +133,11 @@ class KVTiers:
                 self._cond.wait_for(lambda: not self._writing_bytes or
                                     self._writing_bytes + size <= self.max_writing_bytes)
                 self.writer_wait_s += self.clock() - t1
+            # Submitted under the lock: the write's end (which takes it) follows this record.
+            self.writer.submit(self._write, block_hash, payload)
             self._writing[block_hash] = (payload, 0)
             self._writing_bytes += size
             self._num_writes += 1
-        self.writer.submit(self._write, block_hash, payload)
 
     def _write(self, block_hash: BlockHash, payload: bytes) -> None:
         """The writer thread's half of :meth:`evicted`."""
@@ -176,15 +177,16 @@ class KVTiers:
         if old is None or lower.contains(block_hash):
             store.discard(block_hash)
             return
+        # NOTE: no eviction of it is in flight: evicted() queues none of a hash a tier holds,
+        # and only this thread writes the stores.
         with self._cond:
-            self._writing.setdefault(block_hash, (old, level + 1))
+            self._writing[block_hash] = (old, level + 1)
         try:
             store.discard(block_hash)
             self._put(level + 1, block_hash, old, self.clock())
         finally:
             with self._cond:
-                if self._writing.get(block_hash, (None, 0))[1] == level + 1:
-                    del self._writing[block_hash]
+                del self._writing[block_hash]
 
     # --- up: a prefix hit continues into the tiers --------------------------------------------
     def num_hits(self, hashes: Sequence[BlockHash]) -> int:
