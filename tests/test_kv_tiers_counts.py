@@ -47,7 +47,7 @@ def test_hits_count_restored_blocks_once_and_loads_count_what_was_read():
     host, size = tiers.counters["cpu"], mem.block_nbytes
     assert host.stored_blocks == 6
 
-    assert kv.prefetch_prefix("a1", a + [2]) or True
+    kv.prefetch_prefix("a1", a + [2])
     finish_loads(tiers)
     assert (host.hits, host.loaded_bytes) == (0, 3 * size)  # loaded ahead, nothing restored
     assert kv.restore_prefix("a1", a + [2], b"", max_blocks=1) == 1  # a restore cut short
@@ -58,7 +58,7 @@ def test_hits_count_restored_blocks_once_and_loads_count_what_was_read():
     kv.free("a1")
     assert kv.restore_prefix("a2", a + [3], b"", max_blocks=10) == 0  # in the pool now
     kv.free("a2")
-    assert kv.prefetch_prefix("b1", b + [2]) or True  # a request that never runs
+    kv.prefetch_prefix("b1", b + [2])  # a request that never runs
     finish_loads(tiers)
     kv.free("b1")
     assert (host.hits, host.loaded_bytes) == (3, 6 * size)
