@@ -19,9 +19,8 @@ table entries become the null block, so a table's null entries are always a pref
 
 Fork (parallel sampling): ``fork(parent, child, num_tokens)`` starts the child's table with the
 parent's blocks holding its first ``num_tokens`` tokens, shared by reference count. A shared
-block is never written: ``allocate_slots`` copies a shared block the sequence is about to write
-into a fresh one first (copy on write), and queues the ``(src, dst)`` copy in
-``pending_copies`` for the runner to make before the step.
+block is never written: ``allocate_slots`` first copies one the sequence is about to write into
+a fresh block (copy on write), queueing the copy in ``pending_copies`` for the runner.
 """
 
 from __future__ import annotations
@@ -162,31 +161,35 @@ class KVCacheManager(SwapMixin):
 
     def prefetch_prefix(self, request_id: Hashable, token_ids: Sequence[int],
                         salt: bytes = b"") -> bool:
-        """Start loading the tier blocks that continue the sequence's cached prefix off the
-        engine thread; whether some are still loading (:meth:`KVTiers.prefetch`)."""
-        if self.tiers is None or not self.enable_caching or self.sliding_window is not None:
-            return False
-        hits, _ = self.get_computed_blocks(request_id, token_ids, salt)
-        limit = (len(token_ids) - 1) // self.block_size
-        return self.tiers.prefetch(self._hashes[request_id][len(hits):limit])
+        """Start loading the tier blocks that lengthen its prefix hit; whether some still load."""
+        tiers, (_, todo) = self.tiers, self._tier_hit(request_id, token_ids, salt)
+        return tiers is not None and tiers.prefetch([self._hashes[request_id][i] for i in todo])
 
     def restore_prefix(self, request_id: Hashable, token_ids: Sequence[int], salt: bytes,
                        max_blocks: int, salted: bool = False, lora_id: int | None = None) -> int:
-        """Load the tier blocks that continue the sequence's cached prefix into the pool, as
-        cached blocks (:meth:`~kvflow.kv_manager.tiers.KVTiers.restore`); returns how many.
-        Not under a window (a windowed hit need not be a prefix run)."""
-        if self.tiers is None or not self.enable_caching or self.sliding_window is not None:
+        """Load the tier blocks that lengthen the sequence's cached prefix into the pool, as
+        cached blocks (:meth:`~kvflow.kv_manager.tiers.KVTiers.restore`); returns how many."""
+        tiers, (keep, todo) = self.tiers, self._tier_hit(request_id, token_ids, salt)
+        if tiers is None or not todo:
             return 0
-        hits, _ = self.get_computed_blocks(request_id, token_ids, salt)
-        hashes, n, bs = self._hashes[request_id], len(hits), self.block_size
+        hashes, bs = self._hashes[request_id], self.block_size
 
         def describe(i: int) -> tuple:
-            j = n + i
+            j = todo[i]
             return (hashes[j - 1] if j else None, token_ids[j * bs:(j + 1) * bs], salted,
                     lora_id)
 
-        return self.tiers.restore(self.pool, hits, hashes[n:(len(token_ids) - 1) // bs],
-                                  max_blocks, describe)
+        return tiers.restore(self.pool, keep, [hashes[j] for j in todo], max_blocks, describe,
+                             whole=self.sliding_window is not None)
+
+    def _tier_hit(self, request_id: Hashable, token_ids: Sequence[int],
+                  salt: bytes) -> tuple[list[int], list[int]]:
+        """:meth:`KVTiers.extend_hit` of the sequence's pool hit; none without tiers."""
+        if self.tiers is None or not self.enable_caching:
+            return [], []
+        hits, _ = self.get_computed_blocks(request_id, token_ids, salt)
+        hashes = self._hashes[request_id][:(len(token_ids) - 1) // self.block_size]
+        return self.tiers.extend_hit(self.pool, hits, hashes, self.sliding_window, self.block_size)
 
     def trim_hit(self, hits: Sequence[int], num_blocks: int) -> list[int]:
         """A hit of :meth:`get_computed_blocks` cut to at most ``num_blocks`` blocks that is

@@ -19,14 +19,15 @@ TIER_USAGE = ("kvflow_kv_tier_usage_bytes", "Bytes held by each KV tier below th
 # The counters: (name, the KVTiers.state() figure it mirrors, help).
 TIER_COUNTERS = (
     ("kvflow_kv_tier_hits_total", "hits",
-     "Prefix cache blocks restored from each KV tier into the pool"),
-    ("kvflow_kv_tier_loaded_bytes_total", "loaded_bytes", "Bytes restored from each KV tier"),
+     "Prefix cache blocks restored from each KV tier into the pool (each counted once)"),
+    ("kvflow_kv_tier_loaded_bytes_total", "loaded_bytes",
+     "Bytes read from each KV tier (prefetched blocks no request took included)"),
     ("kvflow_kv_tier_stored_bytes_total", "stored_bytes",
      "Bytes of blocks evicted from the pool (or a tier above) stored in each KV tier"),
     ("kvflow_kv_tier_load_seconds_total", "load_s",
-     "Engine-thread seconds reading blocks from each KV tier"),
+     "Seconds reading blocks from each KV tier (on the loader thread when prefetched)"),
     ("kvflow_kv_tier_store_seconds_total", "store_s",
-     "Engine-thread seconds copying evicted blocks out of the pool into each KV tier"),
+     "Seconds storing evicted blocks in each KV tier (on the writer thread)"),
     ("kvflow_kv_tier_corrupt_total", "corrupt",
      "Tier blocks that failed their check on load (dropped, then recomputed)"),
 )

@@ -21,7 +21,7 @@ import numpy as np
 from kvflow.kv_manager import KVCacheManager
 from kvflow.observability.trace import StepTimes, StepTracer
 from kvflow.orchestrator.engine_lora import LoraEngine
-from kvflow.orchestrator.engine_tiers import attach_tiers, close_tiers
+from kvflow.orchestrator.engine_tiers import after_schedule, attach_tiers, close_tiers
 from kvflow.orchestrator.input_processor import InputProcessor, PreparedPrompt
 from kvflow.orchestrator.memory_budget import MemoryBudget
 from kvflow.orchestrator.options import EngineOptions
@@ -250,8 +250,7 @@ class LLMEngine(LoraEngine):
                 self.runner.swap_out(pairs)
             else:
                 self.runner.swap_in(pairs)
-        if self.kv.tiers is not None:  # restored prefixes, after the transfers that free blocks
-            self.kv.tiers.flush_restores(self.runner.write_blocks)
+        after_schedule(self.kv, self.runner, sched)  # restored prefixes; wait for a load
         self.counters.preemptions += len(sched.preempted)  # NOTE: the one count of them
         return sched
 

@@ -12,6 +12,7 @@ from kvflow.kv_manager.tier_disk import DiskBlockStore
 from kvflow.kv_manager.tier_store import BlockStore, HostBlockStore, tier_namespace
 from kvflow.kv_manager.tiers import KVTiers
 from kvflow.orchestrator.options import EngineOptions
+from kvflow.orchestrator.scheduler.output import SchedulerOutput
 from kvflow.runtime.base import ModelRunner
 
 
@@ -51,9 +52,26 @@ def make_tiers(options: EngineOptions, runner: ModelRunner) -> KVTiers | None:
     if options.kv_disk_dir is not None:
         stores.append(DiskBlockStore(options.kv_disk_dir, options.kv_disk_bytes,
                                      runner_namespace(runner)))
-    # One loader thread: a tier read (a file, a host copy) leaves the engine thread free.
+    # One loader and one writer thread: tier reads and writes (a file, a checksum, a host
+    # copy) leave the engine thread free; one writer keeps the stores' LRU order the
+    # evictions'.
     return KVTiers(stores, runner.read_blocks,
-                   loader=ThreadPoolExecutor(1, thread_name_prefix="kvflow-kv-tiers"))
+                   loader=ThreadPoolExecutor(1, thread_name_prefix="kvflow-kv-tiers"),
+                   writer=ThreadPoolExecutor(1, thread_name_prefix="kvflow-kv-tier-writer"))
+
+
+def after_schedule(kv: KVCacheManager, runner: ModelRunner, sched: SchedulerOutput) -> None:
+    """The tiers' part of a step, after the scheduler's transfers (which free blocks) and
+    before the model runs: write the restored prefixes into the pool. When nothing runs and
+    nothing timed out, a waiting request's prefix may be loading: wait (bounded,
+    :meth:`~kvflow.kv_manager.tiers.KVTiers.wait_for_loads`) for a load rather than have the
+    engine loop spin on empty steps."""
+    tiers = kv.tiers
+    if tiers is None:
+        return
+    tiers.flush_restores(runner.write_blocks)
+    if sched.is_empty and not sched.timed_out:
+        tiers.wait_for_loads()
 
 
 def close_tiers(kv: KVCacheManager) -> None:

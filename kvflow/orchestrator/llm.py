@@ -33,7 +33,8 @@ def memory_budget(engine_dir: str | Path, engine: EngineConfig, options: EngineO
     (:mod:`kvflow.orchestrator.memory_budget`): ``num_kv_blocks``, or what ``kv_cache_bytes``
     holds, or what ``max_num_seqs`` full-length sequences could use capped by
     ``kv_cache_memory_fraction`` of the memory the weights leave; in ``kv_dtype`` (the
-    resolved ``kv_cache_dtype``). With LoRA on, the slot pool's bytes are set aside first."""
+    resolved ``kv_cache_dtype``). With LoRA on, the slot pool's bytes are set aside first;
+    on a host runner, so is the host KV tier (``kv_offload_bytes``, with the prefix cache)."""
     per_block = kv_bytes_per_block(engine, kv_dtype)
     host = (options.runner or engine.backend) in HOST_RUNNERS
     return size_pool(weights=weights_bytes(engine_dir, engine.files),
@@ -44,7 +45,9 @@ def memory_budget(engine_dir: str | Path, engine: EngineConfig, options: EngineO
                      kv_cache_bytes=options.kv_cache_bytes, num_kv_blocks=options.num_kv_blocks,
                      swap_bytes=options.swap_space_bytes,
                      lora_bytes=pool_bytes(engine.model, options.max_loras,
-                                           options.max_lora_rank) if options.lora_enabled else 0)
+                                           options.max_lora_rank) if options.lora_enabled else 0,
+                     host_tier_bytes=options.kv_offload_bytes if options.enable_prefix_caching
+                     else 0)
 
 
 @dataclass(frozen=True)

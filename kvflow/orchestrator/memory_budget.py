@@ -7,6 +7,11 @@ cgroup's limit when one is set (a container's); the GPU runners keep a fixed def
 is device memory, which the orchestrator does not query). ``kv_cache_bytes`` or
 ``num_kv_blocks`` override the sizing.
 
+What else takes host memory beside the pool is set aside first: the swap space, the LoRA slot
+pool, and on the host runners the host KV tier (``kv_offload_bytes``, more host memory holding
+the blocks the pool evicts). A GPU runner's host tier takes no device memory, so its pool
+does not shrink for it.
+
 When the weights and one full-length sequence's KV do not fit in what is available, the engine
 is refused at load, with the numbers (:class:`MemoryBudgetError`). :meth:`MemoryBudget.describe`
 is the one line ``kvflow serve`` and ``LLM`` log at start.
@@ -52,6 +57,7 @@ class MemoryBudget:
     num_host_blocks: int
     sized_by: str
     lora_bytes: int = 0  # the LoRA slot pool, beside the weights (0: LoRA off)
+    host_tier_bytes: int = 0  # the host KV tier set aside (kv_offload_bytes; host runners)
 
     @property
     def pool_tokens(self) -> int:
@@ -66,7 +72,9 @@ class MemoryBudget:
                 f"{_size(self.num_blocks * self.bytes_per_block)} ({self.pool_tokens} tokens, "
                 f"{self.num_blocks} blocks, sized by {self.sized_by}), swap "
                 f"{_size(self.num_host_blocks * self.bytes_per_block)}"
-                f"{f', LoRA slots {_size(self.lora_bytes)}' if self.lora_bytes else ''}{avail}")
+                f"{f', LoRA slots {_size(self.lora_bytes)}' if self.lora_bytes else ''}"
+                f"{f', host KV tier {_size(self.host_tier_bytes)}' if self.host_tier_bytes else ''}"
+                f"{avail}")
 
 
 def _size(n: int) -> str:
@@ -111,32 +119,46 @@ def weights_bytes(engine_dir: str | Path, files: dict[str, str]) -> int:
 def size_pool(*, weights: int, available: int | None, bytes_per_block: int, block_size: int,
               max_model_len: int, max_num_seqs: int, fraction: float,
               kv_cache_bytes: int | None, num_kv_blocks: int | None,
-              swap_bytes: int, lora_bytes: int = 0) -> MemoryBudget:
+              swap_bytes: int, lora_bytes: int = 0, host_tier_bytes: int = 0) -> MemoryBudget:
     """The pool's size in blocks, and why (see the module doc).
 
     ``available``: host bytes available before the weights load, or None for a device pool
     (sized by ``kv_cache_bytes``, default :data:`DEFAULT_KV_CACHE_BYTES`). Raises
-    :class:`MemoryBudgetError` when ``weights`` plus one ``max_model_len`` sequence (and the
-    swap space, and the LoRA slot pool's ``lora_bytes``) exceed ``available``.
+    :class:`MemoryBudgetError` when the host KV tier's ``host_tier_bytes`` alone exceed what
+    the weights, the swap space and the LoRA slot pool's ``lora_bytes`` leave of
+    ``available``, or when all of them plus one ``max_model_len`` sequence do. On a device
+    pool ``host_tier_bytes`` is ignored: it is host memory, not the device's.
     """
     host_blocks = swap_bytes // bytes_per_block
     seq_blocks = -(-max_model_len // block_size)
     needed = max_num_seqs * seq_blocks + 1
-    if available is not None:
+    if available is None:
+        host_tier_bytes = 0
+    else:
+        left = available - weights - lora_bytes - swap_bytes
+        if host_tier_bytes and host_tier_bytes > left:
+            raise MemoryBudgetError(
+                f"kv_offload_bytes {_size(host_tier_bytes)} (the host KV tier) exceeds the "
+                f"{_size(max(left, 0))} of host memory left for KV ({_size(available)} "
+                f"available - weights {_size(weights)} - swap_space_bytes {_size(swap_bytes)}"
+                f"{f' - LoRA slots {_size(lora_bytes)}' if lora_bytes else ''}); lower "
+                "kv_offload_bytes, or free memory")
         one_seq = (seq_blocks + 1) * bytes_per_block
-        if weights + lora_bytes + one_seq + swap_bytes > available:
+        if weights + lora_bytes + one_seq + swap_bytes + host_tier_bytes > available:
             per_token = bytes_per_block // block_size
             lora = f" + LoRA slots {_size(lora_bytes)}" if lora_bytes else ""
+            tier = (f" + kv_offload_bytes {_size(host_tier_bytes)}" if host_tier_bytes
+                    else "")
             raise MemoryBudgetError(
                 f"the engine does not fit in memory: weights {_size(weights)}{lora} + one "
                 f"max_model_len={max_model_len} sequence's KV {_size(one_seq)} "
-                f"({_size(per_token)} per token) + swap_space_bytes {_size(swap_bytes)} > "
-                f"{_size(available)} available; lower max_model_len or swap_space_bytes, or "
-                "free memory")
+                f"({_size(per_token)} per token) + swap_space_bytes {_size(swap_bytes)}{tier} "
+                f"> {_size(available)} available; lower max_model_len, swap_space_bytes"
+                f"{' or kv_offload_bytes' if host_tier_bytes else ''}, or free memory")
 
     def budget(blocks: int, sized_by: str) -> MemoryBudget:
         return MemoryBudget(weights, available, bytes_per_block, block_size, blocks,
-                            host_blocks, sized_by, lora_bytes)
+                            host_blocks, sized_by, lora_bytes, host_tier_bytes)
 
     if num_kv_blocks is not None:
         return budget(num_kv_blocks, "num_kv_blocks")
@@ -148,7 +170,7 @@ def size_pool(*, weights: int, available: int | None, bytes_per_block: int, bloc
         if by_bytes < needed:
             return budget(by_bytes, "kv_cache_bytes" if kv_cache_bytes else "device")
         return budget(needed, "max_num_seqs")
-    free = max(0, available - weights - lora_bytes - swap_bytes)
+    free = max(0, available - weights - lora_bytes - swap_bytes - host_tier_bytes)
     cap = int(free * fraction) // bytes_per_block
     if cap >= needed:
         return budget(needed, "max_num_seqs")
