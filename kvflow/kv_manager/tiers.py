@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvflow.kv_manager.block_pool import BlockHash, BlockPool
+from kvflow.kv_manager.block_pool import BlockHash, BlockPool, BlockStored
 
 if TYPE_CHECKING:
     from kvflow.kv_manager.tier_store import BlockStore
@@ -73,9 +73,11 @@ class KVTiers:
             self.counters.setdefault(s.medium, TierCounters())
 
     # --- down: the pool evicts ----------------------------------------------------------------
-    def evicted(self, block: int, block_hash: BlockHash) -> None:
+    def evicted(self, block: int, block_hash: BlockHash,
+                meta: BlockStored | None = None) -> None:
         """The pool evicted cached ``block`` (its content still intact): keep it in the top
-        tier (unless a tier already holds it)."""
+        tier (unless a tier already holds it), with ``meta`` (its event in the pool, while
+        events are recorded) for the tier's own KV event."""
         if any(s.contains(block_hash) for s in self.stores):
             self.pending.pop(block, None)
             return
@@ -83,9 +85,10 @@ class KVTiers:
         t0 = self.clock()
         if payload is None:
             payload = self.read_blocks([block])[0]
-        self._put(0, block_hash, payload, t0)
+        self._put(0, block_hash, payload, t0, meta)
 
-    def _put(self, level: int, block_hash: BlockHash, payload: bytes, t0: float) -> None:
+    def _put(self, level: int, block_hash: BlockHash, payload: bytes, t0: float,
+             meta: BlockStored | None = None) -> None:
         """Store in tier ``level``, first passing its least recently used blocks down to the
         next tier while it is full."""
         store = self.stores[level]
@@ -95,11 +98,11 @@ class KVTiers:
             size = store.block_bytes(block_hash, len(payload))
             while store.hashes() and store.stats.bytes + size > store.capacity_bytes:
                 oldest = store.hashes()[0]
-                old = store.get(oldest)
+                old, old_meta = store.get(oldest), store.meta(oldest)
                 store.discard(oldest)
                 if old is not None and not self.stores[level + 1].contains(oldest):
-                    self._put(level + 1, oldest, old, self.clock())
-        if store.put(block_hash, payload):
+                    self._put(level + 1, oldest, old, self.clock(), old_meta)
+        if store.put(block_hash, payload, meta):
             c = self.counters[store.medium]
             c.stored_blocks += 1
             c.stored_bytes += len(payload)
@@ -211,13 +214,13 @@ class KVTiers:
             chunk = cached[i:i + 256]
             for (block, h), payload in zip(chunk, self.read_blocks([b for b, _ in chunk]),
                                            strict=True):
-                written += bottom.put(h, self.pending.get(block, payload))
+                written += bottom.put(h, self.pending.get(block, payload), pool.stored.get(h))
         for upper in self.stores[:-1]:
             for h in upper.hashes():
                 if not bottom.contains(h):
                     payload_or_none = upper.get(h)
                     if payload_or_none is not None:
-                        written += bottom.put(h, payload_or_none)
+                        written += bottom.put(h, payload_or_none, upper.meta(h))
         return written
 
     def close(self) -> None:
