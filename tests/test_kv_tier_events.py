@@ -146,6 +146,27 @@ def test_a_block_is_announced_in_each_medium_it_moves_through(tmp_path):
     disk.close()
 
 
+def test_blocks_persisted_at_shutdown_keep_their_metadata_for_the_next_process(tmp_path):
+    s = Setup(tmp_path)
+    s.run("a")
+    s.run("b")  # the pool holds b0, b1; the host tier a0; the disk a1
+    s.events()
+    assert s.tiers.persist(s.kv.pool) == 3
+    assert s.events() == [("stored", "b0", "disk", None, (5, 6)),
+                          ("stored", "b1", "disk", "b0", (7, 8)),
+                          ("removed", "a1", "disk"),  # the disk tier holds three blocks
+                          ("stored", "a0", "disk", None, (1, 2))]
+    s.tiers.close()
+    disk = DiskBlockStore(s.dir, s.disk.capacity_bytes, NS)
+    told: list[KVEvent] = []
+    disk.record_events(told.extend)
+    a0, b0, b1 = (s.hash_of(n) for n in ("a0", "b0", "b1"))
+    assert told == [BlockStored(b0, None, (5, 6), medium="disk"),
+                    BlockStored(b1, b0, (7, 8), medium="disk"),
+                    BlockStored(a0, None, (1, 2), medium="disk")]
+    disk.close()
+
+
 def test_without_events_no_metadata_is_kept_and_the_tiers_say_nothing(tmp_path):
     s = Setup(tmp_path, record=False)
     for rid in ("a", "b", "c"):

@@ -196,7 +196,7 @@ class KvflowDynamoEngine(DynamoLLMEngine):
             # The KV tiers publish straight from their stores (whichever thread stores); a
             # disk tier first announces the blocks an earlier process left (its headers read).
             for store in engine.kv.tiers.stores if engine.kv.tiers is not None else ():
-                store.record_events(self.events.put)
+                await asyncio.to_thread(store.record_events, self.events.put)
         self.aengine = AsyncLLMEngine(engine, step_hook=self._on_step,
                                       on_failure=self._on_engine_failure)
         opts = engine.options

@@ -38,7 +38,8 @@ from dataclasses import dataclass, replace
 
 from kvflow.kv_manager.block_pool import BlockRemoved, BlockStored, KVEvent
 
-# Dynamo's KV event medium names for our secondary tiers ("gpu" is the pool itself).
+# kvflow's media of the secondary tiers ("gpu" is the pool itself), in metrics and KV events;
+# on Dynamo's wire they are vLLM's names (kvflow.dynamo.events.WIRE_MEDIUM).
 TIER_MEDIA = ("cpu", "disk")
 # A block hash is hash_block's SHA-256 digest; the bound keeps a hash's file name short.
 MAX_HASH_BYTES = 64
