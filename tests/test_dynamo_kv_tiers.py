@@ -32,8 +32,9 @@ def ask(cluster, topic: int, question: int) -> int:
         model="smollm2", max_tokens=2, temperature=0,
         messages=[{"role": "system", "content": f"You are an expert on {TOPICS[topic]}. " * 14},
                   {"role": "user", "content": f"Question {question}: one fact, please."}])
+    assert r.usage is not None
     details = r.usage.prompt_tokens_details
-    return details.cached_tokens if details is not None else 0
+    return (details.cached_tokens or 0) if details is not None else 0
 
 
 def served(cluster, worker: int) -> float:
