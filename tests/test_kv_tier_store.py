@@ -47,7 +47,7 @@ def block_files(store: DiskBlockStore) -> dict[bytes, int]:
     return {bytes.fromhex(p.stem): p.stat().st_size for p in store.folder.glob("*/*.kvb")}
 
 
-def test_media_are_dynamos_names():
+def test_media_are_named_as_in_the_kv_events():
     assert TIER_MEDIA == ("cpu", "disk")
     assert HostBlockStore.medium == "cpu" and DiskBlockStore.medium == "disk"
 

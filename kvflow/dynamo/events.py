@@ -17,9 +17,22 @@ The router hashes the token ids itself to match requests; a block hash is only t
 identity (so that a removal and a child's parent can name it). kvflow's is a 256-bit digest;
 its first 63 bits stand for it here (an integer every reader takes, signed or not).
 
+``medium`` says where the block lives, so that the router can send a returning prompt to the
+worker whose host or disk tier holds its prefix (Dynamo credits such a hit less than one in the
+pool: ``--router-host-cache-hit-weight``, ``--router-disk-cache-hit-weight``). kvflow's media go
+on the wire as vLLM names them (:data:`WIRE_MEDIUM`): the pool ``"GPU"``, the host tier
+``"CPU_TIER1"``, the disk tier ``"CPU_TIER2"``. Dynamo's ``StorageTier::from_kv_medium`` maps
+these to its device, host-pinned and disk tiers in every release that reads a medium (1.6.1's,
+the version kvflow pins, read from its binary: ``GPU``/``DEVICE``; ``CPU``/``CPU_PINNED``/
+``CPU_TIER1``; ``CPU_TIER2``/``DISK``/``NVME``/``STORAGE``); older releases know only the vLLM
+names. The router indexes a lower tier's blocks by (parent hash, tokens), so a tier's
+``BlockStored`` carries the parent the block had in the pool, held there or not.
+
 The socket is an XPUB: it sees the relay subscribe. Events raised before then are held, and the
 first subscription gets ``AllBlocksCleared`` ahead of them, so the router starts from an empty
-view of this worker whatever it held of an earlier one at this address.
+view of this worker whatever it held of an earlier one at this address. A worker with a disk
+tier puts a ``BlockStored`` for each block on disk at start (an earlier process's): the relay
+gets them first thing.
 """
 
 from __future__ import annotations
@@ -33,9 +46,11 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from kvflow.kv_manager.block_pool import BlockHash, BlockRemoved, BlockStored, KVEvent
+from kvflow.kv_manager.block_pool import BlockHash, BlockStored, KVEvent
 
-MEDIUM = "GPU"
+# kvflow's media (the pool's, then the KV tiers' store.medium) -> the wire's (see above).
+WIRE_MEDIUM = {"gpu": "GPU", "cpu": "CPU_TIER1", "disk": "CPU_TIER2"}
+POOL_WIRE_MEDIUM = WIRE_MEDIUM["gpu"]
 MAX_HELD_BATCHES = 10_000  # steps' events held while no relay has subscribed
 log = logging.getLogger("kvflow.dynamo")
 
@@ -45,34 +60,48 @@ def block_id(block_hash: BlockHash) -> int:
     return int.from_bytes(block_hash[:8], "little") >> 1
 
 
+def wire_medium(medium: str) -> str:
+    """The wire name of a kvflow medium; ValueError for one that has none."""
+    try:
+        return WIRE_MEDIUM[medium]
+    except KeyError:
+        raise ValueError(f"KV event medium {medium!r} has no Dynamo name; "
+                         f"known: {sorted(WIRE_MEDIUM)}") from None
+
+
 def encode_events(events: Sequence[KVEvent], block_size: int) -> list[list]:
-    """Wire events of kvflow's; consecutive stores of one chain go in one ``BlockStored``.
+    """Wire events of kvflow's. Per medium, consecutive stores of one chain go in one
+    ``BlockStored`` and consecutive removals in one ``BlockRemoved``; two media never share a
+    wire event. Each medium's events keep their order; the router's view of one medium is
+    independent of another's, so their interleaving is not kept.
 
     Salted blocks (a request's ``cache_salt`` went into their hash) are left out: the router
     would match them against unsalted requests, which can never hit them.
     """
     wire: list[list] = []
+    last: dict[str, list] = {}  # each medium's latest wire event
     for ev in events:
+        medium = wire_medium(ev.medium)
+        prev = last.get(medium)
         if isinstance(ev, BlockStored):
             if ev.salted:
                 continue
             h = block_id(ev.block_hash)
             parent = None if ev.parent_hash is None else block_id(ev.parent_hash)
-            last = wire[-1] if wire else None
-            if (last is not None and last[0] == "BlockStored" and last[1]
-                    and parent == last[1][-1] and last[5] == ev.lora_id):
-                last[1].append(h)
-                last[3].extend(ev.token_ids)
-            else:
-                wire.append(["BlockStored", [h], parent, list(ev.token_ids), block_size,
-                             ev.lora_id, MEDIUM])
-        elif isinstance(ev, BlockRemoved):
+            if (prev is not None and prev[0] == "BlockStored" and parent == prev[1][-1]
+                    and prev[5] == ev.lora_id):
+                prev[1].append(h)
+                prev[3].extend(ev.token_ids)
+                continue
+            last[medium] = ["BlockStored", [h], parent, list(ev.token_ids), block_size,
+                            ev.lora_id, medium]
+        else:
             h = block_id(ev.block_hash)
-            last = wire[-1] if wire else None
-            if last is not None and last[0] == "BlockRemoved":
-                last[1].append(h)
-            else:
-                wire.append(["BlockRemoved", [h], MEDIUM])
+            if prev is not None and prev[0] == "BlockRemoved":
+                prev[1].append(h)
+                continue
+            last[medium] = ["BlockRemoved", [h], medium]
+        wire.append(last[medium])
     return wire
 
 
@@ -80,8 +109,9 @@ class ZmqEventPublisher:
     """Publishes kvflow KV events on an XPUB socket bound to a loopback port, from a thread of
     its own: :meth:`put` is all the engine loop does (no socket call on its thread).
 
-    ``stored_hashes`` is the set of blocks the router was told are stored, so that a removal of
-    a block it never saw (a salted one) is not sent.
+    It keeps the (medium, block) pairs the router was told are stored, so that a removal of a
+    block it never saw in that medium (a salted one, one an earlier process held) is not sent.
+    Any thread may :meth:`put` (the engine loop, the KV tiers' stores).
     """
 
     def __init__(self, block_size: int, host: str = "127.0.0.1", topic: str = "") -> None:
@@ -97,13 +127,13 @@ class ZmqEventPublisher:
         self._seq = 0
         self._subscribed = False
         self._held: list[list[KVEvent]] = []
-        self._stored: set[int] = set()
+        self._stored: set[tuple[str, int]] = set()
         self._encoder = msgspec.msgpack.Encoder()
         self._thread = threading.Thread(target=self._run, name="kvflow-kv-events", daemon=True)
         self._thread.start()
 
     def put(self, events: list[KVEvent]) -> None:
-        """Hand over events (from the engine loop's thread)."""
+        """Hand over events (from any thread; one call's events are published together)."""
         if events:
             self._queue.put(events)
 
@@ -124,15 +154,18 @@ class ZmqEventPublisher:
     def _publish(self, events: list[KVEvent]) -> None:
         wire = []
         for ev in encode_events(events, self.block_size):
+            medium = ev[-1]
             if ev[0] == "BlockStored":
-                if ev[2] is not None and ev[2] not in self._stored:
+                if (medium == POOL_WIRE_MEDIUM and ev[2] is not None
+                        and (medium, ev[2]) not in self._stored):
                     # Its parent was evicted (a duplicate block kept the prefix computed):
-                    # the router would refuse a child of a block it no longer has.
+                    # the router's pool tree would refuse a child of a block it no longer
+                    # has. A lower tier's index takes a block whatever holds its parent.
                     continue
-                self._stored.update(ev[1])
+                self._stored.update((medium, h) for h in ev[1])
             elif ev[0] == "BlockRemoved":
-                ev[1] = [h for h in ev[1] if h in self._stored]
-                self._stored.difference_update(ev[1])
+                ev[1] = [h for h in ev[1] if (medium, h) in self._stored]
+                self._stored.difference_update((medium, h) for h in ev[1])
                 if not ev[1]:
                     continue
             wire.append(ev)

@@ -62,13 +62,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 @dataclass
 class Cluster:
     """etcd, NATS, ``workers`` kvflow workers and one frontend per entry of ``frontends``
-    (router mode -> HTTP port, 0 for a free one) serving ``engine`` under ``model_name``."""
+    (router mode -> HTTP port, 0 for a free one) serving ``engine`` under ``model_name``.
+    ``worker_args`` go to every worker, ``worker_extra_args[i]`` to worker ``i`` only (a disk
+    KV tier's folder is one worker's)."""
 
     engine: str
     workers: int = 2
     frontends: dict[str, int] = field(default_factory=lambda: {"kv": 0})
     model_name: str | None = None
     worker_args: list[str] = field(default_factory=list)
+    worker_extra_args: dict[int, list[str]] = field(default_factory=dict)
     frontend_args: list[str] = field(default_factory=list)
     root: Path | None = None
     namespace: str = "kvflow"
@@ -157,7 +160,8 @@ class Cluster:
         system = low_free_port()  # Dynamo reads DYN_SYSTEM_PORT as an i16
         cmd = [sys.executable, "-m", "kvflow.cli", "dynamo-worker", "--engine", self.engine,
                "--model-name", str(self.model_name), "--namespace", self.namespace,
-               "--discovery-backend", "etcd", "--event-plane", "nats", *self.worker_args]
+               "--discovery-backend", "etcd", "--event-plane", "nats", *self.worker_args,
+               *self.worker_extra_args.get(i, ())]
         proc = self._spawn(f"worker-{i}", cmd, system,
                            env={"DYN_SYSTEM_PORT": str(system),
                                 # Cluster.stop stops the frontends with the workers: Dynamo's

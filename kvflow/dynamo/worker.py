@@ -14,7 +14,9 @@ What the worker gives Dynamo:
   ``python -m dynamo.frontend`` tokenizes, applies the chat template and serves the OpenAI API.
 - **KV events** from kvflow's prefix cache (:mod:`kvflow.dynamo.events`): ``BlockStored`` and
   ``BlockRemoved`` as blocks enter and leave the cache, ``AllBlocksCleared`` first; a block
-  computed under a LoRA adapter carries its ``lora_id``.
+  computed under a LoRA adapter carries its ``lora_id``, and each event its ``medium``: the
+  pool, or the host or disk tier (``--kv-offload-bytes``, ``--kv-disk-dir``), whose blocks a
+  restarted worker announces at start.
 - **LoRA adapters** (``--lora-modules NAME=PATH``): a request selects one by ``lora_name`` (or
   a ``model`` that names it: :func:`~kvflow.dynamo.protocol.lora_name_of`).
 - **Its load**: after every step a snapshot of KV blocks used, total and the prefix-cache hit
@@ -191,6 +193,10 @@ class KvflowDynamoEngine(DynamoLLMEngine):
         if self.args.kv_events and engine.options.enable_prefix_caching:
             engine.kv.pool.record_events()
             self.events = ZmqEventPublisher(engine.kv.block_size)
+            # The KV tiers publish straight from their stores (whichever thread stores); a
+            # disk tier first announces the blocks an earlier process left (its headers read).
+            for store in engine.kv.tiers.stores if engine.kv.tiers is not None else ():
+                await asyncio.to_thread(store.record_events, self.events.put)
         self.aengine = AsyncLLMEngine(engine, step_hook=self._on_step,
                                       on_failure=self._on_engine_failure)
         opts = engine.options

@@ -11,7 +11,11 @@ front. A block with references is never on the free queue, so it is never evicte
 KV events: with ``events`` set to a list (``BlockPool.record_events()``), the pool appends a
 :class:`BlockStored` each time a block's content enters the cache and a :class:`BlockRemoved`
 each time one is evicted, for a distributed router (kvflow's Dynamo worker) to mirror the cache.
-Whoever reads them takes them with ``take_events``.
+Whoever reads them takes them with ``take_events``. Each event names its ``medium``: the pool's
+is ``"gpu"`` (whatever the device); the KV tiers below it (:mod:`kvflow.kv_manager.tier_store`)
+emit theirs, ``"cpu"`` and ``"disk"``, for the blocks they keep. While events are recorded the
+pool also keeps each cached block's :class:`BlockStored` (``stored``) and hands it to
+``on_evict_block``, so that a tier can announce the block with the same parent and tokens.
 """
 
 from __future__ import annotations
@@ -28,26 +32,30 @@ class NoFreeBlocksError(RuntimeError):
 
 
 BlockHash = bytes
+POOL_MEDIUM = "gpu"  # the KV pool's medium in events; the tiers' are their stores' ``medium``
 
 
 @dataclass(frozen=True)
 class BlockStored:
-    """A full block's content entered the prefix cache: its hash, its parent's (None for a
-    sequence's first block), its token ids, whether a cache salt went into its hash, and the
-    LoRA adapter it was computed under (its ``lora_id``; None: the base model)."""
+    """A full block's content entered a cache: its hash, its parent's (None for a sequence's
+    first block), its token ids, whether a cache salt went into its hash, the LoRA adapter it
+    was computed under (its ``lora_id``; None: the base model), and the ``medium`` that holds
+    it (the pool, or a KV tier)."""
 
     block_hash: BlockHash
     parent_hash: BlockHash | None
     token_ids: tuple[int, ...]
     salted: bool = False
     lora_id: int | None = None
+    medium: str = POOL_MEDIUM
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """A cached block was evicted: its content can no longer be hit."""
+    """A block left a cache (evicted, dropped, found corrupt): ``medium`` can no longer hit it."""
 
     block_hash: BlockHash
+    medium: str = POOL_MEDIUM
 
 
 KVEvent = BlockStored | BlockRemoved
@@ -103,11 +111,14 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.num_evictions = 0
         self.events: list[KVEvent] | None = None  # None: not recorded
+        # While events are recorded: each cached block's BlockStored (a tier re-announces it).
+        self.stored: dict[BlockHash, BlockStored] = {}
         # Told each evicted hash (what is kept beside a cached block goes with it).
         self.on_evict: Callable[[BlockHash], None] | None = None
-        # Told each evicted (block, hash) before the block is handed out, its content still
-        # intact (the KV tiers copy it out).
-        self.on_evict_block: Callable[[int, BlockHash], None] | None = None
+        # Told each evicted (block, hash, its BlockStored while events are recorded, else
+        # None) before the block is handed out, its content still intact (the KV tiers copy
+        # it out).
+        self.on_evict_block: Callable[[int, BlockHash, BlockStored | None], None] | None = None
 
     def record_events(self) -> None:
         """Start recording :class:`BlockStored` / :class:`BlockRemoved` events."""
@@ -158,10 +169,11 @@ class BlockPool:
                 del self.cached[h]
                 self.block_hashes[b] = None
                 self.num_evictions += 1
+                meta = self.stored.pop(h, None)
                 if self.events is not None:
                     self.events.append(BlockRemoved(h))
                 if self.on_evict_block is not None:
-                    self.on_evict_block(b, h)
+                    self.on_evict_block(b, h, meta)
                 if self.on_evict is not None:
                     self.on_evict(h)
             self.ref_counts[b] = 1
@@ -205,8 +217,9 @@ class BlockPool:
         self.cached[block_hash] = block
         self.block_hashes[block] = block_hash
         if self.events is not None:
-            self.events.append(BlockStored(block_hash, parent, tuple(token_ids), salted,
-                                           lora_id))
+            event = BlockStored(block_hash, parent, tuple(token_ids), salted, lora_id)
+            self.events.append(event)
+            self.stored[block_hash] = event
 
     def free_queue(self) -> list[int]:
         """The free blocks, next to be evicted first."""
@@ -228,3 +241,4 @@ class BlockPool:
                 assert self.cached.get(h) == b, f"block {b}'s hash is not indexed to it"
         for h, b in self.cached.items():
             assert self.block_hashes[b] == h, f"cache index points {h.hex()[:8]} at block {b}"
+        assert self.stored.keys() <= self.cached.keys(), "an evicted block's event is kept"

@@ -6,8 +6,13 @@ first byte (so no folder holds more than a 256th of the blocks). File names come
 block hash alone, never from client input. The directory and its folders are mode 0700, the
 files 0600: KV bytes reveal the prompts they came from.
 
-A file is a header (magic, format version, the lengths of the namespace, hash and payload, the
-payload's SHA-256), the namespace, the block hash, then the payload. It is written to a temp
+A file is a header (magic, format version, the lengths of the namespace, hash, metadata and
+payload, the SHA-256 of metadata and payload), the namespace, the block hash, the metadata, then
+the payload. The metadata is the block's KV event (:func:`encode_meta`: parent hash, token ids,
+salt flag, LoRA id), empty when the writer recorded no events; with it a restarted Dynamo worker
+announces what its disk tier holds (``record_events`` reads every header, not the payloads).
+Format 1 had no metadata: the version field sits where it always did, so an old file is
+dropped and counted (in ``stats.corrupt``) when read, never misread. It is written to a temp
 file and moved into place with ``os.replace``, so its name never points at a half-written
 block: a crash leaves at worst a temp file, removed on the next open. There is no fsync: after
 a power loss a file may hold anything, and the check on ``get`` catches it like any other
@@ -31,17 +36,68 @@ import os
 import stat
 import struct
 import time
+from array import array
 from pathlib import Path
+from typing import Any
 
+from kvflow.kv_manager.block_pool import BlockStored
 from kvflow.kv_manager.tier_store import MAX_HASH_BYTES, BlockStore, logger
 
 MAGIC = b"KVFTIER\x00"
-FORMAT_VERSION = 1
-# magic, format version, namespace length, hash length, payload length, SHA-256 of the payload
-HEADER = struct.Struct("<8sHHHQ32s")
+FORMAT_VERSION = 2
+# magic, format version, namespace length, hash length, metadata length, payload length,
+# SHA-256 of metadata and payload
+HEADER = struct.Struct("<8sHHHIQ32s")
+# The metadata's head: flags (1: has a parent, 2: salted, 4: has a LoRA id), parent hash
+# length, LoRA id, token count; then the parent hash and the token ids (int64 each).
+META = struct.Struct("<BBqI")
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
 _temp_ids = itertools.count()
+
+
+class CorruptBlockFile(ValueError):
+    """A block file's bytes are not a block of this store (the message says what is wrong)."""
+
+
+def torn(head: bytes) -> CorruptBlockFile:
+    return CorruptBlockFile(f"{len(head)} bytes, shorter than its header (torn)")
+
+
+def encode_meta(meta: BlockStored | None) -> bytes:
+    """A block's KV event as the disk tier keeps it beside the payload (empty for None)."""
+    if meta is None:
+        return b""
+    parent = meta.parent_hash or b""
+    flags = ((meta.parent_hash is not None) | (meta.salted << 1)
+             | ((meta.lora_id is not None) << 2))
+    return (META.pack(flags, len(parent), meta.lora_id or 0, len(meta.token_ids)) + parent
+            + array("q", meta.token_ids).tobytes())
+
+
+def meta_size(meta: BlockStored | None) -> int:
+    """``len(encode_meta(meta))`` without encoding it."""
+    if meta is None:
+        return 0
+    return META.size + len(meta.parent_hash or b"") + 8 * len(meta.token_ids)
+
+
+def decode_meta(data: bytes, block_hash: bytes, medium: str) -> BlockStored:
+    """The BlockStored (of ``medium``) that :func:`encode_meta` wrote for ``block_hash``;
+    CorruptBlockFile when ``data`` is not such an encoding."""
+    if len(data) < META.size:
+        raise CorruptBlockFile(f"metadata of {len(data)} bytes, shorter than its head")
+    flags, parent_len, lora_id, num_tokens = META.unpack_from(data)
+    if flags & ~7 or (not flags & 1 and parent_len):
+        raise CorruptBlockFile(f"metadata flags {flags:#x} with a parent of {parent_len} bytes")
+    if len(data) != META.size + parent_len + 8 * num_tokens:
+        raise CorruptBlockFile(f"metadata of {len(data)} bytes, its head says "
+                               f"{META.size + parent_len + 8 * num_tokens}")
+    parent = data[META.size:META.size + parent_len] if flags & 1 else None
+    tokens = array("q")
+    tokens.frombytes(data[META.size + parent_len:])
+    return BlockStored(block_hash, parent, tuple(tokens), bool(flags & 2),
+                       lora_id if flags & 4 else None, medium)
 
 
 def ensure_private_dir(path: Path, field: str) -> None:
@@ -95,6 +151,9 @@ class DiskBlockStore(BlockStore):
     def block_bytes(self, block_hash: bytes, payload_bytes: int) -> int:
         return HEADER.size + len(self.namespace) + len(block_hash) + payload_bytes
 
+    def _meta_bytes(self, meta: BlockStored | None) -> int:
+        return meta_size(meta)
+
     def _scan(self) -> None:
         found: list[tuple[int, str, bytes, int]] = []
         for sub in os.scandir(self.folder):
@@ -139,12 +198,14 @@ class DiskBlockStore(BlockStore):
         self._last_mtime_ns = max(time.time_ns(), self._last_mtime_ns + 1)
         return self._last_mtime_ns
 
-    def _header(self, block_hash: bytes, payload: memoryview) -> bytes:
-        digest = hashlib.sha256(payload).digest()
+    def _header(self, block_hash: bytes, meta: bytes, payload: memoryview) -> bytes:
+        digest = hashlib.sha256(meta)
+        digest.update(payload)
         return (HEADER.pack(MAGIC, FORMAT_VERSION, len(self.namespace), len(block_hash),
-                            payload.nbytes, digest) + self.namespace + block_hash)
+                            len(meta), payload.nbytes, digest.digest())
+                + self.namespace + block_hash + meta)
 
-    def _write(self, block_hash: bytes, payload: memoryview) -> None:
+    def _write(self, block_hash: bytes, payload: memoryview, meta: BlockStored | None) -> None:
         path = self.path(block_hash)
         subdir = path.parent.name
         if subdir not in self._subdirs:
@@ -153,7 +214,7 @@ class DiskBlockStore(BlockStore):
                 os.mkdir(path.parent, 0o700)
             os.chmod(path.parent, 0o700)
             self._subdirs.add(subdir)
-        header = self._header(block_hash, payload)
+        header = self._header(block_hash, encode_meta(meta), payload)
         temp = path.with_name(f".{path.stem}.{os.getpid()}.{next(_temp_ids)}{TEMP_SUFFIX}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -170,44 +231,93 @@ class DiskBlockStore(BlockStore):
 
     def _read(self, block_hash: bytes) -> bytes | None:
         path = self.path(block_hash)
-        head_bytes = HEADER.size + len(self.namespace) + len(block_hash)
         try:
             with open(path, "rb") as f:
-                head = f.read(head_bytes)
+                meta_len, payload_len, digest = self._read_head(block_hash, f)
+                meta = f.read(meta_len)
                 payload = f.read()
-                problem = self._check(block_hash, head, payload)
-                if problem is None:
-                    mtime_ns = self._next_mtime_ns()
-                    os.utime(f.fileno(), ns=(mtime_ns, mtime_ns))
-                    return payload
+                if len(meta) + len(payload) != meta_len + payload_len:
+                    raise CorruptBlockFile(f"{len(meta) + len(payload)} bytes after the "
+                                           f"header, it says {meta_len + payload_len} (torn)")
+                check = hashlib.sha256(meta)
+                check.update(payload)
+                if check.digest() != digest:
+                    raise CorruptBlockFile("metadata and payload fail their SHA-256")
+                mtime_ns = self._next_mtime_ns()
+                os.utime(f.fileno(), ns=(mtime_ns, mtime_ns))
+                return payload
         except FileNotFoundError:
             logger.warning("kv disk tier: block file %s is gone", path)
             return None
+        except CorruptBlockFile as e:
+            problem = str(e)
         except OSError as e:
             problem = f"unreadable ({e.strerror})"
-        self.stats.corrupt += 1
-        logger.warning("kv disk tier: dropped corrupt block file %s: %s", path, problem)
+        self._count_corrupt(path, problem)
         return None
 
-    def _check(self, block_hash: bytes, head: bytes, payload: bytes) -> str | None:
-        """What is wrong with a block file's bytes, or None when it holds ``block_hash``."""
-        if len(head) < HEADER.size + len(self.namespace) + len(block_hash):
-            return f"{len(head)} bytes, shorter than its header (torn)"
-        magic, version, ns_len, hash_len, payload_len, digest = HEADER.unpack_from(head)
+    def _count_corrupt(self, path: Path, problem: str) -> None:
+        self.stats.corrupt += 1
+        logger.warning("kv disk tier: dropped corrupt block file %s: %s", path, problem)
+
+    def _read_head(self, block_hash: bytes, f: Any) -> tuple[int, int, bytes]:
+        """Read a block file's header from ``f``: its metadata and payload lengths and its
+        digest; CorruptBlockFile unless it is this store's header for ``block_hash``."""
+        head = f.read(HEADER.size + len(self.namespace) + len(block_hash))
+        if len(head) < HEADER.size:
+            raise torn(head)
+        magic, version, ns_len, hash_len, meta_len, payload_len, digest = \
+            HEADER.unpack_from(head)
         if magic != MAGIC:
-            return "not a kvflow block file (magic)"
+            raise CorruptBlockFile("not a kvflow block file (magic)")
         if version != FORMAT_VERSION:
-            return f"format version {version}, this kvflow reads {FORMAT_VERSION}"
+            # NOTE: before the length check: a format 1 header is shorter.
+            raise CorruptBlockFile(f"format version {version}, this kvflow reads "
+                                   f"{FORMAT_VERSION}")
+        if len(head) < HEADER.size + len(self.namespace) + len(block_hash):
+            raise torn(head)
         ns = head[HEADER.size:HEADER.size + ns_len]
         if ns_len != len(self.namespace) or ns != self.namespace:
-            return "another namespace's block"
+            raise CorruptBlockFile("another namespace's block")
         if hash_len != len(block_hash) or head[HEADER.size + ns_len:] != block_hash:
-            return "another block's hash"
-        if len(payload) != payload_len:
-            return f"payload of {len(payload)} bytes, the header says {payload_len} (torn)"
-        if hashlib.sha256(payload).digest() != digest:
-            return "payload fails its SHA-256"
-        return None
+            raise CorruptBlockFile("another block's hash")
+        return meta_len, payload_len, digest
+
+    def _read_meta(self, block_hash: bytes) -> BlockStored | None:
+        """The metadata in ``block_hash``'s file (its header and metadata only: the payload's
+        check waits for a ``get``); None when written without. Raises CorruptBlockFile or
+        OSError."""
+        with open(self.path(block_hash), "rb") as f:
+            meta_len, _, _ = self._read_head(block_hash, f)
+            data = f.read(meta_len)
+        if len(data) != meta_len:
+            raise CorruptBlockFile(f"metadata of {len(data)} bytes, the header says "
+                                   f"{meta_len} (torn)")
+        return decode_meta(data, block_hash, self.medium) if meta_len else None
+
+    def _meta(self, block_hash: bytes) -> BlockStored | None:
+        try:
+            return self._read_meta(block_hash)
+        except (OSError, CorruptBlockFile):
+            return None  # the next get drops and counts it
+
+    def _announce(self, dropped: list[bytes]) -> list[BlockStored]:
+        held = []
+        for block_hash in list(self._index):
+            try:
+                meta = self._read_meta(block_hash)
+            except FileNotFoundError:
+                logger.warning("kv disk tier: block file %s is gone", self.path(block_hash))
+            except (OSError, CorruptBlockFile) as e:
+                problem = e.strerror if isinstance(e, OSError) else str(e)
+                self._count_corrupt(self.path(block_hash), problem or repr(e))
+            else:
+                if meta is not None:
+                    held.append(meta)
+                continue
+            self._forget(block_hash)
+            dropped.append(block_hash)
+        return held
 
     def _delete(self, block_hash: bytes) -> None:
         remove(self.path(block_hash))

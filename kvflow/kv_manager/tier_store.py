@@ -14,6 +14,14 @@ Each store is least-recently-used by bytes: a ``put`` evicts the oldest blocks u
 one fits, and a ``get`` hit makes a block the newest. :func:`tier_namespace` names everything
 that makes KV bytes differ beyond the block hash (model, engine build, KV dtype, layout), so a
 disk tier written by another build is never even looked at.
+
+KV events: once a store ``record_events(sink)``, it hands ``sink`` a
+:class:`~kvflow.kv_manager.block_pool.BlockStored` of its ``medium`` for each block it stores
+with its metadata (the pool's event of the block: parent hash, token ids, salt, LoRA id; the
+pool keeps it while events are recorded) and a ``BlockRemoved`` for each block it drops, for a
+router to know which worker's tiers hold a prefix (kvflow's Dynamo worker). The sink is called
+with the store's lock held, so its events are in the order of the store's operations whatever
+threads call them: it must be quick and thread-safe and never call the store.
 """
 
 from __future__ import annotations
@@ -26,12 +34,16 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-# Dynamo's KV event medium names for our secondary tiers ("gpu" is the pool itself).
+from kvflow.kv_manager.block_pool import BlockRemoved, BlockStored, KVEvent
+
+# kvflow's media of the secondary tiers ("gpu" is the pool itself), in metrics and KV events;
+# on Dynamo's wire they are vLLM's names (kvflow.dynamo.events.WIRE_MEDIUM).
 TIER_MEDIA = ("cpu", "disk")
 # A block hash is hash_block's SHA-256 digest; the bound keeps a hash's file name short.
 MAX_HASH_BYTES = 64
+EventSink = Callable[[list[KVEvent]], None]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +117,7 @@ class BlockStore(ABC):
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
         self.on_evict: Callable[[bytes], None] | None = None
+        self.events: EventSink | None = None  # where KV events go (record_events)
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
@@ -115,7 +128,22 @@ class BlockStore(ABC):
         """The bytes a block with a payload of ``payload_bytes`` takes from the budget."""
 
     @abstractmethod
-    def _write(self, block_hash: bytes, payload: memoryview) -> None: ...
+    def _write(self, block_hash: bytes, payload: memoryview, meta: BlockStored | None) -> None:
+        """Keep ``payload`` and, when given, the block's event metadata beside it."""
+
+    def _meta_bytes(self, meta: BlockStored | None) -> int:
+        """The bytes ``meta`` adds to a block's share of the budget (beyond block_bytes)."""
+        return 0
+
+    @abstractmethod
+    def _meta(self, block_hash: bytes) -> BlockStored | None:
+        """The metadata kept with a held block (None: stored without)."""
+
+    @abstractmethod
+    def _announce(self, dropped: list[bytes]) -> list[BlockStored]:
+        """A BlockStored of this medium for each held block that has metadata, least
+        recently used first (what ``record_events`` tells a new sink); a block found
+        corrupt on the way is dropped (and added to ``dropped``)."""
 
     @abstractmethod
     def _read(self, block_hash: bytes) -> bytes | None:
@@ -137,27 +165,58 @@ class BlockStore(ABC):
             self._check_open()
             return block_hash in self._index
 
-    def put(self, block_hash: bytes, payload: bytes | memoryview) -> bool:
+    def record_events(self, sink: EventSink) -> None:
+        """Send KV events to ``sink`` from now on, first a BlockStored for each block held
+        with metadata (a disk tier's from an earlier process: their headers are read)."""
+        dropped: list[bytes] = []
+        with self._lock:
+            self._check_open()
+            self.events = sink
+            held: list[KVEvent] = list(self._announce(dropped))
+            if held:
+                sink(held)
+        self._notify(dropped)
+
+    def meta(self, block_hash: bytes) -> BlockStored | None:
+        """The event metadata stored with ``block_hash`` (None: not held, or held without)."""
+        with self._lock:
+            self._check_open()
+            return self._meta(block_hash) if block_hash in self._index else None
+
+    def put(self, block_hash: bytes, payload: bytes | memoryview,
+            meta: BlockStored | None = None) -> bool:
         """Store ``payload`` under ``block_hash``, evicting the least recently used blocks to
-        make room. False when it was not stored: larger than the whole budget alone, or the
-        medium refused the write (a full disk: logged). A hash already held is only made the
-        newest: the same hash is the same content."""
+        make room. ``meta``: the block's event in the pool (kept beside it for the tier's own
+        BlockStored). False when it was not stored: larger than the whole budget alone, or
+        the medium refused the write (a full disk: logged). A hash already held is only made
+        the newest: the same hash is the same content."""
         check_block_hash(block_hash)
+        if meta is not None and meta.block_hash != block_hash:
+            raise ValueError(f"meta describes block {meta.block_hash.hex()[:16]}, "
+                             f"not block_hash {block_hash.hex()[:16]}")
         view = byte_view(payload)
         dropped: list[bytes] = []
         try:
             with self._lock:
-                return self._put(block_hash, view, dropped)
+                fresh, stored = block_hash not in self._index, False
+                try:
+                    stored = self._put(block_hash, view, meta, dropped)
+                finally:
+                    new = (replace(meta, medium=self.medium)
+                           if stored and fresh and meta is not None else None)
+                    self._emit(dropped, new)
+                return stored
         finally:
             self._notify(dropped)
 
-    def _put(self, block_hash: bytes, view: memoryview, dropped: list[bytes]) -> bool:
+    def _put(self, block_hash: bytes, view: memoryview, meta: BlockStored | None,
+             dropped: list[bytes]) -> bool:
         self._check_open()
         if block_hash in self._index:
             self._index.move_to_end(block_hash)
             self._touch(block_hash)
             return True
-        size = self.block_bytes(block_hash, view.nbytes)
+        size = self.block_bytes(block_hash, view.nbytes) + self._meta_bytes(meta)
         if size > self.capacity_bytes:
             return False
         # NOTE: eviction comes before the write, so the tier never holds more than its budget.
@@ -165,7 +224,7 @@ class BlockStore(ABC):
             dropped.append(self._drop_oldest())
         start = time.perf_counter()
         try:
-            self._write(block_hash, view)
+            self._write(block_hash, view, meta)
         except OSError as e:
             log_refused_write(self.medium, block_hash, e)
             return False
@@ -194,6 +253,7 @@ class BlockStore(ABC):
                     self.stats.misses += 1
                     self._forget(block_hash)
                     dropped.append(block_hash)
+                    self._emit(dropped)
                     return None
                 self.stats.hits += 1
                 self._index.move_to_end(block_hash)
@@ -208,6 +268,7 @@ class BlockStore(ABC):
             if block_hash not in self._index:
                 return
             self._forget(block_hash)
+            self._emit([block_hash])
         self._notify([block_hash])
 
     def hashes(self) -> list[bytes]:
@@ -239,6 +300,17 @@ class BlockStore(ABC):
         self.stats.evictions += 1
         return block_hash
 
+    def _emit(self, dropped: list[bytes], stored: BlockStored | None = None) -> None:
+        """Tell the sink (if any) of ``dropped`` blocks, then of a ``stored`` one. NOTE: called
+        with the lock held, so that events follow the order of the operations."""
+        if self.events is None:
+            return
+        events: list[KVEvent] = [BlockRemoved(h, self.medium) for h in dropped]
+        if stored is not None:
+            events.append(stored)
+        if events:
+            self.events(events)
+
     def _notify(self, dropped: list[bytes]) -> None:
         if self.on_evict is not None:
             for block_hash in dropped:
@@ -259,25 +331,37 @@ class HostBlockStore(BlockStore):
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes, "kv_offload_bytes")
         self._payloads: dict[bytes, bytes] = {}
+        self._metas: dict[bytes, BlockStored] = {}
 
     def block_bytes(self, block_hash: bytes, payload_bytes: int) -> int:
         return payload_bytes
 
-    def _write(self, block_hash: bytes, payload: memoryview) -> None:
+    def _write(self, block_hash: bytes, payload: memoryview, meta: BlockStored | None) -> None:
         # A copy: the caller's buffer (a staging area) is reused for the next block.
         self._payloads[block_hash] = payload.tobytes()
+        if meta is not None:
+            self._metas[block_hash] = meta
 
     def _read(self, block_hash: bytes) -> bytes | None:
         return self._payloads[block_hash]
 
+    def _meta(self, block_hash: bytes) -> BlockStored | None:
+        return self._metas.get(block_hash)
+
+    def _announce(self, dropped: list[bytes]) -> list[BlockStored]:
+        return [replace(self._metas[h], medium=self.medium) for h in self._index
+                if h in self._metas]
+
     def _delete(self, block_hash: bytes) -> None:
         del self._payloads[block_hash]
+        self._metas.pop(block_hash, None)
 
     def _touch(self, block_hash: bytes) -> None:
         pass  # the index's order is the whole LRU state
 
     def _close(self) -> None:
         self._payloads.clear()
+        self._metas.clear()
         self._index.clear()
         self.stats.bytes = self.stats.blocks = 0
 

@@ -33,7 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvflow.kv_manager.block_pool import BlockHash, BlockPool
+from kvflow.kv_manager.block_pool import BlockHash, BlockPool, BlockStored
 from kvflow.kv_manager.window import windowed_hit
 
 if TYPE_CHECKING:
@@ -110,10 +110,12 @@ class KVTiers:
         return any(s.contains(block_hash) for s in self.stores)
 
     # --- down: the pool evicts ----------------------------------------------------------------
-    def evicted(self, block: int, block_hash: BlockHash) -> None:
+    def evicted(self, block: int, block_hash: BlockHash,
+                meta: BlockStored | None = None) -> None:
         """The pool evicted cached ``block`` (its content still intact): copy it out now and
-        keep it in the top tier (unless a tier already holds it), on the writer thread. With
-        ``max_writing_bytes`` already in flight this waits for the writer first."""
+        keep it in the top tier (unless a tier already holds it), on the writer thread, with
+        ``meta`` (its event in the pool, while events are recorded) for the tier's own KV
+        event. With ``max_writing_bytes`` already in flight this waits for the writer first."""
         payload = self.pending.pop(block, None)
         if self.holds(block_hash):
             return
@@ -122,7 +124,7 @@ class KVTiers:
             payload = self.read_blocks([block])[0]
             self.read_s += self.clock() - t0
         if self.writer is None:
-            self._put(0, block_hash, payload, t0)
+            self._put(0, block_hash, payload, t0, meta)
             return
         size = len(payload)
         with self._cond:
@@ -134,15 +136,16 @@ class KVTiers:
                                     self._writing_bytes + size <= self.max_writing_bytes)
                 self.writer_wait_s += self.clock() - t1
             # Submitted under the lock: the write's end (which takes it) follows this record.
-            self.writer.submit(self._write, block_hash, payload)
+            self.writer.submit(self._write, block_hash, payload, meta)
             self._writing[block_hash] = (payload, 0)
             self._writing_bytes += size
             self._num_writes += 1
 
-    def _write(self, block_hash: BlockHash, payload: bytes) -> None:
+    def _write(self, block_hash: BlockHash, payload: bytes,
+               meta: BlockStored | None) -> None:
         """The writer thread's half of :meth:`evicted`."""
         try:
-            self._put(0, block_hash, payload, self.clock())
+            self._put(0, block_hash, payload, self.clock(), meta)
         except Exception:  # noqa: BLE001  (the block is only lost: log, never kill the writer)
             logger.exception("kv tiers: block %s not stored", block_hash.hex())
         finally:
@@ -152,7 +155,8 @@ class KVTiers:
                 self._num_writes -= 1
                 self._cond.notify_all()
 
-    def _put(self, level: int, block_hash: BlockHash, payload: bytes, t0: float) -> None:
+    def _put(self, level: int, block_hash: BlockHash, payload: bytes, t0: float,
+             meta: BlockStored | None = None) -> None:
         """Store in tier ``level``, first passing its least recently used blocks down to the
         next tier while it is full."""
         store = self.stores[level]
@@ -162,7 +166,7 @@ class KVTiers:
             size = store.block_bytes(block_hash, len(payload))
             while store.hashes() and store.stats.bytes + size > store.capacity_bytes:
                 self._demote(level, store.hashes()[0])
-        if store.put(block_hash, payload):
+        if store.put(block_hash, payload, meta):
             with self._cond:
                 c = self.counters[store.medium]
                 c.stored_blocks += 1
@@ -173,7 +177,7 @@ class KVTiers:
         """Move ``block_hash`` from tier ``level`` to the next one down; it stays visible
         (in flight) between the two."""
         store, lower = self.stores[level], self.stores[level + 1]
-        old = store.get(block_hash)
+        old, old_meta = store.get(block_hash), store.meta(block_hash)
         if old is None or lower.contains(block_hash):
             store.discard(block_hash)
             return
@@ -183,7 +187,7 @@ class KVTiers:
             self._writing[block_hash] = (old, level + 1)
         try:
             store.discard(block_hash)
-            self._put(level + 1, block_hash, old, self.clock())
+            self._put(level + 1, block_hash, old, self.clock(), old_meta)
         finally:
             with self._cond:
                 del self._writing[block_hash]
@@ -353,13 +357,13 @@ class KVTiers:
             chunk = cached[i:i + 256]
             for (block, h), payload in zip(chunk, self.read_blocks([b for b, _ in chunk]),
                                            strict=True):
-                written += bottom.put(h, self.pending.get(block, payload))
+                written += bottom.put(h, self.pending.get(block, payload), pool.stored.get(h))
         for upper in self.stores[:-1]:
             for h in upper.hashes():
                 if not bottom.contains(h):
                     payload_or_none = upper.get(h)
                     if payload_or_none is not None:
-                        written += bottom.put(h, payload_or_none)
+                        written += bottom.put(h, payload_or_none, upper.meta(h))
         return written
 
     def close(self) -> None:
