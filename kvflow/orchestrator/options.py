@@ -160,7 +160,8 @@ class EngineOptions:
     kv_cache_bytes: int | None = _option(None, "KV pool bytes, capped at what max_num_seqs "
                                                "full sequences use (default: from memory)")
     kv_cache_memory_fraction: float = _option(0.5, "KV pool at most this fraction of the host "
-                                                   "memory left after weights and swap")
+                                                   "memory left after weights, swap and the "
+                                                   "host KV tier")
     num_kv_blocks: int | None = _option(None, "KV pool blocks (overrides kv_cache_bytes)")
     swap_space_bytes: int = _option(256 << 20, "host swap pool for preemption by swap (0: none)")
     kv_offload_bytes: int = _option(0, "host KV tier: bytes keeping prefix-cache blocks the "
