@@ -195,15 +195,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("multi-turn chat")
     g.add_argument("--configs", default="off,host,disk",
                    help="tier configurations, in order: off, host, disk")
-    g.add_argument("--num-kv-blocks", type=int, default=128, help="the KV pool, in blocks")
+    g.add_argument("--num-kv-blocks", type=int, default=256, help="the KV pool, in blocks")
     g.add_argument("--working-set-ratio", type=float, default=10.0,
                    help="sessions are added until their working set is this many pools")
     g.add_argument("--turns", type=int, default=4)
     g.add_argument("--system-tokens", type=int, default=128)
-    g.add_argument("--length-scale", type=float, default=0.15,
+    g.add_argument("--length-scale", type=float, default=0.25,
                    help="the Azure trace's message and reply lengths times this")
-    g.add_argument("--max-message-tokens", type=int, default=256)
-    g.add_argument("--max-reply-tokens", type=int, default=48)
+    g.add_argument("--max-message-tokens", type=int, default=512)
+    g.add_argument("--max-reply-tokens", type=int, default=64)
     g.add_argument("--concurrency", type=int, default=2, help="closed-loop users")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--kv-offload-bytes", type=int, default=1 << 30, help="the host tier")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvflow import LLM
-from kvflow.bench.kv_tiers_report import restart_ratio, write_kv_tiers_report
+from kvflow.bench.kv_tiers_report import restart_ratio, same_work_line, write_kv_tiers_report
 from kvflow.bench.kv_tiers_sessions import (
     ChatSession,
     ChatWorkload,
@@ -132,6 +132,9 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     assert "| 0 | 3980 | 10.000 | 0.500 | 3968 | 0.050 | 350 | 360 |" in text
     assert restart_ratio(rounds) == pytest.approx(0.05)
     assert "Median restored / cold: 0.050" in text
+    assert "the same 400 prompt tokens and 16 output tokens" in text
+    assert same_work_line({**runs, "disk": {**runs["host"], "prompt_tokens": 390}}).startswith(
+        "The configurations served different token counts: off 400 prompt")
 
 
 def tiny_chat(num_sessions: int = 12) -> ChatWorkload:

@@ -19,16 +19,30 @@ def sessions_table(runs: dict[str, dict[str, Any]]) -> list[str]:
     """One row per configuration of the chat workload (``runs``: name -> the child's figures,
     :func:`~kvflow.bench.kv_tiers_sessions.summarize` plus ``peak_rss_bytes``)."""
     lines = ["| tiers | prefix hit rate | from the pool | from the host tier | from the disk tier "
-             "| TTFT p50 s | TTFT p99 s | output tok/s | span s | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT p50 s | TTFT p99 s | output tok/s | span s | peak RSS MB | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
+        load = "-" if "loadavg_1m" not in r else "{:.1f} -> {:.1f}".format(*r["loadavg_1m"])
         by_tier = [f"{r['hit_rate_tiers'][m]:.1%}" if m in r["hit_rate_tiers"] else "-"
                    for m, _ in MEDIA]
         lines.append(f"| {name} | {r['hit_rate']:.1%} | {r['hit_rate_pool']:.1%} | "
                      f"{' | '.join(by_tier)} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | "
                      f"{r['output_tok_s']:.1f} | {r['span_s']:.1f} | "
-                     f"{r['peak_rss_bytes'] / MB:.0f} |")
+                     f"{r['peak_rss_bytes'] / MB:.0f} | {load} |")
     return lines
+
+
+def same_work_line(runs: dict[str, dict[str, Any]]) -> str:
+    """Whether every configuration served the same prompt and output tokens (the replies are
+    the engine's, so a numerics difference could change the later prompts)."""
+    totals = {(r["prompt_tokens"], r["output_tokens"]) for r in runs.values()}
+    if len(totals) == 1:
+        prompt, output = totals.pop()
+        return (f"Every configuration served the same {prompt:,} prompt tokens and {output:,} "
+                "output tokens.")
+    return "The configurations served different token counts: " + "; ".join(
+        f"{name} {r['prompt_tokens']:,} prompt, {r['output_tokens']:,} output"
+        for name, r in runs.items()) + "."
 
 
 def restart_ratio(rounds: list[dict[str, Any]]) -> float:
@@ -64,6 +78,7 @@ def plot_ttft(runs: dict[str, dict[str, Any]], path: Path) -> str:
                       marker="o", label=name)
     cdf.set(xlabel="TTFT s", ylabel="fraction of turns", title="TTFT distribution")
     per_turn.set(xlabel="turn", ylabel="median TTFT s", title="TTFT by turn (prompt grows)")
+    per_turn.xaxis.get_major_locator().set_params(integer=True)
     for ax in (cdf, per_turn):
         ax.grid(alpha=0.3)
         ax.legend(title="tiers")
@@ -93,7 +108,10 @@ def report_lines(report: dict[str, Any], plot_name: str | None) -> list[str]:
             "a closed loop take turns round-robin, so every session returns after all the "
             "others have sent a turn. TTFT is the engine's, from a turn's arrival. Each "
             "configuration ran in its own process (its own peak RSS, sampled every 0.2 s).", "",
-            *sessions_table(runs), "",
+            *sessions_table(runs), "", same_work_line(runs),
+            "Hit rate: cached prompt tokens / prompt tokens; per tier: the blocks the tier "
+            "restored x the block size, the pool's the rest. Load avg: the machine's 1-minute "
+            "load average at the run's start and end (2 cores).", "",
             "Tiers: " + "; ".join(f"`{k}`: {v}" for k, v in cfg["tier_options"].items()) + ".",
             ""]
         if plot_name:
