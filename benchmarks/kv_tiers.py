@@ -238,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     report: dict[str, Any] = {
         "machine": cpu_isa(), "busy_note": BUSY_NOTE, "loadavg_start": os.getloadavg(),
-        "command": "python benchmarks/kv_tiers.py " + shlex.join(sys.argv[1:] if argv is None
-                                                               else argv),
+        "command": ("python benchmarks/kv_tiers.py " + shlex.join(
+            sys.argv[1:] if argv is None else argv)).strip(),
         "config": {"engine": Path(args.engine).name, "kv_cache_dtype": plan_engine(
             args.engine, num_kv_blocks=args.num_kv_blocks).kv_cache_dtype}}
     try:
