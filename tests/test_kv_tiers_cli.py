@@ -70,15 +70,21 @@ class Served:
         return self.proc.returncode
 
 
-def _complete(url: str) -> tuple[str, int]:
+def _complete(url: str) -> tuple[tuple[str, list[str]], int]:
+    """The greedy reply to PROMPT (its text and its tokens: a tiny random model's bytes may
+    decode to no text) and the prompt tokens the server reports cached."""
     from openai import OpenAI
 
     client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
-    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=6,
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, logprobs=1,
                                       temperature=0.0, extra_body={"ignore_eos": True})
     assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
-    return reply.choices[0].text, int(reply.usage.prompt_tokens_details.cached_tokens or 0)
+    choice = reply.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    tokens = list(choice.logprobs.tokens)
+    assert len(tokens) == reply.usage.completion_tokens == 6, tokens
+    return (choice.text, tokens), int(reply.usage.prompt_tokens_details.cached_tokens or 0)
 
 
 @needs_browser
@@ -90,8 +96,8 @@ def test_kvflow_serve_keeps_its_prefix_cache_on_disk_across_a_restart(tiny_engin
     disk = tmp_path / "kv"
     first = Served(engine, disk, tmp_path / "first.log")
     try:
-        text, cached = _complete(first.url)
-        assert cached == 0 and text
+        reply, cached = _complete(first.url)
+        assert cached == 0
         browser.get(first.url + "/")
         deadline = time.monotonic() + 60
         line = browser.find_element(By.ID, "tiers")
@@ -110,4 +116,4 @@ def test_kvflow_serve_keeps_its_prefix_cache_on_disk_across_a_restart(tiny_engin
         again, cached = _complete(second.url)
     finally:
         assert second.stop() == 0, second.log.read_text()[-3000:]
-    assert cached > 0 and again == text
+    assert cached > 0 and again == reply
