@@ -118,6 +118,28 @@ def assert_same_or_near_tie(ours: Sequence[int], ref: Sequence[int],
 DEADLINE_S = 300.0
 
 
+def drive_arrivals(engine, requests, max_steps: int = 4000) -> dict:  # type: ignore[no-untyped-def]
+    """Step ``engine`` over ``requests`` ((id, prompt, params, step to arrive at[, priority])),
+    each added at its step, until every one has finished; each request's final
+    ``RequestOutput``, or "rejected"."""
+    pending = sorted(requests, key=lambda r: r[3])
+    results: dict = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][3] <= step:
+            rid, prompt, params, _, *priority = pending.pop(0)
+            _, rejected = engine.add_request(prompt, params, request_id=rid,
+                                             priority=priority[0] if priority else 0)
+            if rejected is not None:
+                results[rid] = "rejected"
+        for o in engine.step():
+            if o.finished:
+                results[o.request_id] = o
+        step += 1
+        assert step < max_steps, "no progress"
+    return results
+
+
 def wait_for(predicate, timeout_s=DEADLINE_S, what="condition"):
     """Poll ``predicate`` until it returns something true, and return that."""
     deadline = time.monotonic() + timeout_s

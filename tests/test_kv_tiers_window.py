@@ -17,6 +17,7 @@ from kvflow import SamplingParams
 from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.sim.runner import SIM_EOS
+from tests.helpers import drive_arrivals
 from tests.test_kv_window_engine import BLOCK, WindowProvenanceRunner
 
 ROW = 2  # int64 values per slot: (prefix hash, token)
@@ -41,20 +42,10 @@ def run(requests, window, num_blocks, release=True, **options):  # type: ignore[
                               "max_model_len": 160, "debug_checks": True,
                               "enable_prefix_caching": True, "kv_watermark": 0.0, **options})
     engine = LLMEngine(runner, None, config, (SIM_EOS,), clock=runner.clock)
-    pending = sorted(requests, key=lambda r: r[3])
-    results, step = {}, 0
     try:
-        while pending or engine.has_unfinished_requests():
-            while pending and pending[0][3] <= step:
-                rid, prompt, params, _ = pending.pop(0)
-                _, rejected = engine.add_request(prompt, params, request_id=rid)
-                if rejected is not None:
-                    results[rid] = "rejected"
-            for o in engine.step():
-                if o.finished:
-                    results[o.request_id] = ([c.token_ids for c in o.outputs], o.cached_tokens)
-            step += 1
-            assert step < 4000, "no progress"
+        results = {rid: o if o == "rejected" else ([c.token_ids for c in o.outputs],
+                                                   o.cached_tokens)
+                   for rid, o in drive_arrivals(engine, requests).items()}
         engine.kv.check_integrity()
         tiers = engine.kv.tiers
         hits = {m: c.hits for m, c in tiers.counters.items()} if tiers is not None else {}

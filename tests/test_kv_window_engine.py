@@ -16,6 +16,7 @@ from kvflow.orchestrator.engine import LLMEngine
 from kvflow.orchestrator.options import EngineOptions
 from kvflow.sim.cost_model import FixedCostModel
 from kvflow.sim.runner import SIM_EOS, SIM_VOCAB, SimClock, SimRunner
+from tests.helpers import drive_arrivals
 
 _MOD = (1 << 61) - 1
 BLOCK = 4
@@ -110,19 +111,8 @@ def run(requests, window, num_blocks, num_host_blocks=8, release=True, **options
                               "max_model_len": 160, "debug_checks": True, **options})
     engine = LLMEngine(runner, None, config, (SIM_EOS,), clock=runner.clock)
     assert engine.kv.sliding_window == (window if release else None)
-    pending = sorted(requests, key=lambda r: r[3])
-    results, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][3] <= step:
-            rid, prompt, params, _ = pending.pop(0)
-            _, rejected = engine.add_request(prompt, params, request_id=rid)
-            if rejected is not None:
-                results[rid] = "rejected"
-        for o in engine.step():
-            if o.finished:
-                results[o.request_id] = [c.token_ids for c in o.outputs]
-        step += 1
-        assert step < 4000, "no progress"
+    results = {rid: o if o == "rejected" else [c.token_ids for c in o.outputs]
+               for rid, o in drive_arrivals(engine, requests).items()}
     assert engine.kv.pool.num_used_blocks == 0
     return results, runner
 

@@ -15,6 +15,7 @@ from kvflow.orchestrator.options import EngineOptions
 from kvflow.orchestrator.request import RequestStatus
 from kvflow.sim.cost_model import FixedCostModel
 from kvflow.sim.runner import SIM_EOS, SIM_VOCAB, SimClock, SimRunner, sim_engine_config
+from tests.helpers import drive_arrivals
 
 # --- the KV manager: fork and copy on write ---------------------------------------------------
 
@@ -303,20 +304,8 @@ def run_workload(requests, num_blocks, num_host_blocks=32, **options):  # type: 
     config = EngineOptions(**{"max_num_seqs": 8, "max_num_batched_tokens": 32,
                               "max_model_len": 128, "debug_checks": True, **options})
     engine = LLMEngine(runner, None, config, (SIM_EOS,), clock=runner.clock)
-    pending = sorted(requests, key=lambda r: r[3])
-    results, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][3] <= step:
-            rid, prompt, params, _, *priority = pending.pop(0)
-            _, rejected = engine.add_request(prompt, params, request_id=rid,
-                                             priority=priority[0] if priority else 0)
-            if rejected is not None:
-                results[rid] = "rejected"
-        for o in engine.step():
-            if o.finished:
-                results[o.request_id] = [c.token_ids for c in o.outputs]
-        step += 1
-        assert step < 3000, "no progress"
+    results = {rid: o if o == "rejected" else [c.token_ids for c in o.outputs]
+               for rid, o in drive_arrivals(engine, requests, max_steps=3000).items()}
     assert engine.kv.pool.num_used_blocks == 0
     return results, engine.counters.preemptions
 
