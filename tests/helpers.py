@@ -140,6 +140,30 @@ def drive_arrivals(engine, requests, max_steps: int = 4000) -> dict:  # type: ig
     return results
 
 
+def received_events(pub, events: list, count: int) -> list:  # type: ignore[no-untyped-def]
+    """Subscribe to ``pub`` (a :class:`~kvflow.dynamo.events.ZmqEventPublisher`), put
+    ``events`` on it, and return the first ``count`` wire events a subscriber receives (those
+    held before it subscribed come first); then close the subscriber and ``pub``."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(pub.endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 10_000)
+        pub.put(events)
+        received: list = []
+        while len(received) < count:
+            received += msgspec.msgpack.decode(sub.recv_multipart()[2])[1]
+        return received
+    finally:
+        sub.close()
+        ctx.term()
+        pub.close()
+
+
 def wait_for(predicate, timeout_s=DEADLINE_S, what="condition"):
     """Poll ``predicate`` until it returns something true, and return that."""
     deadline = time.monotonic() + timeout_s

@@ -12,7 +12,6 @@ import struct
 import threading
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from kvflow.dynamo.events import ZmqEventPublisher, block_id, encode_events
@@ -28,6 +27,7 @@ from kvflow.kv_manager.tier_disk import (
 from kvflow.kv_manager.tier_store import HostBlockStore
 from kvflow.kv_manager.tiers import KVTiers
 from kvflow.runtime.kv_cache import HostKVPool
+from tests.helpers import received_events
 
 BLOCK = 2
 NS = b"test-namespace"
@@ -85,6 +85,15 @@ class Setup:
     def hash_of(self, name: str) -> bytes:
         return next(h for h, n in self.names.items() if n == name)
 
+    def restarted(self) -> tuple[DiskBlockStore, list[KVEvent]]:
+        """Close the tiers, open the disk tier's folder as the next process does, and take the
+        events it announces."""
+        self.tiers.close()
+        disk = DiskBlockStore(self.dir, self.disk.capacity_bytes, NS)
+        told: list[KVEvent] = []
+        disk.record_events(told.extend)
+        return disk, told
+
 
 def test_a_block_is_announced_in_each_medium_it_moves_through(tmp_path):
     s = Setup(tmp_path)
@@ -133,10 +142,7 @@ def test_a_block_is_announced_in_each_medium_it_moves_through(tmp_path):
 
     # Restarted: the disk tier announces the blocks it holds, least recently used first (b0
     # was read last), with the parents and tokens they had in the pool.
-    s.tiers.close()
-    disk = DiskBlockStore(s.dir, s.disk.capacity_bytes, NS)
-    told: list[KVEvent] = []
-    disk.record_events(told.extend)
+    disk, told = s.restarted()
     c0, c1, b0 = (s.hash_of(n) for n in ("c0", "c1", "b0"))
     assert told == [BlockStored(c1, c0, (11, 12), medium="disk"),
                     BlockStored(b0, None, (5, 6), medium="disk")]
@@ -156,10 +162,7 @@ def test_blocks_persisted_at_shutdown_keep_their_metadata_for_the_next_process(t
                           ("stored", "b1", "disk", "b0", (7, 8)),
                           ("removed", "a1", "disk"),  # the disk tier holds three blocks
                           ("stored", "a0", "disk", None, (1, 2))]
-    s.tiers.close()
-    disk = DiskBlockStore(s.dir, s.disk.capacity_bytes, NS)
-    told: list[KVEvent] = []
-    disk.record_events(told.extend)
+    disk, told = s.restarted()
     a0, b0, b1 = (s.hash_of(n) for n in ("a0", "b0", "b1"))
     assert told == [BlockStored(b0, None, (5, 6), medium="disk"),
                     BlockStored(b1, b0, (7, 8), medium="disk"),
@@ -174,11 +177,8 @@ def test_without_events_no_metadata_is_kept_and_the_tiers_say_nothing(tmp_path):
     assert s.kv.pool.events is None and s.kv.pool.stored == {}
     held = s.disk.hashes()
     assert held and all(s.disk.meta(h) is None for h in held)
-    s.tiers.close()
     # Such files announce nothing after a restart, and are kept (they still serve hits).
-    disk = DiskBlockStore(s.dir, s.disk.capacity_bytes, NS)
-    told: list[KVEvent] = []
-    disk.record_events(told.extend)
+    disk, told = s.restarted()
     assert told == [] and disk.hashes() == held and disk.stats.corrupt == 0
     disk.close()
 
@@ -287,31 +287,16 @@ def test_wire_events_batch_each_medium_on_its_own():
 
 
 def test_the_publisher_tracks_each_medium_apart():
-    import zmq
-
     pub = ZmqEventPublisher(block_size=BLOCK)
     a, b, evicted = bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    try:
-        sub.connect(pub.endpoint)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVTIMEO, 10_000)
-        pub.put([BlockStored(a, None, (1, 2)),
-                 BlockStored(b, evicted, (3, 4), medium="disk"),  # its parent is nowhere
-                 BlockRemoved(a, "cpu"),  # never stored on the host tier: not sent
-                 BlockRemoved(b, "disk"), BlockRemoved(a)])
-        events: list = []
-        while len(events) < 5:
-            events += msgspec.msgpack.decode(sub.recv_multipart()[2])[1]
-        assert events == [
-            ["AllBlocksCleared"],
-            ["BlockStored", [block_id(a)], None, [1, 2], BLOCK, None, "GPU"],
-            ["BlockStored", [block_id(b)], block_id(evicted), [3, 4], BLOCK, None,
-             "CPU_TIER2"],
-            ["BlockRemoved", [block_id(b)], "CPU_TIER2"],
-            ["BlockRemoved", [block_id(a)], "GPU"]]
-    finally:
-        sub.close()
-        ctx.term()
-        pub.close()
+    events = received_events(pub, [
+        BlockStored(a, None, (1, 2)),
+        BlockStored(b, evicted, (3, 4), medium="disk"),  # its parent is nowhere
+        BlockRemoved(a, "cpu"),  # never stored on the host tier: not sent
+        BlockRemoved(b, "disk"), BlockRemoved(a)], 5)
+    assert events == [
+        ["AllBlocksCleared"],
+        ["BlockStored", [block_id(a)], None, [1, 2], BLOCK, None, "GPU"],
+        ["BlockStored", [block_id(b)], block_id(evicted), [3, 4], BLOCK, None, "CPU_TIER2"],
+        ["BlockRemoved", [block_id(b)], "CPU_TIER2"],
+        ["BlockRemoved", [block_id(a)], "GPU"]]
