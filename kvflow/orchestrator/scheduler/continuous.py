@@ -141,7 +141,7 @@ class ContinuousScheduler(Scheduler):
             if long and cap is not None and num_long >= cap:
                 skip.add(request)  # a shorter prompt may go first
                 continue
-            if self.kv.tiers is not None and self._prefix_loading(request):
+            if self._prefix_loading(request):
                 skip.add(request)  # its prefix loads from a tier off this thread: others go
                 continue
             num_new = self._try_admit(request, budget, out)
@@ -166,11 +166,16 @@ class ContinuousScheduler(Scheduler):
             num_long += long
         return admitted
 
+    def _from_tiers(self, request: Request) -> bool:
+        """Whether ``request``'s prefix may come from the KV tiers: tiers exist, and its KV is
+        neither transferred in nor swapped out."""
+        return (self.kv.tiers is not None and not request.num_transferred_tokens
+                and not self.kv.is_swapped(request.request_id))
+
     def _prefix_loading(self, request: Request) -> bool:
         """Whether ``request``'s prefix is still loading from the KV tiers (started here)."""
-        return (not request.num_transferred_tokens and not self.kv.is_swapped(request.request_id)
-                and self.kv.prefetch_prefix(request.request_id, request.token_ids,
-                                            request.cache_key))
+        return self._from_tiers(request) and self.kv.prefetch_prefix(
+            request.request_id, request.token_ids, request.cache_key)
 
     def _try_admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """Admit ``request`` if seats and KV allow; the tokens it runs (0: it does not fit)."""
@@ -285,8 +290,7 @@ class ContinuousScheduler(Scheduler):
         Returns 0, changing nothing, when the request does not fit this step.
         """
         rid = request.request_id
-        if self.kv.tiers is not None and not request.num_transferred_tokens \
-                and not self.kv.is_swapped(rid):
+        if self._from_tiers(request):
             # The prefix continues in the host / disk tiers: back into the pool first, as
             # cached blocks (written by the engine before the step), then hit like any other.
             self.kv.restore_prefix(rid, request.token_ids, request.cache_key,
