@@ -241,6 +241,17 @@ class ModelRunner(ABC):
         self.close()
 
 
+def check_payloads(block_ids: list[int], payloads: list[bytes], block_nbytes: int) -> None:
+    """Refuse :meth:`KVPool.write_blocks` payloads that do not match the blocks: one per
+    block, each ``block_nbytes`` long (a tier file of another layout, a torn copy)."""
+    if len(block_ids) != len(payloads):
+        raise ValueError(f"write_blocks: {len(block_ids)} blocks but {len(payloads)} payloads")
+    for b, payload in zip(block_ids, payloads, strict=True):
+        if len(payload) != block_nbytes:
+            raise ValueError(f"write_blocks: block {b}'s payload is {len(payload)} bytes, "
+                             f"the pool's blocks hold {block_nbytes}")
+
+
 class KVPool(Protocol):
     """What a runner's KV pool does besides holding the cache: block swaps, block copies,
     blocks' bytes in and out (the KV tiers) and release

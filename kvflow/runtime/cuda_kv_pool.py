@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvflow.plugins import kv_registry
-from kvflow.runtime.base import KV_CACHE_DTYPE_BYTES
+from kvflow.runtime.base import KV_CACHE_DTYPE_BYTES, check_payloads
 from kvflow.runtime.cuda_runtime import DeviceBuffer, PinnedBuffer, Stream, close_all
 
 
@@ -174,18 +174,13 @@ class CudaKVPool:
     def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
         """Write :meth:`read_blocks` payloads into ``block_ids`` (every layer, K and V),
         through pinned staging, queued on the steps' stream so the next step reads them."""
-        if len(block_ids) != len(payloads):
-            raise ValueError(f"write_blocks: {len(block_ids)} blocks but {len(payloads)} "
-                             "payloads")
+        # NOTE: the payload's size from ptrs (every layer's K and V), which outlives close():
+        # a closed pool is then refused as closed, by _tier_runs.
+        check_payloads(block_ids, payloads, self.ptrs.size * self.block_nbytes)
         if not block_ids:
             return
         runs = self._tier_runs(block_ids)
         buffers = [buf for pair in self.device for buf in pair]
-        size = len(buffers) * self.block_nbytes
-        for b, payload in zip(block_ids, payloads, strict=True):
-            if len(payload) != size:
-                raise ValueError(f"write_blocks: block {b}'s payload is {len(payload)} bytes, "
-                                 f"the pool's blocks hold {size}")
         n, bn = len(block_ids), self.block_nbytes
         staging = self._staging_for(len(buffers) * n * bn)
         per_buffer = staging.array[: len(buffers) * n * bn].reshape(len(buffers), n, bn)

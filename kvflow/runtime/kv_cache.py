@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvflow.plugins import kv_registry
-from kvflow.runtime.base import KV_CACHE_NUMPY_DTYPES
+from kvflow.runtime.base import KV_CACHE_NUMPY_DTYPES, check_payloads
 
 
 class HostKVPool:
@@ -74,14 +74,8 @@ class HostKVPool:
 
     def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
         """Write :meth:`read_blocks` payloads into ``block_ids`` (every layer, K and V)."""
-        if len(block_ids) != len(payloads):
-            raise ValueError(f"write_blocks: {len(block_ids)} blocks but {len(payloads)} "
-                             "payloads")
-        size = self.block_nbytes
+        check_payloads(block_ids, payloads, self.block_nbytes)
         for b, payload in zip(block_ids, payloads, strict=True):
-            if len(payload) != size:
-                raise ValueError(f"write_blocks: block {b}'s payload is {len(payload)} bytes, "
-                                 f"the pool's blocks hold {size}")
             per_layer = np.frombuffer(payload, dtype=self.k[0].dtype).reshape(
                 2 * len(self.k), *self.k[0].shape[1:])
             for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):

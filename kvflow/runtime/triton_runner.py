@@ -27,7 +27,7 @@ from kvflow.lora import LoraAdapter
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.lora_hooks import add_lora_hooks
 from kvflow.plugins import kv_registry
-from kvflow.runtime.base import PoolRunner, StepInput, engine_kv_cache_dtype
+from kvflow.runtime.base import PoolRunner, StepInput, check_payloads, engine_kv_cache_dtype
 from kvflow.runtime.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from kvflow.runtime.lora_pool import LoraPool, module_groups
 from kvflow.runtime.lora_runner import LoraSlots
@@ -134,16 +134,10 @@ class DeviceKVPool:
         """Write :meth:`read_blocks` payloads into ``block_ids`` (every layer, K and V): one
         copy to the device, then one indexed write per layer's K and V, queued on the steps'
         stream (so the next step reads them)."""
-        if len(block_ids) != len(payloads):
-            raise ValueError(f"write_blocks: {len(block_ids)} blocks but {len(payloads)} "
-                             "payloads")
+        size = self.block_nbytes
+        check_payloads(block_ids, payloads, size)
         if not block_ids:
             return
-        size = self.block_nbytes
-        for b, payload in zip(block_ids, payloads, strict=True):
-            if len(payload) != size:
-                raise ValueError(f"write_blocks: block {b}'s payload is {len(payload)} bytes, "
-                                 f"the pool's blocks hold {size}")
         idx = self._block_index(block_ids)
         device = self.k[0].device
         host = torch.empty((len(payloads), size), dtype=torch.uint8,
